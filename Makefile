@@ -1,0 +1,30 @@
+# Two set-up commands: `make demo` and `make test`. Both bootstrap .venv from nothing and are quick
+# when it is already there (the stamp file is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvresume-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all lint bench venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, and only when none is importable: the CPU build on this disk, never a multi-GB CUDA pull.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvresume demo

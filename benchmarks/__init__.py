@@ -1,0 +1,1 @@
+"""Reproducible measurements: each module prints a table and writes JSON with --json."""

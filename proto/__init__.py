@@ -1,0 +1,3 @@
+"""Versioned .proto files (package kvresume.v1). Generated stubs are build output, never committed."""
+
+__all__: list[str] = []
