@@ -1,0 +1,81 @@
+"""Lightning-indexer scores, sum_h w·relu(q·k), with optional visibility/candidate masks: `index_score`.
+
+`reference.py` is the ground truth (bitwise equal to the official reference on CPU); `triton.py` is the
+CUDA kernel (also runs under TRITON_INTERPRET=1), equal to it up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.index_score.reference import index_score_reference
+
+__all__ = ["index_score"]
+
+_BACKENDS = ("torch", "triton")
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    visible: torch.Tensor | None,
+    candidates: torch.Tensor | None,
+) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    b, t, h, d = q.shape
+    if k.dim() != 3 or k.size(0) != b or k.size(2) != d:
+        raise ValueError(f"k must be [B={b}, N, D={d}], got shape {tuple(k.shape)}")
+    if weights.shape != (b, t, h):
+        raise ValueError(f"weights must be [B={b}, T={t}, H={h}], got shape {tuple(weights.shape)}")
+    for name, x in (("q", q), ("k", k), ("weights", weights)):
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bf16, got {x.dtype}")
+    if visible is not None:
+        if visible.shape not in ((t,), (b, t)):
+            raise ValueError(f"visible must be [T={t}] or [B={b}, T={t}], got shape {tuple(visible.shape)}")
+        if visible.dtype.is_floating_point or visible.dtype == torch.bool:
+            raise ValueError(f"visible must be an integer tensor, got {visible.dtype}")
+    n = k.size(1)
+    if candidates is not None and (candidates.shape != (b, t, n) or candidates.dtype != torch.bool):
+        raise ValueError(
+            f"candidates must be bool [B={b}, T={t}, N={n}], got {candidates.dtype} {tuple(candidates.shape)}"
+        )
+
+
+def index_score(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    visible: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Indexer score of every key for every query row, -inf where masked.
+
+    Args:
+        q: [B, T, H, D] bf16 index queries (already RoPE'd and MXFP4 QDQ'd).
+        k: [B, N, D] bf16 index keys.
+        weights: [B, T, H] bf16 head weights, already scaled by D^-0.5 * H^-0.5.
+        visible: optional [T] or [B, T] int; key n is masked for row t when n >= visible[.., t]
+            (the causal rule: query at position i sees (i + 1) // ratio entries).
+        candidates: optional [B, T, N] bool pool from `candidate_blocks`; False is masked (Reindex layers).
+        backend: "torch" (reference, any device) or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    Returns:
+        [B, T, N] bf16 scores.
+
+    Raises:
+        ValueError: bad shapes or dtypes, or an unknown backend.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_inputs(q, k, weights, visible, candidates)
+    if backend == "torch":
+        return index_score_reference(q, k, weights, visible=visible, candidates=candidates)
+    # imported here so that importing kernels never imports triton (the interpreter flag must be set first)
+    from kernels.index_score.triton import index_score_triton
+
+    return index_score_triton(q, k, weights, visible=visible, candidates=candidates)

@@ -1,0 +1,71 @@
+"""Level 1 of the hierarchical indexer: the candidate pool of score blocks each query row may pick from.
+
+Knows nothing of layers: it turns one score row per query into a boolean mask over entries. Follows
+the official V4.1 `select_candidate_blocks` (tenstorrent/tt-metal `deepseek_v41/model.py`): block score
+= max over the block (the tail padded with -inf), the block holding the row's newest visible entry
+pinned to +inf, the top blocks kept unless they scored -inf, expanded back to entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.topk.selection import as_row_counts, check_tie_break, top_indices
+
+
+def block_scores(scores: torch.Tensor, visible: int | torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block max of the scores with the newest visible block pinned to +inf.
+
+    Args:
+        scores: [B, T, N] scores, -inf where the row cannot see.
+        visible: int, [T] or [B, T] entries visible per row; a row with 0 pins nothing.
+        block_size: entries per block (P).
+
+    Returns:
+        [B, T, ceil(N / P)] in scores' dtype.
+    """
+    counts = as_row_counts(visible, scores)
+    n = scores.size(-1)
+    padded = F.pad(scores, (0, -n % block_size), value=-torch.inf)
+    per_block = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)  # [B, T, nblocks]
+    newest = (counts - 1) // block_size
+    return per_block.masked_fill(torch.arange(per_block.size(-1), device=scores.device) == newest, torch.inf)
+
+
+def candidate_blocks(
+    scores: torch.Tensor,
+    visible: int | torch.Tensor,
+    block_size: int,
+    topk_blocks: int,
+    *,
+    tie_break: str = "reference",
+) -> torch.Tensor:
+    """Boolean candidate mask: entries inside the row's `topk_blocks` best blocks.
+
+    Args:
+        scores: [B, T, N] the candidate source's scores (bf16 in the model), -inf where invisible.
+        visible: int, [T] or [B, T] entries each row can see.
+        block_size: entries per block (P), >= 1.
+        topk_blocks: blocks kept per row (fewer if the row has fewer), >= 1.
+        tie_break: "reference" (torch CPU `topk`, sorted, as the official code) or "deterministic"
+            (higher block score, then lower block id).
+
+    Returns:
+        [B, T, N] bool; False outside the kept blocks and in every block that scored -inf.
+
+    Raises:
+        ValueError: scores not 3-D, non-positive block_size/topk_blocks, bad visible or tie_break.
+    """
+    check_tie_break(tie_break)
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, T, N], got shape {tuple(scores.shape)}")
+    if block_size < 1 or topk_blocks < 1:
+        raise ValueError(f"block_size and topk_blocks must be >= 1, got {block_size}, {topk_blocks}")
+    n = scores.size(-1)
+    per_block = block_scores(scores, visible, block_size)
+    kept = min(topk_blocks, per_block.size(-1))
+    picks = top_indices(per_block, kept, tie_break=tie_break, reference_sorted=True)
+    reachable = per_block.gather(-1, picks) > -torch.inf
+    keep = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, picks, reachable)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :n]
