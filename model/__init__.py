@@ -3,6 +3,15 @@
 Knows nothing of storage, SQL or gRPC; returns statistics instead of logging.
 """
 
+from model.config import LayerRole, LayerRow, ModelConfig
 from model.errors import ModelError
+from model.presets import PRESET_NAMES, load_preset
 
-__all__ = ["ModelError"]
+__all__ = [
+    "LayerRole",
+    "LayerRow",
+    "ModelConfig",
+    "ModelError",
+    "PRESET_NAMES",
+    "load_preset",
+]
