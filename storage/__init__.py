@@ -3,6 +3,35 @@
 Knows nothing of tensors (never imports torch); the cache format belongs to model/.
 """
 
-from storage.errors import StorageError
+from storage.audit_record import (
+    GENESIS_HASH,
+    AuditAction,
+    AuditEvent,
+    AuditRecord,
+    AuditSink,
+    VerifyResult,
+    canonical_json,
+    chain_hash,
+    seal,
+    verify_chain,
+)
+from storage.audit_rocks import RocksAuditSink
+from storage.errors import AuditRecordError, StorageError, StoreClosedError, StoreFormatError
 
-__all__ = ["StorageError"]
+__all__ = [
+    "GENESIS_HASH",
+    "AuditAction",
+    "AuditEvent",
+    "AuditRecord",
+    "AuditRecordError",
+    "AuditSink",
+    "RocksAuditSink",
+    "StorageError",
+    "StoreClosedError",
+    "StoreFormatError",
+    "VerifyResult",
+    "canonical_json",
+    "chain_hash",
+    "seal",
+    "verify_chain",
+]
