@@ -1,10 +1,86 @@
-"""`kvresume model ...`: byte accounting and conformance checks of the model package."""
+"""`kvresume model ...`: byte accounting and conformance checks of the model package.
+
+Sub-commands are registered by `_register_<name>(model_subparsers)` functions called from `register`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from fractions import Fraction
+
+from model import PRESET_NAMES, KVBytes, ModelConfig, kv_bytes, load_preset
+
+
+def _load_config(args: argparse.Namespace) -> tuple[str, ModelConfig]:
+    """The config named by --preset or --config, with a label for output. Raises ValueError / OSError."""
+    if args.config is not None:
+        return str(args.config), ModelConfig.from_json(args.config)
+    if args.preset is not None:
+        return args.preset, load_preset(args.preset)
+    raise ValueError(f"give --preset ({', '.join(PRESET_NAMES)}) or --config PATH")
+
+
+def _fmt(value: Fraction | int) -> str:
+    if isinstance(value, Fraction) and value.denominator != 1:
+        return f"{float(value):,.3f} ({value})"
+    return f"{int(value):,}"
+
+
+def _table(label: str, config: ModelConfig, b: KVBytes) -> str:
+    lines = [
+        f"KV bytes for {label}: {config.n_layers} backbone layers, ced_split={config.ced_split}, "
+        f"head_dim={config.head_dim}, index_head_dim={config.index_head_dim}, window={config.window_size}",
+        f"  main KV entry    {b.main_entry_bytes:>6} B  (FP4 E2M1 + E4M3 scale per 16)",
+        f"  index-K entry    {b.index_entry_bytes:>6} B  (FP4 E2M1 + E8M0 scale per 32)",
+        f"  window KV row    {b.window_entry_bytes:>6} B  (FP8 E4M3 + UE8M0 scale per 32)",
+        "",
+        f"  {'kv source':>9}  {'half':>4}  {'ratio':>5}  {'entry B':>7}  {'B/token':>12}",
+    ]
+    for s in b.sources:
+        lines.append(
+            f"  {s.layer:>9}  {s.half:>4}  {s.ratio:>5}  {s.entry_bytes:>7}  {_fmt(s.bytes_per_token):>12}"
+        )
+    lines += [
+        "",
+        f"  global KV per token        {_fmt(b.global_bytes_per_token)} B"
+        f"  (encoder {_fmt(b.encoder_global_bytes_per_token)}, "
+        f"decoder {_fmt(b.decoder_global_bytes_per_token)})",
+        f"  window KV per sequence     {_fmt(b.window_bytes_per_sequence)} B"
+        f"  (encoder {_fmt(b.encoder_window_bytes_per_sequence)}, "
+        f"decoder {_fmt(b.decoder_window_bytes_per_sequence)})",
+    ]
+    if b.draft_layer_count:
+        lines.append(
+            f"  draft-layer windows        {_fmt(b.draft_window_bytes_per_sequence)} B"
+            f"  ({b.draft_layer_count} DSpark/MTP layers, not counted above)"
+        )
+    unsupported = config.unsupported_features()
+    if unsupported:
+        lines.append(f"  note: not run by this project's model: {', '.join(unsupported)}")
+    return "\n".join(lines)
+
+
+def _run_bytes(args: argparse.Namespace) -> int:
+    label, config = _load_config(args)
+    breakdown = kv_bytes(config)
+    if args.json:
+        print(json.dumps({"config": label, **breakdown.to_dict()}, indent=2))
+    else:
+        print(_table(label, config, breakdown))
+    return 0
+
+
+def _register_bytes(model_subparsers: argparse._SubParsersAction) -> None:
+    parser = model_subparsers.add_parser("bytes", help="KV-cache bytes per token and per sequence")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"a shipped config: {', '.join(PRESET_NAMES)}")
+    source.add_argument("--config", help="path of an inference config.json")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=_run_bytes)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("model", help="model utilities (bytes, check)")
-    parser.add_subparsers(dest="model_command", required=True)
+    model_subparsers = parser.add_subparsers(dest="model_command", required=True)
+    _register_bytes(model_subparsers)
