@@ -1,0 +1,23 @@
+"""Repositories over the registry tables; each receives the caller's Session and never commits."""
+
+from orchestrator.db.repositories.mappers import MapperRegistration, MapperRepository
+from orchestrator.db.repositories.policies import EffectivePolicy, PolicyRepository
+from orchestrator.db.repositories.segments import DurableSegment, SegmentRepository, SegmentTotals
+from orchestrator.db.repositories.sessions import SessionRepository
+from orchestrator.db.repositories.tenants import TenantRepository
+from orchestrator.db.repositories.turns import TurnCounts, TurnRepository, TurnTimings
+
+__all__ = [
+    "DurableSegment",
+    "EffectivePolicy",
+    "MapperRegistration",
+    "MapperRepository",
+    "PolicyRepository",
+    "SegmentRepository",
+    "SegmentTotals",
+    "SessionRepository",
+    "TenantRepository",
+    "TurnCounts",
+    "TurnRepository",
+    "TurnTimings",
+]

@@ -1,0 +1,105 @@
+"""Retention and residency policies per tenant, with the rule that the ceiling wins over the floor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import Policy, utcnow
+
+__all__ = ["PolicyRepository", "EffectivePolicy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EffectivePolicy:
+    """The policy in force for a tenant: stored values, or the service defaults when none is stored.
+
+    `floor_s` never exceeds `ceiling_s` (ARCHITECTURE §4: when they conflict, the ceiling wins).
+    An empty `allowed_regions` means KV may be stored in any region.
+    """
+
+    tenant_id: str
+    floor_s: float
+    ceiling_s: float
+    allowed_regions: tuple[str, ...]
+    is_default: bool
+
+    def __post_init__(self) -> None:
+        if self.ceiling_s <= 0 or self.floor_s < 0:
+            raise ValueError(f"retention floor {self.floor_s} / ceiling {self.ceiling_s} out of range")
+        if self.floor_s > self.ceiling_s:
+            object.__setattr__(self, "floor_s", self.ceiling_s)
+
+    def may_store_in(self, region: str) -> bool:
+        return not self.allowed_regions or region in self.allowed_regions
+
+    def clip_retention(self, hint_s: float | None) -> float:
+        """A session's retention: the hint clipped into [floor, ceiling], or the ceiling without a hint."""
+        if hint_s is None:
+            return self.ceiling_s
+        return min(max(hint_s, self.floor_s), self.ceiling_s)
+
+
+class PolicyRepository:
+    def __init__(self, session: Session) -> None:
+        self._s = session
+
+    def get(self, tenant_id: str) -> Policy | None:
+        return self._s.get(Policy, tenant_id)
+
+    def effective(
+        self, tenant_id: str, *, default_floor_s: float, default_ceiling_s: float
+    ) -> EffectivePolicy:
+        row = self.get(tenant_id)
+        if row is None:
+            return EffectivePolicy(
+                tenant_id=tenant_id,
+                floor_s=default_floor_s,
+                ceiling_s=default_ceiling_s,
+                allowed_regions=(),
+                is_default=True,
+            )
+        return EffectivePolicy(
+            tenant_id=tenant_id,
+            floor_s=row.retention_floor_s,
+            ceiling_s=row.retention_ceiling_s,
+            allowed_regions=tuple(row.allowed_regions),
+            is_default=False,
+        )
+
+    def set(
+        self,
+        tenant_id: str,
+        *,
+        floor_s: float,
+        ceiling_s: float,
+        allowed_regions: Sequence[str],
+    ) -> Policy:
+        """Store the tenant's policy (the tenant row must exist).
+
+        Raises:
+            ValueError: a negative floor, a non-positive ceiling, or an empty region label.
+        """
+        if floor_s < 0 or ceiling_s <= 0:
+            raise ValueError(f"retention floor_s={floor_s} must be >= 0 and ceiling_s={ceiling_s} > 0")
+        if any(not r for r in allowed_regions):
+            raise ValueError(f"allowed_regions={list(allowed_regions)} contains an empty label")
+        row = self.get(tenant_id)
+        regions = sorted(set(allowed_regions))
+        if row is None:
+            row = Policy(
+                tenant_id=tenant_id,
+                retention_floor_s=floor_s,
+                retention_ceiling_s=ceiling_s,
+                allowed_regions=regions,
+            )
+            self._s.add(row)
+        else:
+            row.retention_floor_s = floor_s
+            row.retention_ceiling_s = ceiling_s
+            row.allowed_regions = regions
+            row.updated_at = utcnow()
+        self._s.flush()
+        return row

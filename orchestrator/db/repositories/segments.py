@@ -1,0 +1,168 @@
+"""Cache segments: which durably stored chunk holds which positions of which model, for which tenant.
+
+A segment row is added only after the store has reported the write durable, so SQL never points at a
+chunk that is not stored; purges return the store keys that no session needs any more, for the caller
+to delete from the store after the SQL transaction commits.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import delete, exists, func, select
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import CacheSegment, SessionSegment
+
+__all__ = ["SegmentRepository", "DurableSegment", "SegmentTotals"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DurableSegment:
+    """A chunk the store has written durably: key, positions [start_pos, end_pos), size and expiry."""
+
+    store_key: bytes
+    tenant_id: str
+    model: str
+    fingerprint: str
+    start_pos: int
+    end_pos: int
+    nbytes: int
+    expires_at: dt.datetime
+    node: str = ""
+    region: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.store_key:
+            raise ValueError("store_key must be non-empty")
+        if not 0 <= self.start_pos < self.end_pos:
+            raise ValueError(f"segment positions [{self.start_pos}, {self.end_pos}) are empty or negative")
+        if self.nbytes < 0:
+            raise ValueError(f"nbytes={self.nbytes} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentTotals:
+    segments: int
+    bytes: int
+    tokens: int
+
+
+class SegmentRepository:
+    def __init__(self, session: Session) -> None:
+        self._s = session
+
+    def link(self, session_id: str, segment: DurableSegment) -> CacheSegment:
+        """Record a durable chunk (once per store key) and link it to the session that needs it."""
+        row = self._s.scalars(
+            select(CacheSegment).where(CacheSegment.store_key == segment.store_key)
+        ).one_or_none()
+        if row is None:
+            row = CacheSegment(
+                store_key=segment.store_key,
+                tenant_id=segment.tenant_id,
+                model=segment.model,
+                fingerprint=segment.fingerprint,
+                start_pos=segment.start_pos,
+                end_pos=segment.end_pos,
+                nbytes=segment.nbytes,
+                node=segment.node,
+                region=segment.region,
+                expires_at=segment.expires_at,
+            )
+            self._s.add(row)
+            self._s.flush()
+        else:
+            if row.tenant_id != segment.tenant_id:
+                # Keys embed the tenant salt, so a collision across tenants means a broken key scheme.
+                raise ValueError(
+                    f"store key already owned by tenant {row.tenant_id!r}, not {segment.tenant_id!r}"
+                )
+            row.expires_at = max(row.expires_at, segment.expires_at)
+        linked = self._s.get(SessionSegment, (session_id, row.id))
+        if linked is None:
+            self._s.add(SessionSegment(session_id=session_id, segment_id=row.id))
+            self._s.flush()
+        return row
+
+    def for_session(self, session_id: str, *, model: str | None = None) -> list[CacheSegment]:
+        stmt = (
+            select(CacheSegment)
+            .join(SessionSegment, SessionSegment.segment_id == CacheSegment.id)
+            .where(SessionSegment.session_id == session_id)
+        )
+        if model is not None:
+            stmt = stmt.where(CacheSegment.model == model)
+        return list(self._s.scalars(stmt.order_by(CacheSegment.start_pos)))
+
+    def _drop_unlinked(self, candidate_ids: Iterable[int] | None = None) -> list[bytes]:
+        linked = exists().where(SessionSegment.segment_id == CacheSegment.id)
+        stmt = select(CacheSegment).where(~linked)
+        if candidate_ids is not None:
+            ids = list(candidate_ids)
+            if not ids:
+                return []
+            stmt = stmt.where(CacheSegment.id.in_(ids))
+        keys: list[bytes] = []
+        for row in self._s.scalars(stmt):
+            keys.append(row.store_key)
+            self._s.delete(row)
+        self._s.flush()
+        return keys
+
+    def unlink_session(self, session_id: str) -> list[bytes]:
+        """Drop the session's links; delete and return the keys of segments no other session needs."""
+        ids = list(
+            self._s.scalars(select(SessionSegment.segment_id).where(SessionSegment.session_id == session_id))
+        )
+        self._s.execute(delete(SessionSegment).where(SessionSegment.session_id == session_id))
+        return self._drop_unlinked(ids)
+
+    def purge_tenant(self, tenant_id: str) -> list[bytes]:
+        """Delete every segment row of the tenant and return their store keys."""
+        rows = list(self._s.scalars(select(CacheSegment).where(CacheSegment.tenant_id == tenant_id)))
+        return self._delete_rows(rows)
+
+    def purge_model(self, model: str, *, tenant_id: str | None = None) -> list[bytes]:
+        """Delete every segment row written by `model` (optionally of one tenant) and return the keys."""
+        stmt = select(CacheSegment).where(CacheSegment.model == model)
+        if tenant_id is not None:
+            stmt = stmt.where(CacheSegment.tenant_id == tenant_id)
+        return self._delete_rows(list(self._s.scalars(stmt)))
+
+    def expired(self, now: dt.datetime) -> list[bytes]:
+        """Delete segments past their expiry (the retention ceiling is hard) and return their keys."""
+        rows = list(self._s.scalars(select(CacheSegment).where(CacheSegment.expires_at <= now)))
+        return self._delete_rows(rows)
+
+    def delete_keys(self, keys: Iterable[bytes]) -> int:
+        """Delete the rows of these store keys (used by reconciliation); returns how many existed."""
+        wanted = list(keys)
+        if not wanted:
+            return 0
+        rows = list(self._s.scalars(select(CacheSegment).where(CacheSegment.store_key.in_(wanted))))
+        self._delete_rows(rows)
+        return len(rows)
+
+    def keys_on_node(self, node: str) -> set[bytes]:
+        return set(self._s.scalars(select(CacheSegment.store_key).where(CacheSegment.node == node)))
+
+    def _delete_rows(self, rows: list[CacheSegment]) -> list[bytes]:
+        keys = [r.store_key for r in rows]
+        for row in rows:
+            self._s.delete(row)
+        self._s.flush()
+        return keys
+
+    def totals(self, *, tenant_id: str | None = None) -> SegmentTotals:
+        stmt = select(
+            func.count(CacheSegment.id),
+            func.coalesce(func.sum(CacheSegment.nbytes), 0),
+            func.coalesce(func.sum(CacheSegment.end_pos - CacheSegment.start_pos), 0),
+        )
+        if tenant_id is not None:
+            stmt = stmt.where(CacheSegment.tenant_id == tenant_id)
+        count, nbytes, tokens = self._s.execute(stmt).one()
+        return SegmentTotals(segments=int(count), bytes=int(nbytes), tokens=int(tokens))

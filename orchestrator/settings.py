@@ -1,0 +1,204 @@
+"""The one frozen settings object of the service, loaded from TOML, then environment, then flags.
+
+Knows nothing of the components it configures; migrations/ reads only `database_url` from it.
+
+Precedence (later wins): built-in defaults < TOML file < `KVRESUME_*` environment variables < explicit
+overrides (CLI flags). Unknown TOML keys and unknown override names are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Settings", "load_settings", "SETTINGS_VERSION"]
+
+SETTINGS_VERSION = 1
+_ENV_PREFIX = "KVRESUME_"
+_MIB = 1024 * 1024
+
+
+def _default_pool_budget() -> int:
+    # ARCHITECTURE §4: the window pool defaults to 10% of host RAM.
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 1024 * _MIB
+    return max(total // 10, 64 * _MIB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Service configuration.
+
+    Tenant tokens map a bearer token's tenant name to the token; the admin token authorises Admin calls
+    and mapper registration. Tokens are secrets: `__repr__` hides them.
+    """
+
+    version: int = SETTINGS_VERSION
+    data_dir: Path = Path("data")
+    # Empty means "a SQLite file inside data_dir" (see `resolved_database_url`).
+    database_url: str = ""
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    metrics_port: int = 9090
+    region: str = "local"
+    tenant_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    admin_token: str = field(default="", repr=False)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    max_request_bytes: int = 4 * _MIB
+    max_turn_tokens: int = 131072
+    max_new_tokens: int = 8192
+    max_sessions_per_tenant: int = 10000
+    pool_budget_bytes: int = field(default_factory=_default_pool_budget)
+    pool_ttl_s: float = 600.0
+    retention_floor_s: float = 72 * 3600.0
+    retention_ceiling_s: float = 30 * 24 * 3600.0
+    calibration_file: Path | None = None
+    grpc_workers: int = 8
+
+    def __post_init__(self) -> None:
+        if self.version != SETTINGS_VERSION:
+            raise ValueError(f"settings version {self.version} is not supported (want {SETTINGS_VERSION})")
+        for name in ("grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port} is not a TCP port")
+        for name in (
+            "max_request_bytes",
+            "max_turn_tokens",
+            "max_new_tokens",
+            "max_sessions_per_tenant",
+            "pool_budget_bytes",
+            "grpc_workers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.pool_ttl_s <= 0:
+            raise ValueError(f"pool_ttl_s={self.pool_ttl_s} must be positive")
+        if self.retention_floor_s < 0 or self.retention_ceiling_s <= 0:
+            raise ValueError(
+                f"retention floor {self.retention_floor_s} must be >= 0 and "
+                f"ceiling {self.retention_ceiling_s} must be > 0"
+            )
+        if not self.region:
+            raise ValueError("region must be a non-empty label")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"
+            )
+        tokens = list(self.tenant_tokens.values())
+        if any(not t for t in tokens) or len(set(tokens)) != len(tokens):
+            raise ValueError("tenant tokens must be non-empty and distinct")
+        if self.admin_token and self.admin_token in tokens:
+            raise ValueError("the admin token must differ from every tenant token")
+        # A frozen dataclass may still hold a caller's mutable dict; copy it so nobody mutates ours.
+        object.__setattr__(self, "tenant_tokens", dict(self.tenant_tokens))
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The SQLAlchemy URL: `database_url`, or a SQLite file `registry.sqlite3` in `data_dir`."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'registry.sqlite3').resolve()}"
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.grpc_host}:{self.grpc_port}"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_PATH_FIELDS = {"data_dir", "tls_cert_file", "tls_key_file", "calibration_file"}
+_INT_FIELDS = {
+    "version",
+    "grpc_port",
+    "metrics_port",
+    "max_request_bytes",
+    "max_turn_tokens",
+    "max_new_tokens",
+    "max_sessions_per_tenant",
+    "pool_budget_bytes",
+    "grpc_workers",
+}
+_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _PATH_FIELDS:
+        return None if value in (None, "") else Path(value)
+    if name in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"setting {name}={value!r} must be an integer")
+        return int(value)
+    if name in _FLOAT_FIELDS:
+        return float(value)
+    if name == "tenant_tokens":
+        if isinstance(value, str):
+            return _parse_token_list(value)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"setting tenant_tokens must be a table of tenant = token, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ValueError(f"setting {name}={value!r} must be a string")
+    return value
+
+
+def _parse_token_list(text: str) -> dict[str, str]:
+    # Environment form: "tenant-a=token1,tenant-b=token2".
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, token = item.partition("=")
+        if not sep or not tenant or not token:
+            raise ValueError(f"tenant token entry {item.split('=')[0]!r}=... must look like tenant=token")
+        out[tenant] = token
+    return out
+
+
+def load_settings(
+    *,
+    toml_path: Path | str | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build Settings from defaults, a TOML file, `KVRESUME_*` environment variables and overrides.
+
+    Args:
+        toml_path: a TOML file with top-level keys named like the Settings fields; `None` reads
+            `KVRESUME_CONFIG` from the environment when set.
+        environ: the environment to read (default `os.environ`); `KVRESUME_DATABASE_URL` sets
+            `database_url`, `KVRESUME_TENANT_TOKENS` takes `tenant=token,tenant2=token2`.
+        overrides: values from CLI flags; `None` values are skipped so unset flags change nothing.
+
+    Raises:
+        ValueError: an unknown key, a value of the wrong type, or an invalid combination.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = toml_path if toml_path is not None else env.get(_ENV_PREFIX + "CONFIG") or None
+    if path is not None:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown settings keys in {path}: {unknown}")
+        values.update({k: _coerce(k, v) for k, v in raw.items()})
+    for name in _FIELDS:
+        key = _ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = _coerce(name, env[key])
+    for name, value in (overrides or {}).items():
+        if name not in _FIELDS:
+            raise ValueError(f"unknown setting override {name!r}")
+        if value is not None:
+            values[name] = _coerce(name, value)
+    return Settings(**values)
