@@ -4,5 +4,8 @@ Knows nothing of models, caches or storage. See kernels/README.md for the deriva
 """
 
 from kernels.errors import KernelError
+from kernels.index_score import index_score
+from kernels.sparse_attn import sparse_attn
+from kernels.topk import TIE_BREAKS, candidate_blocks, select_topk
 
-__all__ = ["KernelError"]
+__all__ = ["TIE_BREAKS", "KernelError", "candidate_blocks", "index_score", "select_topk", "sparse_attn"]
