@@ -3,8 +3,15 @@
 Knows nothing of storage, SQL or gRPC; returns statistics instead of logging.
 """
 
+from model.checkpoint import (
+    SAVEABLE_DTYPES,
+    checkpoint_metadata,
+    load_state_dict,
+    save_state_dict,
+    weights_fingerprint,
+)
 from model.config import LayerRole, LayerRow, ModelConfig
-from model.errors import ModelError
+from model.errors import CheckpointMismatch, ModelError
 from model.kv_bytes import (
     INDEX_K_SCALE_GROUP,
     MAIN_KV_SCALE_GROUP,
@@ -19,6 +26,8 @@ from model.kv_bytes import (
 from model.presets import PRESET_NAMES, load_preset
 
 __all__ = [
+    "checkpoint_metadata",
+    "CheckpointMismatch",
     "index_k_entry_bytes",
     "INDEX_K_SCALE_GROUP",
     "kv_bytes",
@@ -26,12 +35,16 @@ __all__ = [
     "LayerRole",
     "LayerRow",
     "load_preset",
+    "load_state_dict",
     "main_kv_entry_bytes",
     "MAIN_KV_SCALE_GROUP",
     "ModelConfig",
     "ModelError",
     "PRESET_NAMES",
+    "save_state_dict",
+    "SAVEABLE_DTYPES",
     "SourceBytes",
+    "weights_fingerprint",
     "window_kv_entry_bytes",
     "WINDOW_KV_SCALE_GROUP",
 ]
