@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import types
 import typing
@@ -187,7 +188,7 @@ class ModelConfig:
         }
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = _field_hints(type(self))
         for f in dataclasses.fields(self):
             value = _normalize(f.name, getattr(self, f.name), hints[f.name])
             # frozen dataclass: normalization is the one write allowed, done before anyone sees the object
@@ -465,6 +466,12 @@ class ModelConfig:
         if self.dspark_block_size > 0:
             found.append(f"dspark (dspark_block_size={self.dspark_block_size})")
         return found
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    # resolved once per class: the annotations are strings under `from __future__ import annotations`
+    return typing.get_type_hints(cls)
 
 
 def _normalize(key: str, value: Any, hint: Any) -> Any:

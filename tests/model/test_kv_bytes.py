@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from fractions import Fraction
 
 import pytest
@@ -101,3 +102,34 @@ def test_entry_bytes_rejects_partial_scale_group(call):
 def test_global_bytes_rejects_negative():
     with pytest.raises(ValueError, match="-1"):
         kv_bytes(load_preset("v41-tiny")).global_bytes(-1)
+
+
+def _closed_form(cfg: ModelConfig) -> Fraction:
+    # V41_SPEC §10.2 written the other way: (9/16 d_c + 17/32 d_I) x sum over kv sources of 1/m
+    per_entry = Fraction(9, 16) * cfg.head_dim + Fraction(17, 32) * cfg.index_head_dim
+    return per_entry * sum(Fraction(1, cfg.compress_ratios[s]) for s in cfg.kv_source_layers)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kv_bytes_matches_closed_form_on_random_geometries(seed: int):
+    rng = random.Random(seed)
+    n_enc, n_dec = rng.randint(1, 6), rng.randint(1, 6)
+    enc_ratio = rng.choice([2, 3, 4, 8])
+    # encoder: one SWA-only head layer, then ratio-m layers with random kv sources (the first one forced)
+    enc_sources = [1] + [layer for layer in range(2, 1 + n_enc) if rng.random() < 0.4]
+    split = 1 + n_enc
+    ratios = [0] + [enc_ratio] * n_enc + [1] * n_dec
+    kv = [*enc_sources, split]
+    head_dim, index_head_dim = rng.choice([64, 128, 256, 512]), rng.choice([64, 128])
+    cfg = ModelConfig(
+        n_layers=len(ratios), n_mtp_layers=0, compress_ratios=tuple(ratios), kv_source_layers=tuple(kv),
+        index_source_layers=tuple(kv), head_dim=head_dim, index_head_dim=index_head_dim, rope_head_dim=32,
+    )
+    b = kv_bytes(cfg)
+    assert b.global_bytes_per_token == _closed_form(cfg)
+    assert b.window_bytes_per_sequence == len(ratios) * cfg.window_size * Fraction(33, 32) * head_dim
+    assert b.encoder_window_bytes_per_sequence == split * cfg.window_size * (head_dim + head_dim // 32)
+    n_tokens = rng.randint(0, 1000)
+    assert b.global_bytes(n_tokens) == sum(
+        (n_tokens // cfg.compress_ratios[s]) * (head_dim * 9 // 16 + index_head_dim * 17 // 32) for s in kv
+    )
