@@ -1,0 +1,259 @@
+"""The planner: a pure function from a turn's facts to the cheapest valid resume path, with its reason.
+
+Knows nothing of SQL, storage, gRPC or the model; see `inputs.py` for what callers must verify first.
+Validity rules enforced here (ARCHITECTURE §1): a pool entry counts only for the same model at exactly
+the end of the history; a stored prefix counts only for the model that wrote it and never beyond the
+history; a model switch maps KV only through a registered mapper that passed its gate; the encoder
+replay starts at a compression-group boundary at most W + group - 1 tokens before the resume point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.planner.costs import Costs, estimate_seconds
+from orchestrator.planner.inputs import CacheInventory, MapperInfo, ModelGeometry, PoolState, SessionView
+from orchestrator.planner.plan import Plan, ResumePath, TokenCounts
+
+__all__ = ["plan_turn", "no_mapper_reason"]
+
+# On an exact cost tie prefer the exact paths, then the approximate ones (ARCHITECTURE §1).
+_TIE_ORDER = {
+    ResumePath.FULL_HIT: 0,
+    ResumePath.COLD_PREFILL: 1,
+    ResumePath.GLOBAL_REPLAY: 2,
+    ResumePath.MODEL_SWAP: 3,
+}
+
+
+def no_mapper_reason(sender: str, receiver: str) -> str:
+    return f"no validated mapper for {sender} -> {receiver}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Candidate:
+    path: ResumePath
+    counts: TokenCounts
+    resume_from: int
+    replay_from: int
+    reason: str
+    source_model: str | None = None
+    mapper_id: str | None = None
+
+
+def _decoder_replay(session: SessionView, geometry: ModelGeometry) -> int:
+    # The decoder runs over the last W prompt tokens; those before the new tokens are history re-run.
+    return max(0, min(geometry.window, session.prompt_len) - session.new_tokens)
+
+
+def _replay_start(prefix: int, geometry: ModelGeometry) -> int:
+    start = max(0, prefix - geometry.window)
+    return start - start % geometry.group
+
+
+def _cold(session: SessionView, geometry: ModelGeometry, reason: str) -> _Candidate:
+    counts = TokenCounts(prefilled=session.prompt_len, replayed_decoder=_decoder_replay(session, geometry))
+    return _Candidate(
+        path=ResumePath.COLD_PREFILL, counts=counts, resume_from=0, replay_from=0, reason=reason
+    )
+
+
+def _from_prefix(
+    session: SessionView,
+    geometry: ModelGeometry,
+    prefix: int,
+    *,
+    path: ResumePath,
+    reason: str,
+    source_model: str,
+    mapper_id: str | None = None,
+) -> _Candidate:
+    start = _replay_start(prefix, geometry)
+    stored = {"mapped": prefix} if path == ResumePath.MODEL_SWAP else {"cached": prefix}
+    counts = TokenCounts(
+        **stored,
+        replayed_encoder=prefix - start,
+        replayed_decoder=_decoder_replay(session, geometry),
+        prefilled=session.prompt_len - prefix,
+    )
+    return _Candidate(
+        path=path,
+        counts=counts,
+        resume_from=prefix,
+        replay_from=start,
+        reason=reason,
+        source_model=source_model,
+        mapper_id=mapper_id,
+    )
+
+
+def _checked_prefix(session: SessionView, cache: CacheInventory | None, model: str | None) -> int:
+    if cache is None or model is None:
+        return 0
+    if cache.model != model:
+        raise ValueError(f"cache inventory of model {cache.model!r} passed where {model!r} was expected")
+    if cache.valid_prefix > session.history_len:
+        raise ValueError(
+            f"stored prefix {cache.valid_prefix} is longer than session {session.session_id}'s history "
+            f"{session.history_len}: the inventory is not of this history"
+        )
+    return cache.valid_prefix
+
+
+def _prefix_reason(prefix: int, session: SessionView, cache: CacheInventory) -> str:
+    if prefix == session.history_len:
+        return f"global KV of all {prefix} history tokens stored"
+    why = f" ({cache.miss_reason})" if cache.miss_reason else ""
+    return f"global KV of {prefix} of {session.history_len} history tokens stored{why}"
+
+
+def _pool_miss(pool: PoolState, session: SessionView, model: str) -> str:
+    if pool.model is None:
+        return "windows not in the pool"
+    if pool.model != model:
+        return f"pool windows belong to {pool.model}"
+    return f"pool windows end at {pool.windows_end}, history at {session.history_len}"
+
+
+def _same_model_candidates(
+    session: SessionView, model: str, geometry: ModelGeometry, cache: CacheInventory | None, pool: PoolState
+) -> list[_Candidate]:
+    prefix = _checked_prefix(session, cache, model)
+    if prefix == 0:
+        why = (cache.miss_reason if cache is not None and cache.miss_reason else None) or "nothing stored"
+        return [_cold(session, geometry, f"nothing usable stored: {why}")]
+    assert cache is not None
+    stored = _prefix_reason(prefix, session, cache)
+    out = [_cold(session, geometry, f"cold prefill is cheaper than reusing the {prefix} stored tokens")]
+    pool_fits = pool.model == model and pool.windows_end == session.history_len
+    if prefix == session.history_len and pool_fits:
+        # Windows and encoder output rows continue exactly from the end of the history: no replay.
+        counts = TokenCounts(
+            cached=prefix, replayed_decoder=_decoder_replay(session, geometry), prefilled=session.new_tokens
+        )
+        out.append(
+            _Candidate(
+                path=ResumePath.FULL_HIT,
+                counts=counts,
+                resume_from=prefix,
+                replay_from=prefix,
+                source_model=model,
+                reason=f"{stored}; windows in the pool",
+            )
+        )
+        window_why = "bounded replay instead of restoring the pool windows"
+    else:
+        window_why = f"{_pool_miss(pool, session, model)}, bounded replay"
+    out.append(
+        _from_prefix(
+            session,
+            geometry,
+            prefix,
+            path=ResumePath.GLOBAL_REPLAY,
+            source_model=model,
+            reason=f"{stored}; {window_why}",
+        )
+    )
+    return out
+
+
+def plan_turn(
+    session: SessionView,
+    *,
+    model: str,
+    geometry: ModelGeometry,
+    cache: CacheInventory | None,
+    sender_cache: CacheInventory | None = None,
+    pool: PoolState,
+    mappers: Sequence[MapperInfo] = (),
+    costs: Costs,
+    may_persist: bool = True,
+    persist_note: str = "",
+) -> Plan:
+    """Choose the cheapest valid resume path for a turn of `session` served by `model`.
+
+    Args:
+        session: the session before the turn.
+        model: the model requested for this turn (the receiver when it differs from `last_model`).
+        geometry: the requested model's window W and compression-group alignment.
+        cache: verified stored global KV of the requested model for this history (None: not looked up).
+        sender_cache: on a model switch, verified stored global KV of the last model.
+        pool: the session's pool entry.
+        mappers: registered mappers (any pairs; only validated ones for last_model -> model count).
+        costs: per-token costs of the requested model.
+        may_persist: False when residency forbids storing this tenant's KV on this node.
+        persist_note: why not, said to the caller.
+
+    Returns:
+        The plan of the cheapest valid path; ties go to the more exact path.
+
+    Raises:
+        ValueError: inconsistent inputs (an inventory of another model, a prefix longer than the history).
+    """
+    if not model:
+        raise ValueError("requested model must be non-empty")
+    if session.history_len == 0:
+        candidates = [_cold(session, geometry, "new session: no history to reuse")]
+    elif session.last_model == model:
+        candidates = _same_model_candidates(session, model, geometry, cache, pool)
+    else:
+        sender = session.last_model
+        assert sender is not None
+        candidates = [
+            c
+            for c in _same_model_candidates(session, model, geometry, cache, pool)
+            if c.path != ResumePath.COLD_PREFILL
+        ]
+        valid = sorted(
+            (m for m in mappers if m.passed_gate and m.sender_model == sender and m.receiver_model == model),
+            key=lambda m: (-m.score, m.mapper_id),
+        )
+        sender_prefix = _checked_prefix(session, sender_cache, sender)
+        if not valid:
+            cold_reason = no_mapper_reason(sender, model)
+        elif sender_prefix == 0:
+            why = sender_cache.miss_reason if sender_cache is not None and sender_cache.miss_reason else None
+            cold_reason = f"nothing stored for {sender} to map: {why or 'nothing stored'}"
+        else:
+            cold_reason = (
+                f"cold prefill on {model} is cheaper than mapping {sender_prefix} tokens from {sender}"
+            )
+            assert sender_cache is not None
+            stored = _prefix_reason(sender_prefix, session, sender_cache)
+            candidates.append(
+                _from_prefix(
+                    session,
+                    geometry,
+                    sender_prefix,
+                    path=ResumePath.MODEL_SWAP,
+                    source_model=sender,
+                    mapper_id=valid[0].mapper_id,
+                    reason=f"{sender} -> {model} via mapper {valid[0].mapper_id}: {stored} on {sender}",
+                )
+            )
+        candidates.append(_cold(session, geometry, cold_reason))
+    priced = sorted(
+        ((estimate_seconds(c.path, c.counts, costs), _TIE_ORDER[c.path], c) for c in candidates),
+        key=lambda t: (t[0], t[1]),
+    )
+    seconds, _, best = priced[0]
+    reason = best.reason
+    # A cold prefill that won on cost among valid reuse paths says so; one that was the only option keeps
+    # its miss reason.
+    if best.path == ResumePath.COLD_PREFILL and len(priced) > 1 and "cheaper" in best.reason:
+        reason = f"{best.reason} (est {seconds:.4g} s vs {priced[1][0]:.4g} s)"
+    return Plan(
+        path=best.path,
+        model=model,
+        reason=reason,
+        counts=best.counts,
+        resume_from=best.resume_from,
+        replay_from=best.replay_from,
+        source_model=best.source_model,
+        mapper_id=best.mapper_id,
+        persist=may_persist,
+        persist_note="" if may_persist else (persist_note or "residency policy forbids storing KV here"),
+        estimated_s=seconds,
+        alternatives=tuple((c.path, s) for s, _, c in priced),
+    )

@@ -1,0 +1,328 @@
+"""plan_turn: narrated scenarios for each path and reason, a cost flip, and invariants on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.planner import (
+    CacheInventory,
+    Costs,
+    MapperInfo,
+    ModelGeometry,
+    PoolState,
+    ResumePath,
+    SessionView,
+    TokenCounts,
+    estimate_seconds,
+    plan_turn,
+)
+
+GEOM = ModelGeometry(window=128, group=4)
+COSTS = Costs(load_s=1e-6, encode_s=1e-4, decode_replay_s=1e-4, map_s=1e-5, pool_restore_s=1e-3)
+
+
+def _session(history: int, new: int = 10, last: str | None = "small") -> SessionView:
+    return SessionView(
+        session_id="s-1",
+        tenant_id="acme",
+        history_len=history,
+        new_tokens=new,
+        last_model=last if history else None,
+    )
+
+
+def test_plan_turn_new_session_is_cold() -> None:
+    plan = plan_turn(
+        _session(0, 50), model="small", geometry=GEOM, cache=None, pool=PoolState.absent(), costs=COSTS
+    )
+    assert plan.path == ResumePath.COLD_PREFILL
+    assert plan.reason == "new session: no history to reuse"
+    assert plan.counts == TokenCounts(prefilled=50)
+
+
+def test_plan_turn_full_hit_encodes_only_new_tokens() -> None:
+    plan = plan_turn(
+        _session(1000, 10),
+        model="small",
+        geometry=GEOM,
+        cache=CacheInventory(model="small", valid_prefix=1000),
+        pool=PoolState(model="small", windows_end=1000),
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.FULL_HIT
+    assert plan.counts == TokenCounts(cached=1000, prefilled=10, replayed_decoder=118)
+    assert (plan.resume_from, plan.replay_from) == (1000, 1000)
+    assert "windows in the pool" in plan.reason
+
+
+def test_plan_turn_expired_pool_replays_at_most_window_plus_group() -> None:
+    plan = plan_turn(
+        _session(1001, 10),
+        model="small",
+        geometry=GEOM,
+        cache=CacheInventory(model="small", valid_prefix=1001),
+        pool=PoolState.absent(),
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.GLOBAL_REPLAY
+    # Replay starts at the group boundary at or before 1001 - 128 = 873, i.e. 872: 129 tokens re-run.
+    assert plan.replay_from == 872
+    assert plan.counts == TokenCounts(cached=1001, replayed_encoder=129, prefilled=10, replayed_decoder=118)
+    assert (
+        plan.reason == "global KV of all 1001 history tokens stored; windows not in the pool, bounded replay"
+    )
+
+
+def test_plan_turn_stale_pool_entry_is_not_a_hit() -> None:
+    # Windows that end before the history (a turn finished after they were saved) must not be used.
+    plan = plan_turn(
+        _session(1000),
+        model="small",
+        geometry=GEOM,
+        cache=CacheInventory(model="small", valid_prefix=1000),
+        pool=PoolState(model="small", windows_end=990),
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.GLOBAL_REPLAY
+    assert "pool windows end at 990, history at 1000" in plan.reason
+
+
+def test_plan_turn_partial_prefix_resumes_from_longest_valid_prefix() -> None:
+    cache = CacheInventory(model="small", valid_prefix=768, miss_reason="chunk 3 failed its checksum")
+    plan = plan_turn(
+        _session(1000, 10),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState(model="small", windows_end=1000),
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.GLOBAL_REPLAY
+    assert plan.resume_from == 768
+    assert plan.counts == TokenCounts(cached=768, replayed_encoder=128, prefilled=242, replayed_decoder=118)
+    assert "768 of 1000 history tokens stored (chunk 3 failed its checksum)" in plan.reason
+
+
+def test_plan_turn_nothing_stored_is_cold_with_the_miss_reason() -> None:
+    cache = CacheInventory.empty("small", "purged by tenant request")
+    plan = plan_turn(
+        _session(500),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState(model="small", windows_end=500),
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.COLD_PREFILL
+    assert plan.reason == "nothing usable stored: purged by tenant request"
+    assert plan.counts.prefilled == 510 and plan.resume_from == 0
+
+
+def test_plan_turn_changed_costs_flip_the_decision() -> None:
+    # 200 of 1000 tokens stored: reuse saves encoding 200 tokens but re-runs 128 and loads 200.
+    cache = CacheInventory(model="small", valid_prefix=200, miss_reason="ceiling reached for later chunks")
+    kwargs = dict(model="small", geometry=GEOM, cache=cache, pool=PoolState.absent())
+    cheap_load = plan_turn(_session(1000), costs=COSTS, **kwargs)
+    assert cheap_load.path == ResumePath.GLOBAL_REPLAY
+    slow_disk = Costs(load_s=1e-3, encode_s=1e-4, decode_replay_s=1e-4, map_s=1e-5)
+    slow = plan_turn(_session(1000), costs=slow_disk, **kwargs)
+    assert slow.path == ResumePath.COLD_PREFILL
+    assert slow.reason.startswith("cold prefill is cheaper than reusing the 200 stored tokens (est ")
+    assert [p for p, _ in slow.alternatives] == [ResumePath.COLD_PREFILL, ResumePath.GLOBAL_REPLAY]
+
+
+def test_plan_turn_model_switch_without_mapper_is_cold() -> None:
+    plan = plan_turn(
+        _session(1000, last="small"),
+        model="large",
+        geometry=GEOM,
+        cache=CacheInventory.empty("large", "nothing stored"),
+        sender_cache=CacheInventory(model="small", valid_prefix=1000),
+        pool=PoolState.absent(),
+        mappers=[],
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.COLD_PREFILL
+    assert plan.reason == "no validated mapper for small -> large"
+
+
+def test_plan_turn_model_switch_ignores_mapper_that_failed_its_gate() -> None:
+    failing = MapperInfo(mapper_id="m-1", sender_model="small", receiver_model="large", passed_gate=False)
+    reversed_pair = MapperInfo(
+        mapper_id="m-2", sender_model="large", receiver_model="small", passed_gate=True
+    )
+    plan = plan_turn(
+        _session(1000, last="small"),
+        model="large",
+        geometry=GEOM,
+        cache=None,
+        sender_cache=CacheInventory(model="small", valid_prefix=1000),
+        pool=PoolState.absent(),
+        mappers=[failing, reversed_pair],
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.COLD_PREFILL
+    assert plan.reason == "no validated mapper for small -> large"
+
+
+def test_plan_turn_model_switch_with_validated_mapper_maps() -> None:
+    good = MapperInfo(
+        mapper_id="m-9", sender_model="small", receiver_model="large", passed_gate=True, score=0.9
+    )
+    plan = plan_turn(
+        _session(1000, last="small"),
+        model="large",
+        geometry=GEOM,
+        cache=None,
+        sender_cache=CacheInventory(model="small", valid_prefix=1000),
+        pool=PoolState(model="small", windows_end=1000),
+        mappers=[good],
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.MODEL_SWAP
+    assert (plan.mapper_id, plan.source_model, plan.model) == ("m-9", "small", "large")
+    assert plan.counts == TokenCounts(mapped=1000, replayed_encoder=128, prefilled=10, replayed_decoder=118)
+
+
+def test_plan_turn_rejects_prefix_longer_than_history() -> None:
+    with pytest.raises(ValueError, match="longer than session s-1's history"):
+        plan_turn(
+            _session(100),
+            model="small",
+            geometry=GEOM,
+            cache=CacheInventory(model="small", valid_prefix=101),
+            pool=PoolState.absent(),
+            costs=COSTS,
+        )
+
+
+def test_plan_turn_rejects_inventory_of_another_model() -> None:
+    with pytest.raises(ValueError, match="inventory of model 'large'"):
+        plan_turn(
+            _session(100),
+            model="small",
+            geometry=GEOM,
+            cache=CacheInventory(model="large", valid_prefix=10),
+            pool=PoolState.absent(),
+            costs=COSTS,
+        )
+
+
+def test_plan_turn_residency_forbids_persisting() -> None:
+    plan = plan_turn(
+        _session(0, 5),
+        model="small",
+        geometry=GEOM,
+        cache=None,
+        pool=PoolState.absent(),
+        costs=COSTS,
+        may_persist=False,
+        persist_note="region eu-1 not in [us-1]",
+    )
+    assert not plan.persist and plan.persist_note == "region eu-1 not in [us-1]"
+
+
+def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom):
+    """Slow twin: enumerate every path, keep those the architecture's table allows, take the cheapest."""
+    total = session.prompt_len
+    dec = max(0, min(geom.window, total) - session.new_tokens)
+    options = [(ResumePath.COLD_PREFILL, TokenCounts(prefilled=total, replayed_decoder=dec))]
+
+    def replay(prefix):
+        start = max(0, prefix - geom.window)
+        return prefix - (start - start % geom.group)
+
+    n = session.history_len
+    if n and cache is not None and cache.valid_prefix:
+        p = cache.valid_prefix
+        options.append(
+            (
+                ResumePath.GLOBAL_REPLAY,
+                TokenCounts(cached=p, replayed_encoder=replay(p), prefilled=total - p, replayed_decoder=dec),
+            )
+        )
+        if p == n and pool.model == model and pool.windows_end == n:
+            options.append(
+                (ResumePath.FULL_HIT, TokenCounts(cached=p, prefilled=total - p, replayed_decoder=dec))
+            )
+    if n and session.last_model != model and sender_cache is not None and sender_cache.valid_prefix:
+        if any(
+            m.passed_gate and (m.sender_model, m.receiver_model) == (session.last_model, model)
+            for m in mappers
+        ):
+            p = sender_cache.valid_prefix
+            options.append(
+                (
+                    ResumePath.MODEL_SWAP,
+                    TokenCounts(
+                        mapped=p, replayed_encoder=replay(p), prefilled=total - p, replayed_decoder=dec
+                    ),
+                )
+            )
+    return min(estimate_seconds(p, c, costs) for p, c in options), options
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    history=st.integers(0, 3000),
+    new=st.integers(1, 300),
+    prefix_frac=st.floats(0, 1),
+    sender_frac=st.floats(0, 1),
+    pool_kind=st.sampled_from(["none", "exact", "stale", "other"]),
+    switch=st.booleans(),
+    mapper_kind=st.sampled_from(["none", "failed", "passed"]),
+    window=st.integers(1, 300),
+    group=st.sampled_from([1, 2, 4, 128]),
+    load=st.floats(0, 1e-3),
+    encode=st.floats(1e-6, 1e-3),
+    mapc=st.floats(0, 1e-3),
+)
+def test_plan_turn_matches_reference_on_random_inputs(
+    history, new, prefix_frac, sender_frac, pool_kind, switch, mapper_kind, window, group, load, encode, mapc
+) -> None:
+    geom = ModelGeometry(window=window, group=group)
+    costs = Costs(load_s=load, encode_s=encode, decode_replay_s=encode, map_s=mapc, pool_restore_s=1e-4)
+    last = "small" if history else None
+    model = "large" if (switch and history) else "small"
+    session = SessionView(session_id="s", tenant_id="t", history_len=history, new_tokens=new, last_model=last)
+    cache = CacheInventory(model=model, valid_prefix=int(history * prefix_frac))
+    sender_cache = (
+        CacheInventory(model="small", valid_prefix=int(history * sender_frac)) if model != last else None
+    )
+    pool = {
+        "none": PoolState.absent(),
+        "exact": PoolState(model=model, windows_end=history),
+        "stale": PoolState(model=model, windows_end=max(0, history - 1)),
+        "other": PoolState(model="other", windows_end=history),
+    }[pool_kind]
+    mappers = (
+        []
+        if mapper_kind == "none"
+        else [
+            MapperInfo(
+                mapper_id="m",
+                sender_model="small",
+                receiver_model="large",
+                passed_gate=mapper_kind == "passed",
+            )
+        ]
+    )
+    plan = plan_turn(
+        session,
+        model=model,
+        geometry=geom,
+        cache=cache,
+        sender_cache=sender_cache,
+        pool=pool,
+        mappers=mappers,
+        costs=costs,
+    )
+    best, options = _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom)
+    assert (plan.path, plan.counts) in options
+    assert plan.estimated_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert plan.counts.prompt_tokens == history + new
+    assert plan.counts.replayed_encoder <= window + group - 1
+    if plan.path == ResumePath.COLD_PREFILL:
+        assert plan.resume_from == 0
