@@ -34,19 +34,19 @@ _FP4_PER_BYTE = 2
 
 
 def main_kv_entry_bytes(head_dim: int) -> int:
-    """Bytes of one compressed main-KV entry of width head_dim: packed FP4 codes, then E4M3 scales."""
+    """Bytes of one compressed main-KV entry of width head_dim: FP4 codes 2 per byte, 1 E4M3 byte per 16."""
     _check_width("head_dim", head_dim, MAIN_KV_SCALE_GROUP)
     return head_dim // _FP4_PER_BYTE + head_dim // MAIN_KV_SCALE_GROUP
 
 
 def index_k_entry_bytes(index_head_dim: int) -> int:
-    """Bytes of one indexer-K entry of width index_head_dim: packed FP4 codes, then E8M0 scales."""
+    """Bytes of one indexer-K entry of width index_head_dim: FP4 codes two per byte, one E8M0 byte per 32."""
     _check_width("index_head_dim", index_head_dim, INDEX_K_SCALE_GROUP)
     return index_head_dim // _FP4_PER_BYTE + index_head_dim // INDEX_K_SCALE_GROUP
 
 
 def window_kv_entry_bytes(head_dim: int) -> int:
-    """Bytes of one sliding-window KV row of width head_dim: FP8 codes, then UE8M0 scales."""
+    """Bytes of one sliding-window KV row of width head_dim: one FP8 byte per value, one UE8M0 byte per 32."""
     _check_width("head_dim", head_dim, WINDOW_KV_SCALE_GROUP)
     return head_dim + head_dim // WINDOW_KV_SCALE_GROUP
 
