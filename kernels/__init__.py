@@ -4,8 +4,59 @@ Knows nothing of models, caches or storage. See kernels/README.md for the deriva
 """
 
 from kernels.errors import KernelError
+from kernels.formats import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    FP4_E4M3,
+    FP8_UE8M0,
+    MXFP4,
+    BlockFormat,
+    dequantize_fp4_e4m3,
+    dequantize_fp4_weight,
+    dequantize_fp8_block_weight,
+    dequantize_fp8_ue8m0,
+    dequantize_mxfp4,
+    fp4_linear,
+    fp8_linear,
+    qdq_fp4_e4m3,
+    qdq_fp8_ue8m0,
+    qdq_mxfp4,
+    quantize_fp4_e4m3,
+    quantize_fp8_ue8m0,
+    quantize_mxfp4,
+)
 from kernels.index_score import index_score
 from kernels.sparse_attn import sparse_attn
 from kernels.topk import TIE_BREAKS, candidate_blocks, select_topk
 
-__all__ = ["TIE_BREAKS", "KernelError", "candidate_blocks", "index_score", "select_topk", "sparse_attn"]
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "E4M3_MIN_SUBNORMAL",
+    "FP4_E4M3",
+    "FP8_UE8M0",
+    "MXFP4",
+    "TIE_BREAKS",
+    "BlockFormat",
+    "KernelError",
+    "candidate_blocks",
+    "dequantize_fp4_e4m3",
+    "dequantize_fp4_weight",
+    "dequantize_fp8_block_weight",
+    "dequantize_fp8_ue8m0",
+    "dequantize_mxfp4",
+    "fp4_linear",
+    "fp8_linear",
+    "index_score",
+    "qdq_fp4_e4m3",
+    "qdq_fp8_ue8m0",
+    "qdq_mxfp4",
+    "quantize_fp4_e4m3",
+    "quantize_fp8_ue8m0",
+    "quantize_mxfp4",
+    "select_topk",
+    "sparse_attn",
+]

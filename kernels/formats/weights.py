@@ -1,0 +1,172 @@
+"""Quantized weights of the released checkpoint format, and the GEMMs that consume them (torch only).
+
+FP8 weights are float8_e4m3fn [out, in] with one E8M0 scale per 32x32 block; FP4 expert weights are
+E2M1 pairs [out, in/2] (float4_e2m1fn_x2 or uint8, even element in the low nibble) with one E8M0 scale
+per 32 inputs. `fp8_linear` / `fp4_linear` reproduce the official reference's `linear()` (act_quant of the
+input to FP8 with power-of-two scales per 32, then the block-scaled GEMM of its CPU port, kernel_cpu.py
+`fp8_gemm` / `fp4_gemm`): one fp32 matmul per 32-wide K block, each partial scaled by the activation and
+weight scales and added to an fp32 accumulator in K order, the sum cast to the output dtype. Knows
+nothing of layers or models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.formats.reference import _fp8_parts, e2m1_values, e8m0_to_float, unpack_nibbles
+
+# Weight and activation scales cover 32 values along K (and 32 rows of an FP8 weight).
+WEIGHT_BLOCK = 32
+
+
+def _e8m0_bytes(scale: torch.Tensor, name: str) -> torch.Tensor:
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"{name} must be float8_e8m0fnu or uint8 exponent bytes, got {scale.dtype}")
+    return scale.view(torch.uint8)
+
+
+def _fp4_codes(packed: torch.Tensor) -> torch.Tensor:
+    if packed.dtype not in (torch.float4_e2m1fn_x2, torch.uint8):
+        raise ValueError(f"FP4 weight must be float4_e2m1fn_x2 or uint8, got {packed.dtype}")
+    return unpack_nibbles(packed.view(torch.uint8))
+
+
+def _check_fp8_weight(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"FP8 weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    blocks = (-(-out_features // WEIGHT_BLOCK), -(-in_features // WEIGHT_BLOCK))
+    if tuple(scale.shape) != blocks:
+        raise ValueError(
+            f"FP8 weight {tuple(weight.shape)} needs scale shape {blocks}, got {tuple(scale.shape)}"
+        )
+
+
+def _check_fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    if packed.dim() != 2:
+        raise ValueError(f"FP4 weight must be 2-D [out, in/2], got shape {tuple(packed.shape)}")
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    if in_features % WEIGHT_BLOCK or tuple(scale.shape) != (out_features, in_features // WEIGHT_BLOCK):
+        raise ValueError(
+            f"FP4 weight {tuple(packed.shape)} (in={in_features}) needs scale shape "
+            f"({out_features}, {in_features // WEIGHT_BLOCK}) and in % {WEIGHT_BLOCK} == 0, "
+            f"got {tuple(scale.shape)}"
+        )
+
+
+def _weight_block_scales(scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """E8M0 [ceil(out/32), ceil(in/32)] -> fp32 [out, ceil(in/32)], one row per output feature."""
+    return e8m0_to_float(_e8m0_bytes(scale, "scale")).repeat_interleave(WEIGHT_BLOCK, dim=0)[:out_features]
+
+
+def dequantize_fp8_block_weight(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Exact dequantization of an FP8 weight with 32x32 block scales.
+
+    Args:
+        weight: float8_e4m3fn [out, in].
+        scale: float8_e8m0fnu or uint8 exponent bytes [ceil(out/32), ceil(in/32)].
+        dtype: output dtype; the fp32 products are exact, bf16 is exact unless out of bf16 range.
+    Returns:
+        dtype [out, in].
+    Raises:
+        ValueError: wrong dtypes or a scale shape that does not match the weight.
+    """
+    _check_fp8_weight(weight, scale)
+    out_features, in_features = weight.shape
+    row_scales = _weight_block_scales(scale, out_features)
+    per_value = row_scales.repeat_interleave(WEIGHT_BLOCK, dim=1)[:, :in_features]
+    return (weight.float() * per_value).to(dtype)
+
+
+def dequantize_fp4_weight(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Exact dequantization of an FP4 expert weight with one E8M0 scale per 32 inputs.
+
+    Args:
+        packed: float4_e2m1fn_x2 or uint8 [out, in/2], even element in the low nibble.
+        scale: float8_e8m0fnu or uint8 exponent bytes [out, in/32].
+        dtype: output dtype (products are exact in fp32 and bf16).
+    Returns:
+        dtype [out, in].
+    Raises:
+        ValueError: wrong dtypes or shapes.
+    """
+    _check_fp4_weight(packed, scale)
+    values = e2m1_values(_fp4_codes(packed)).unflatten(-1, (-1, WEIGHT_BLOCK))
+    scales = e8m0_to_float(_e8m0_bytes(scale, "scale")).unsqueeze(-1)
+    return (values * scales).flatten(-2).to(dtype)
+
+
+def _block_scaled_matmul(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    """sum over K blocks k of (a_k @ b_k^T) * a_scale[:, k] * b_scale[:, k], fp32, in K order.
+
+    a fp32 [M, K] (FP8 values), a_scale fp32 [M, K/32], b fp32 [N, K] (FP8 or E2M1 values),
+    b_scale fp32 [N, K/32] -> fp32 [M, N]. Same operations, in the same order, as the reference port.
+    """
+    acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for k in range(a.shape[1] // WEIGHT_BLOCK):
+        block = slice(k * WEIGHT_BLOCK, (k + 1) * WEIGHT_BLOCK)
+        partial = a[:, block] @ b[:, block].T  # [M, N]
+        acc += partial * a_scale[:, k : k + 1] * b_scale[:, k].unsqueeze(0)
+    return acc
+
+
+def _quantized_activation(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [..., in] -> (FP8 values as fp32 [M, in], fp32 power-of-two scales [M, in/32])."""
+    if x.shape[-1] != in_features or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be bf16/fp32 [..., {in_features}], got {x.dtype} {tuple(x.shape)}")
+    values, exponent_bytes = _fp8_parts(x.reshape(-1, in_features), WEIGHT_BLOCK)
+    return values.flatten(-2).float(), e8m0_to_float(exponent_bytes)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The reference's `linear()` for an FP8 weight: y = act_quant(x) @ dequant(weight)^T.
+
+    Args:
+        x: bf16 [..., in] (fp32 is accepted and quantized directly); in % 32 == 0.
+        weight: float8_e4m3fn [out, in].
+        scale: float8_e8m0fnu or uint8 [ceil(out/32), ceil(in/32)].
+        out_dtype: defaults to torch's default dtype, as in the reference (bf16 in the model).
+    Returns:
+        out_dtype [..., out].
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    """
+    _check_fp8_weight(weight, scale)
+    out_features, in_features = weight.shape
+    if in_features % WEIGHT_BLOCK:
+        raise ValueError(f"FP8 linear needs in_features % {WEIGHT_BLOCK} == 0, got {in_features}")
+    a, a_scale = _quantized_activation(x, in_features)
+    acc = _block_scaled_matmul(a, a_scale, weight.float(), _weight_block_scales(scale, out_features))
+    return acc.to(out_dtype or torch.get_default_dtype()).view(*x.shape[:-1], out_features)
+
+
+def fp4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The reference's `linear()` for an FP4 expert weight: y = act_quant(x) @ dequant(packed)^T.
+
+    Args:
+        x: bf16 [..., in] (fp32 is accepted and quantized directly).
+        packed: float4_e2m1fn_x2 or uint8 [out, in/2].
+        scale: float8_e8m0fnu or uint8 [out, in/32].
+        out_dtype: defaults to torch's default dtype, as in the reference (bf16 in the model).
+    Returns:
+        out_dtype [..., out].
+    Raises:
+        ValueError: mismatched shapes or dtypes.
+    """
+    _check_fp4_weight(packed, scale)
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    a, a_scale = _quantized_activation(x, in_features)
+    b = e2m1_values(_fp4_codes(packed))
+    b_scale = e8m0_to_float(_e8m0_bytes(scale, "scale"))
+    acc = _block_scaled_matmul(a, a_scale, b, b_scale)
+    return acc.to(out_dtype or torch.get_default_dtype()).view(*x.shape[:-1], out_features)
