@@ -17,18 +17,54 @@ from storage.audit_record import (
 )
 from storage.audit_rocks import RocksAuditSink
 from storage.errors import AuditRecordError, StorageError, StoreClosedError, StoreFormatError
+from storage.kv_store import GlobalKVStore
+from storage.policy import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, RetentionPolicy
+from storage.store_config import StoreConfig
+from storage.store_results import (
+    ChunkSpan,
+    LookupResult,
+    MaintenanceReport,
+    Miss,
+    MissReason,
+    PrefixResult,
+    PurgeResult,
+    PutResult,
+    RecoveryReport,
+    Refusal,
+    RefusalKind,
+    StoreStats,
+    TenantStats,
+)
 
 __all__ = [
+    "DEFAULT_CEILING_S",
+    "DEFAULT_FLOOR_S",
     "GENESIS_HASH",
     "AuditAction",
     "AuditEvent",
     "AuditRecord",
     "AuditRecordError",
     "AuditSink",
+    "ChunkSpan",
+    "GlobalKVStore",
+    "LookupResult",
+    "MaintenanceReport",
+    "Miss",
+    "MissReason",
+    "PrefixResult",
+    "PurgeResult",
+    "PutResult",
+    "RecoveryReport",
+    "Refusal",
+    "RefusalKind",
+    "RetentionPolicy",
     "RocksAuditSink",
     "StorageError",
     "StoreClosedError",
+    "StoreConfig",
     "StoreFormatError",
+    "StoreStats",
+    "TenantStats",
     "VerifyResult",
     "canonical_json",
     "chain_hash",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
@@ -44,16 +44,23 @@ def synced_write_options() -> WriteOptions:
 class RocksAuditSink(AuditSink):
     """Hash-chained audit log in a raw-mode Rdict.
 
-    Standalone use: `append(event)`. Inside the store: hold `lock`, call `stage(batch, event)` to add a
-    record to a write batch, write the batch, then `advance(record)`; the head moves only after the
-    batch is durable, so a failed write leaves the chain as it was.
+    Standalone use: `append(event)`. Inside the store: hold `lock`, call `stage(batch, events)` to add
+    records to a write batch, write the batch, then `advance(records)`; the head moves only after the
+    batch is durable, so a failed write leaves the chain as it was. Pass the store's lock as `lock` so
+    that standalone appends and staged ones never interleave.
     """
 
-    def __init__(self, db: Rdict, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        db: Rdict,
+        *,
+        clock: Callable[[], float] = time.time,
+        lock: threading.RLock | None = None,
+    ) -> None:
         self._db = db
         self._clock = clock
         self._write_opts = synced_write_options()
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else threading.RLock()
         raw = db.get(HEAD_KEY)
         if raw is None:
             self._head: tuple[int, str] = (0, GENESIS_HASH)
@@ -64,27 +71,38 @@ class RocksAuditSink(AuditSink):
     def head(self) -> tuple[int, str]:
         return self._head
 
-    def stage(self, batch: WriteBatch, event: AuditEvent, *, ts: float | None = None) -> AuditRecord:
-        """Add the next record and the new head to `batch`; call with `lock` held, then `advance`."""
+    def stage(
+        self, batch: WriteBatch, events: Sequence[AuditEvent], *, ts: float | None = None
+    ) -> list[AuditRecord]:
+        """Add the next records and the new head to `batch`; call with `lock` held, then `advance`."""
         seq, prev = self._head
         stamp = self._clock() if ts is None else ts
-        record = seal(event, seq=seq + 1, ts_us=int(round(stamp * 1_000_000)), prev_hash=prev)
-        batch.put(audit_key(record.seq), record.to_json())
-        batch.put(HEAD_KEY, _SEQ.pack(record.seq) + bytes.fromhex(record.hash))
-        return record
+        ts_us = int(round(stamp * 1_000_000))
+        records: list[AuditRecord] = []
+        for event in events:
+            seq += 1
+            record = seal(event, seq=seq, ts_us=ts_us, prev_hash=prev)
+            batch.put(audit_key(seq), record.to_json())
+            records.append(record)
+            prev = record.hash
+        if records:
+            batch.put(HEAD_KEY, _SEQ.pack(seq) + bytes.fromhex(prev))
+        return records
 
-    def advance(self, record: AuditRecord) -> None:
-        """Move the in-memory head after the batch holding `record` was written."""
-        assert record.seq == self._head[0] + 1 and record.prev_hash == self._head[1]
-        self._head = (record.seq, record.hash)
+    def advance(self, records: Sequence[AuditRecord]) -> None:
+        """Move the in-memory head after the batch holding `records` was written."""
+        if not records:
+            return
+        assert records[0].seq == self._head[0] + 1 and records[0].prev_hash == self._head[1]
+        self._head = (records[-1].seq, records[-1].hash)
 
     def append(self, event: AuditEvent) -> AuditRecord:
         with self.lock:
             batch = WriteBatch(raw_mode=True)
-            record = self.stage(batch, event)
+            records = self.stage(batch, [event])
             self._db.write(batch, self._write_opts)
-            self.advance(record)
-            return record
+            self.advance(records)
+            return records[0]
 
     def iter_records(self) -> Iterator[AuditRecord]:
         # Stored order is key order, which is seq order; a record whose key and seq disagree (a moved

@@ -1,0 +1,73 @@
+"""Chunk addresses: a chain of sha256 over (model fingerprint, tenant salt, token ids), so one tenant's
+sessions that share a prefix share chunks and no other tenant or model can compute the same address.
+
+h_0 = sha256("kvresume/chunk/v1" | len(fp) | fp | salt); the chunk covering tokens [s, e) whose chain
+reaches s with parent h has address sha256(h | (e - s) as u32 | token ids as u32 little-endian). A full
+chunk's address is also the parent of the next chunk; a partial tail chunk is a leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+
+ADDRESS_BYTES = 32
+TAG_BYTES = 16
+MAX_ID_CHARS = 256
+_DOMAIN = b"kvresume/chunk/v1"
+_U32 = struct.Struct("<I")
+
+
+def check_id(kind: str, value: str) -> None:
+    """Tenant, session, fingerprint and actor ids are non-empty strings of bounded length.
+
+    Raises:
+        ValueError: naming the kind of id and the bad value.
+    """
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise ValueError(f"{kind} must be a non-empty str of at most {MAX_ID_CHARS} chars, got {value!r}")
+
+
+def token_bytes(token_ids: list[int] | bytes) -> bytes:
+    """Token ids as u32 little-endian bytes; `bytes` input is taken as already encoded that way.
+
+    Raises:
+        ValueError: an id outside [0, 2**32), or bytes whose length is not a multiple of 4.
+    """
+    if isinstance(token_ids, bytes | bytearray | memoryview):
+        raw = bytes(token_ids)
+        if len(raw) % 4:
+            raise ValueError(f"token bytes must be u32 little-endian, got length {len(raw)}")
+        return raw
+    try:
+        arr = array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from exc
+    assert arr.itemsize == 4
+    if struct.pack("=I", 1) != _U32.pack(1):
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain_root(model_fingerprint: str, salt: bytes) -> bytes:
+    fp = model_fingerprint.encode()
+    return hashlib.sha256(_DOMAIN + _U32.pack(len(fp)) + fp + salt).digest()
+
+
+def chunk_address(parent: bytes, tokens: bytes) -> bytes:
+    """Address of the chunk holding `tokens` (u32 LE bytes) after `parent` in the chain."""
+    return hashlib.sha256(parent + _U32.pack(len(tokens) // 4) + tokens).digest()
+
+
+def tenant_tag(salt: bytes) -> bytes:
+    """Index tag of a tenant; derived from its secret salt so that it changes when the salt does."""
+    return hashlib.sha256(b"tenant" + salt).digest()[:TAG_BYTES]
+
+
+def session_tag(salt: bytes, session_id: str) -> bytes:
+    return hashlib.sha256(b"session" + salt + session_id.encode()).digest()[:TAG_BYTES]
+
+
+def model_tag(model_fingerprint: str) -> bytes:
+    return hashlib.sha256(b"model" + model_fingerprint.encode()).digest()[:TAG_BYTES]

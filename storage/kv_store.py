@@ -1,0 +1,667 @@
+"""Global KV store: FP4 global-KV chunks of session histories in RocksDB (raw mode), addressed by a
+salted hash chain, verified on every read. Knows nothing of tensors: payloads are opaque bytes from
+model/. Retention (purge, expiry, eviction, checkpoints) is in retention.py.
+
+Invariants:
+- A chunk, its index entries, its references and its audit record commit in one synced write batch;
+  nothing is visible (in the index or to readers) before that batch returned.
+- A read serves a payload only after the header and checksum verify against the address, tenant and
+  model fingerprint asked for, and the chunk is before its ceiling; anything else is a typed miss.
+- Time is `max(clock(), high-water mark persisted on disk)`, so a clock stepping back cannot revive
+  an expired chunk.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import structlog
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
+
+from storage.audit_record import AuditAction, AuditEvent, AuditRecord
+from storage.audit_rocks import RocksAuditSink, synced_write_options
+from storage.chunk_format import ChunkHeader, decode_chunk, encode_chunk
+from storage.chunk_index import (
+    CHUNK,
+    CLOCK_HWM,
+    EXPIRY,
+    F64,
+    FORMAT,
+    META,
+    MODEL_IDX,
+    POLICY,
+    REF,
+    SALT,
+    SESSION_IDX,
+    STORE_FORMAT_VERSION,
+    TENANT_IDX,
+    ChunkIndex,
+    ChunkMeta,
+    index_keys,
+    ref_key,
+    session_key,
+)
+from storage.chunk_key import (
+    ADDRESS_BYTES,
+    TAG_BYTES,
+    chain_root,
+    check_id,
+    chunk_address,
+    model_tag,
+    session_tag,
+    tenant_tag,
+    token_bytes,
+)
+from storage.errors import StoreClosedError, StoreFormatError
+from storage.policy import RetentionPolicy
+from storage.retention import RetentionOps
+from storage.store_config import StoreConfig
+from storage.store_results import (
+    ChunkSpan,
+    LookupResult,
+    Miss,
+    MissReason,
+    PrefixResult,
+    PutResult,
+    RecoveryReport,
+    Refusal,
+    RefusalKind,
+    StoreStats,
+    TenantStats,
+)
+
+log = structlog.get_logger(__name__)
+
+ACTOR = "storage"
+
+
+def _db_options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    # Payloads are FP4 codes and scales: incompressible, so compression would only cost CPU.
+    opts.set_compression_type(DBCompressionType.none())
+    opts.set_max_background_jobs(2)
+    # A torn WAL tail after a crash is dropped up to the last whole record; synced writes precede it.
+    return opts
+
+
+class GlobalKVStore(RetentionOps):
+    """One node's store of global-KV chunks. Thread-safe; one instance per database directory.
+
+    Args:
+        config: paths, region, chunk size, capacity.
+        clock: seconds since the epoch; injected everywhere time matters.
+        on_audit: called with each audit record after its batch is durable (e.g. to mirror it into the
+            service's authoritative SQL log); runs under the store lock, so it must be quick.
+
+    Raises:
+        StoreFormatError: the directory holds a database of another store format.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_audit: Callable[[AuditRecord], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._on_audit = on_audit
+        self._lock = threading.RLock()
+        self._closed = False
+        self._write_opts = synced_write_options()
+        self._stats = StoreStats(capacity_bytes=config.capacity_bytes)
+        self._index = ChunkIndex()
+        self._salts: dict[str, bytes] = {}
+        self._tenant_of_tag: dict[bytes, str] = {}
+        self._policies: dict[str, RetentionPolicy] = {}
+        self._hwm = 0.0
+        self._maintenance_thread: threading.Thread | None = None
+        self._maintenance_stop = threading.Event()
+        config.db_path.mkdir(parents=True, exist_ok=True)
+        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self._db = Rdict(str(config.db_path), _db_options())
+        self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)
+        self.recovery = self._recover()
+        log.info("store_opened", path=config.path, **self.recovery.__dict__)
+
+    @property
+    def audit(self) -> RocksAuditSink:
+        """The store's own hash-chained audit log (`verify()`, `iter_records()`)."""
+        return self._audit
+
+    @property
+    def write_options_synced(self) -> bool:
+        """True when every batch is written with a synced WAL (the durability contract)."""
+        return bool(self._write_opts.sync) and not self._write_opts.disable_wal
+
+    def close(self) -> None:
+        """Stop maintenance, flush and close the database. Idempotent."""
+        self.stop_maintenance()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._db.close()
+
+    def __enter__(self) -> GlobalKVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _now(self) -> float:
+        stamp = self._clock()
+        if stamp > self._hwm:
+            self._hwm = stamp
+        return self._hwm
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store at {self.config.path} is closed")
+
+    def _commit(self, batch: WriteBatch, events: list[AuditEvent]) -> list[AuditRecord]:
+        """Write `batch` plus the audit records of `events` and the clock mark, synced. Lock held."""
+        self._check_open()
+        now = self._now()
+        records = self._audit.stage(batch, events, ts=now)
+        batch.put(CLOCK_HWM, F64.pack(now))
+        self._db.write(batch, self._write_opts)
+        self._stats.synced_writes += 1
+        self._audit.advance(records)
+        if self._on_audit is not None:
+            for record in records:
+                self._on_audit(record)
+        return records
+
+    def _recover(self) -> RecoveryReport:
+        db = self._db
+        fmt = db.get(FORMAT)
+        if fmt is None:
+            if any(True for _ in self._iter_prefix(b"")):
+                raise StoreFormatError(f"{self.config.db_path} holds data without a store format mark")
+            db.put(FORMAT, STORE_FORMAT_VERSION, self._write_opts)
+        elif fmt != STORE_FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.config.db_path} has store format {fmt!r}, not {STORE_FORMAT_VERSION!r}"
+            )
+        raw_hwm = db.get(CLOCK_HWM)
+        self._hwm = F64.unpack(raw_hwm)[0] if raw_hwm is not None else 0.0
+        for key, salt in self._iter_prefix(SALT, values=True):
+            tenant = key[1:].decode()
+            self._salts[tenant] = salt
+            self._tenant_of_tag[tenant_tag(salt)] = tenant
+        for key, raw in self._iter_prefix(POLICY, values=True):
+            self._policies[key[1:].decode()] = RetentionPolicy.from_json(raw)
+        metas: list[tuple[bytes, ChunkMeta]] = []
+        leftovers: list[bytes] = []
+        for key, raw in self._iter_prefix(META, values=True):
+            meta = ChunkMeta.decode(raw)
+            if meta is None or len(key) != 1 + ADDRESS_BYTES:
+                leftovers.append(key)
+            else:
+                metas.append((key[1:], meta))
+        values = {key[1:] for key, _ in self._iter_prefix(CHUNK)}
+        for addr, meta in sorted(metas, key=lambda item: item[1].created_at):
+            if addr in values:
+                self._index.add(addr, meta)
+            else:
+                leftovers.extend(index_keys(addr, meta))
+        known = self._index.meta
+        leftovers.extend(CHUNK + a for a in values if a not in known)
+        # Index entries end with the address; references start with it.
+        for prefix, addr_at in ((EXPIRY, 9), (TENANT_IDX, 1 + TAG_BYTES), (MODEL_IDX, 1 + TAG_BYTES)):
+            leftovers.extend(k for k, _ in self._iter_prefix(prefix) if k[addr_at:] not in known)
+        leftovers.extend(k for k, _ in self._iter_prefix(REF) if k[1 : 1 + ADDRESS_BYTES] not in known)
+        leftovers.extend(k for k, _ in self._iter_prefix(SESSION_IDX) if k[1 + TAG_BYTES :] not in known)
+        if leftovers:
+            batch = WriteBatch(raw_mode=True)
+            for key in set(leftovers):
+                batch.delete(key)
+            self._db.write(batch, self._write_opts)
+            log.warning("store_leftovers_removed", count=len(set(leftovers)))
+        stale = 0
+        for entry in self.config.checkpoint_dir.iterdir():
+            # RocksDB builds a checkpoint in `<name>.tmp` and renames it when complete.
+            if entry.name.endswith(".tmp"):
+                shutil.rmtree(entry, ignore_errors=True)
+                stale += 1
+        self._stats.recovered_chunks = len(self._index)
+        return RecoveryReport(
+            chunks=len(self._index),
+            bytes_stored=self._index.bytes_stored,
+            tenants=len(self._salts),
+            orphans_removed=len(set(leftovers)),
+            stale_checkpoints_removed=stale,
+            audit_head_seq=self._audit.head()[0],
+            clock_high_water=self._hwm,
+        )
+
+    def _iter_prefix(self, prefix: bytes, *, values: bool = False):
+        """Yield (key, value or None) for keys starting with `prefix`, in key order."""
+        it = self._db.iter()
+        it.seek(prefix)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                return
+            yield key, (it.value() if values else None)
+            it.next()
+
+    def _salt(self, tenant: str, *, create: bool) -> bytes | None:
+        salt = self._salts.get(tenant)
+        if salt is None and create:
+            salt = secrets.token_bytes(32)
+            batch = WriteBatch(raw_mode=True)
+            batch.put(SALT + tenant.encode(), salt)
+            self._commit(batch, [])
+            self._salts[tenant] = salt
+            self._tenant_of_tag[tenant_tag(salt)] = tenant
+        return salt
+
+    def get_policy(self, tenant: str) -> RetentionPolicy:
+        """The tenant's policy (the default one until set)."""
+        check_id("tenant", tenant)
+        with self._lock:
+            return self._policies.get(tenant, RetentionPolicy())
+
+    def put_chunks(
+        self,
+        tenant: str,
+        session: str,
+        model_fingerprint: str,
+        token_ids: list[int] | bytes,
+        payloads: Mapping[tuple[int, int], bytes],
+        *,
+        actor: str = ACTOR,
+    ) -> PutResult:
+        """Persist chunk payloads of a session's history, durably, under the tenant's policy.
+
+        Args:
+            tenant, session: owner ids; the session holds a reference on every chunk it stores.
+            model_fingerprint: opaque id of the model (config, weights, cache format, numerics).
+            token_ids: the history (ints, or u32 little-endian bytes) covering every range.
+            payloads: (start, end) -> opaque payload bytes (model/'s export_global(start, end)).
+                Full chunks are [k*chunk_tokens, (k+1)*chunk_tokens); at most one partial tail chunk
+                [k*chunk_tokens, e) with e < (k+1)*chunk_tokens, the last range. A tail supersedes the
+                session's shorter tail at the same position, and a full chunk supersedes them all.
+
+        Returns:
+            PutResult; `refusal` says why nothing was persisted (residency, capacity in floor, I/O).
+
+        Raises:
+            ValueError: misaligned, overlapping or out-of-range ranges, empty or oversized payloads.
+        """
+        check_id("tenant", tenant)
+        check_id("session", session)
+        check_id("model_fingerprint", model_fingerprint)
+        toks = token_bytes(token_ids)
+        ranges = self._validate_ranges(len(toks) // 4, payloads)
+        with self._lock:
+            self._check_open()
+            policy = self._policies.get(tenant, RetentionPolicy())
+            if not policy.allows_region(self.config.region):
+                return self._refuse(
+                    tenant,
+                    session,
+                    RefusalKind.RESIDENCY,
+                    f"region {self.config.region!r} not in allowed_regions "
+                    f"{list(policy.allowed_regions or ())}",
+                    sum(len(payloads[r]) for r in ranges),
+                )
+            salt = self._salt(tenant, create=True)
+            assert salt is not None
+            return self._put_locked(
+                tenant, session, model_fingerprint, toks, ranges, payloads, policy, salt, actor
+            )
+
+    def _validate_ranges(
+        self, n_tokens: int, payloads: Mapping[tuple[int, int], bytes]
+    ) -> list[tuple[int, int]]:
+        size = self.config.chunk_tokens
+        ranges = sorted(payloads)
+        prev_end = 0
+        for i, (start, end) in enumerate(ranges):
+            if start % size or not (0 <= start < end <= n_tokens) or end - start > size:
+                raise ValueError(
+                    f"range ({start}, {end}) must start at a multiple of chunk_tokens={size}, "
+                    f"span at most {size} tokens and lie within the {n_tokens}-token history"
+                )
+            if end - start < size and i != len(ranges) - 1:
+                raise ValueError(f"partial range ({start}, {end}) must be the last one")
+            if start < prev_end:
+                raise ValueError(f"range ({start}, {end}) overlaps the previous one")
+            prev_end = end
+            payload = payloads[(start, end)]
+            if not isinstance(payload, bytes | bytearray | memoryview) or not 0 < len(payload):
+                raise ValueError(f"payload of range ({start}, {end}) must be non-empty bytes")
+            if len(payload) > self.config.max_payload_bytes:
+                raise ValueError(
+                    f"payload of range ({start}, {end}) is {len(payload)} B "
+                    f"> max_payload_bytes={self.config.max_payload_bytes}"
+                )
+        return ranges
+
+    def _refuse(self, tenant: str, session: str, kind: RefusalKind, message: str, nbytes: int) -> PutResult:
+        self._stats.refusals[kind.value] += 1
+        event = AuditEvent(
+            actor=ACTOR,
+            action=AuditAction.REFUSE,
+            tenant=tenant,
+            subject=f"session:{session}",
+            reason=kind.value,
+            nbytes=nbytes,
+        )
+        try:
+            self._commit(WriteBatch(raw_mode=True), [event])
+        except Exception as exc:  # noqa: BLE001 - a full disk refuses the audit write too; say so, don't crash
+            log.error("refusal_audit_failed", tenant=tenant, kind=kind.value, error=str(exc))
+        log.warning("store_refused", tenant=tenant, kind=kind.value, message=message)
+        return PutResult(
+            stored=[],
+            new_bytes=0,
+            shared_chunks=0,
+            evicted_chunks=0,
+            refusal=Refusal(kind=kind, message=message),
+        )
+
+    def _put_locked(
+        self,
+        tenant: str,
+        session: str,
+        fp: str,
+        toks: bytes,
+        ranges: list[tuple[int, int]],
+        payloads: Mapping[tuple[int, int], bytes],
+        policy: RetentionPolicy,
+        salt: bytes,
+        actor: str,
+    ) -> PutResult:
+        size = self.config.chunk_tokens
+        now = self._now()
+        ttag, stag, mtag = tenant_tag(salt), session_tag(salt, session), model_tag(fp)
+        parent = chain_root(fp, salt)
+        parents = {0: parent}
+        for k in range(1, max(s for s, _ in ranges) // size + 1):
+            parent = chunk_address(parent, toks[(k - 1) * size * 4 : k * size * 4])
+            parents[k * size] = parent
+        plan: list[tuple[int, int, bytes, bytes, bool]] = []
+        new_bytes = 0
+        replaced_bytes = 0
+        for start, end in ranges:
+            addr = chunk_address(parents[start], toks[start * 4 : end * 4])
+            old = self._index.meta.get(addr)
+            shared = old is not None and now < old.ceiling_at
+            if not shared:
+                new_bytes += self._value_len(fp, len(payloads[(start, end)]))
+                replaced_bytes += old.value_len if old is not None else 0
+            plan.append((start, end, addr, parents[start], shared))
+        need = self._index.bytes_stored - replaced_bytes + new_bytes - self.config.capacity_bytes
+        evicted = 0
+        if need > 0:
+            protect = {addr for _, _, addr, _, _ in plan}
+            victims = self._pick_victims(need, protect, now)
+            if victims is None:
+                return self._refuse(
+                    tenant,
+                    session,
+                    RefusalKind.CAPACITY,
+                    f"needs {new_bytes} B, capacity {self.config.capacity_bytes} B is held by chunks inside "
+                    "their retention floor",
+                    new_bytes,
+                )
+            try:
+                evicted = self._evict(victims)
+            except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
+                return self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes)
+        floor_until = now + policy.effective_floor_s
+        ceiling_at = now + policy.ceiling_s
+        stored: list[tuple[int, int]] = []
+        written = shared_count = 0
+        for start, end, addr, parent, shared in plan:
+            batch = WriteBatch(raw_mode=True)
+            batch.put(ref_key(addr, stag), b"")
+            batch.put(session_key(stag, addr), b"")
+            events: list[AuditEvent] = []
+            meta = None
+            if shared:
+                shared_count += 1
+            else:
+                old = self._index.meta.get(addr)
+                if old is not None:
+                    # Same address past its ceiling: drop the old entry before writing anew.
+                    self._stage_delete(batch, addr, old)
+                payload = bytes(payloads[(start, end)])
+                header = ChunkHeader(
+                    address=addr,
+                    tenant_tag=ttag,
+                    model_fingerprint=fp,
+                    start=start,
+                    n_tokens=end - start,
+                    created_at=now,
+                    floor_until=floor_until,
+                    ceiling_at=ceiling_at,
+                    payload_len=len(payload),
+                )
+                value = encode_chunk(header, payload)
+                meta = ChunkMeta(
+                    tenant_tag=ttag,
+                    model_tag=mtag,
+                    parent=parent,
+                    start=start,
+                    n_tokens=end - start,
+                    value_len=len(value),
+                    created_at=now,
+                    floor_until=floor_until,
+                    ceiling_at=ceiling_at,
+                    is_tail=end - start < size,
+                )
+                keys = index_keys(addr, meta)
+                batch.put(keys[0], value)
+                batch.put(keys[1], meta.encode())
+                for key in keys[2:]:
+                    batch.put(key, b"")
+                events.append(
+                    AuditEvent(
+                        actor=actor,
+                        action=AuditAction.STORE,
+                        tenant=tenant,
+                        subject=f"chunk:{addr.hex()}",
+                        reason=f"session:{session} tokens:{start}-{end}",
+                        nbytes=len(value),
+                    )
+                )
+            try:
+                self._commit(batch, events)
+            except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
+                result = self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes - written)
+                return PutResult(
+                    stored=stored,
+                    new_bytes=written,
+                    shared_chunks=shared_count,
+                    evicted_chunks=evicted,
+                    refusal=result.refusal,
+                )
+            if meta is not None:
+                self._index.remove(addr)
+                self._index.add(addr, meta)
+                written += meta.value_len
+                self._stats.chunks_written += 1
+                self._stats.bytes_written += meta.value_len
+            else:
+                self._index.touch(addr)
+            stored.append((start, end))
+            self._supersede_tails(stag, addr, parent, start, end - start)
+        return PutResult(stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=evicted)
+
+    @staticmethod
+    def _value_len(fp: str, payload_len: int) -> int:
+        probe = ChunkHeader(
+            address=bytes(ADDRESS_BYTES),
+            tenant_tag=bytes(TAG_BYTES),
+            model_fingerprint=fp,
+            start=0,
+            n_tokens=0,
+            created_at=0.0,
+            floor_until=0.0,
+            ceiling_at=0.0,
+            payload_len=payload_len,
+        )
+        return probe.header_len + payload_len + 32
+
+    def lookup(self, tenant: str, model_fingerprint: str, token_ids: list[int] | bytes) -> LookupResult:
+        """Index-only: the leading chunks of `token_ids` this tenant has stored for this model.
+
+        No payload is read; `longest_valid_prefix` reads and verifies. A tenant without data, another
+        tenant's prefix and another fingerprint's prefix all look the same: a miss at token 0.
+        """
+        check_id("tenant", tenant)
+        check_id("model_fingerprint", model_fingerprint)
+        toks = token_bytes(token_ids)
+        n = len(toks) // 4
+        size = self.config.chunk_tokens
+        with self._lock:
+            self._check_open()
+            now = self._now()
+            salt = self._salts.get(tenant)
+            spans: list[ChunkSpan] = []
+            if salt is None:
+                return LookupResult(n_tokens=0, spans=spans, miss=Miss(reason=MissReason.ABSENT, at_token=0))
+            parent = chain_root(model_fingerprint, salt)
+            pos = 0
+            index = self._index.meta
+            while pos + size <= n:
+                addr = chunk_address(parent, toks[pos * 4 : (pos + size) * 4])
+                meta = index.get(addr)
+                if meta is None:
+                    break
+                if now >= meta.ceiling_at:
+                    return LookupResult(
+                        n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
+                    )
+                spans.append(ChunkSpan(address=addr, start=pos, end=pos + size))
+                parent = addr
+                pos += size
+            for length in sorted(self._index.tail_lengths(parent), reverse=True):
+                if pos + length > n:
+                    continue
+                addr = chunk_address(parent, toks[pos * 4 : (pos + length) * 4])
+                meta = index.get(addr)
+                if meta is None:
+                    continue
+                if now >= meta.ceiling_at:
+                    return LookupResult(
+                        n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
+                    )
+                spans.append(ChunkSpan(address=addr, start=pos, end=pos + length))
+                pos += length
+                break
+            miss = None if pos == n else Miss(reason=MissReason.ABSENT, at_token=pos)
+            return LookupResult(n_tokens=pos, spans=spans, miss=miss)
+
+    def longest_valid_prefix(
+        self, tenant: str, model_fingerprint: str, token_ids: list[int] | bytes
+    ) -> PrefixResult:
+        """Read and verify the stored chunks covering the longest prefix of `token_ids`.
+
+        Returns:
+            PrefixResult: payloads in order and where/why the prefix ends. A value that fails its
+            header or checksum checks ends the prefix with a CORRUPT miss, is removed from the store
+            and recorded in the audit log; its bytes are never returned.
+        """
+        found = self.lookup(tenant, model_fingerprint, token_ids)
+        ranges: list[tuple[int, int]] = []
+        payloads: list[bytes] = []
+        miss = found.miss
+        with self._lock:
+            salt = self._salts.get(tenant)
+        ttag = tenant_tag(salt) if salt is not None else b""
+        for span in found.spans:
+            value = self._db.get(CHUNK + span.address)
+            if value is None:
+                miss = self._on_bad_value(tenant, span, "value_missing", 0)
+                break
+            decoded = decode_chunk(
+                value, address=span.address, tenant_tag=ttag, model_fingerprint=model_fingerprint
+            )
+            if not isinstance(decoded, tuple):
+                miss = self._on_bad_value(tenant, span, decoded.value, len(value))
+                break
+            header, payload = decoded
+            if self._now() >= header.ceiling_at:
+                miss = Miss(reason=MissReason.EXPIRED, at_token=span.start)
+                break
+            ranges.append((span.start, span.end))
+            payloads.append(bytes(payload))
+        with self._lock:
+            for span in found.spans[: len(ranges)]:
+                self._index.touch(span.address)
+            self._stats.chunk_hits += len(ranges)
+            if miss is not None:
+                self._stats.misses[miss.reason.value] += 1
+        n_tokens = ranges[-1][1] if ranges else 0
+        return PrefixResult(n_tokens=n_tokens, ranges=ranges, payloads=payloads, miss=miss)
+
+    def _on_bad_value(self, tenant: str, span: ChunkSpan, defect: str, nbytes: int) -> Miss:
+        """Quarantine a chunk whose stored bytes failed verification: remove it, audit, count."""
+        with self._lock:
+            self._stats.corrupt_by_defect[defect] = self._stats.corrupt_by_defect.get(defect, 0) + 1
+            meta = self._index.meta.get(span.address)
+            if meta is not None:
+                batch = WriteBatch(raw_mode=True)
+                self._stage_delete(batch, span.address, meta)
+                event = AuditEvent(
+                    actor=ACTOR,
+                    action=AuditAction.READ_CORRUPT,
+                    tenant=tenant,
+                    subject=f"chunk:{span.address.hex()}",
+                    reason=defect,
+                    nbytes=nbytes,
+                )
+                try:
+                    self._commit(batch, [event])
+                    self._index.remove(span.address)
+                except Exception as exc:  # noqa: BLE001 - the miss stands even if the cleanup cannot be written
+                    log.error("corrupt_chunk_cleanup_failed", error=str(exc))
+            log.warning("chunk_corrupt", tenant=tenant, start=span.start, defect=defect)
+        return Miss(reason=MissReason.CORRUPT, at_token=span.start, detail=defect)
+
+    def stats(self) -> StoreStats:
+        """Node-wide counters (admin/metrics only: they aggregate every tenant)."""
+        with self._lock:
+            snap = StoreStats(**{**self._stats.__dict__})
+            snap.misses = dict(self._stats.misses)
+            snap.refusals = dict(self._stats.refusals)
+            snap.corrupt_by_defect = dict(self._stats.corrupt_by_defect)
+            snap.chunks = len(self._index)
+            snap.bytes_stored = self._index.bytes_stored
+            snap.tenants = len(self._salts)
+            return snap
+
+    def tenant_stats(self, tenant: str) -> TenantStats:
+        """What this tenant has stored on this node; says nothing about any other tenant."""
+        check_id("tenant", tenant)
+        with self._lock:
+            salt = self._salts.get(tenant)
+            if salt is None:
+                return TenantStats(chunks=0, bytes_stored=0)
+            tag = tenant_tag(salt)
+            return TenantStats(
+                chunks=self._index.tenant_chunks.get(tag, 0),
+                bytes_stored=self._index.tenant_bytes.get(tag, 0),
+            )
+
+    def session_chunks(self, tenant: str, session: str) -> int:
+        """How many stored chunks this tenant's session refers to."""
+        check_id("tenant", tenant)
+        check_id("session", session)
+        with self._lock:
+            salt = self._salts.get(tenant)
+            if salt is None:
+                return 0
+            return sum(1 for _ in self._iter_prefix(SESSION_IDX + session_tag(salt, session)))

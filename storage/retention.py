@@ -1,0 +1,378 @@
+"""Retention operations of the global KV store: policy changes, expiry past the ceiling, capacity
+eviction past the floor, purges, checkpoints, and the physical deletion that follows each of them.
+
+A mixin of GlobalKVStore (kv_store.py), split out by concept; it uses the store's lock, database,
+index and audit sink, and every method below runs with the store lock held unless it takes it.
+
+Physical deletion: RocksDB's own TTL is database-wide and leaves expired values readable until a
+compaction happens to reach them, so it is not used. Instead a deletion is (1) a synced batch of
+tombstones with its audit record, then (2) a memtable flush, so that the WAL segments holding the old
+values become obsolete and are removed, then (3) a manual compaction of the deleted keys forced down
+through the bottommost level, which rewrites the SST files without the values and drops the
+tombstones, then (4) removal of every checkpoint taken before, since checkpoints hard-link old SST and
+WAL files. After these steps no file under the store's root holds the deleted bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+from rocksdict import BottommostLevelCompaction, Checkpoint, CompactOptions, WriteBatch
+
+from storage.audit_record import AuditAction, AuditEvent
+from storage.chunk_index import (
+    CHUNK,
+    EXPIRY,
+    MODEL_IDX,
+    POLICY,
+    REF,
+    SALT,
+    SESSION_IDX,
+    TENANT_IDX,
+    ChunkMeta,
+    expiry_bound,
+    expiry_key,
+    index_keys,
+    meta_key,
+    prefix_end,
+    ref_key,
+    session_key,
+)
+from storage.chunk_key import ADDRESS_BYTES, TAG_BYTES, check_id, model_tag, session_tag, tenant_tag
+from storage.policy import RetentionPolicy
+from storage.store_results import MaintenanceReport, PurgeResult
+
+if TYPE_CHECKING:
+    from storage.kv_store import GlobalKVStore
+
+log = structlog.get_logger(__name__)
+
+# Above this many deleted chunks one compaction of the whole chunk range beats one per key.
+_PER_KEY_COMPACTION_LIMIT = 64
+
+
+class RetentionOps:
+    """Retention half of GlobalKVStore (see the module docstring)."""
+
+    def set_policy(
+        self: GlobalKVStore, tenant: str, policy: RetentionPolicy, *, actor: str, reason: str = "admin"
+    ) -> PurgeResult:
+        """Set a tenant's retention and residency policy and apply it to what is stored.
+
+        A shorter ceiling applies at once to stored chunks (served never after it and rescheduled for
+        deletion); a longer floor or ceiling applies to later writes. A policy that excludes this
+        node's region purges the tenant's chunks here.
+
+        Returns:
+            What the policy change deleted (nothing unless residency excluded this node).
+        """
+        check_id("tenant", tenant)
+        check_id("actor", actor)
+        with self._lock:
+            self._check_open()
+            batch = WriteBatch(raw_mode=True)
+            batch.put(POLICY + tenant.encode(), policy.to_json())
+            salt = self._salts.get(tenant)
+            changed: list[tuple[bytes, ChunkMeta]] = []
+            if salt is not None:
+                ttag = tenant_tag(salt)
+                for addr, meta in list(self._index.meta.items()):
+                    if meta.tenant_tag != ttag:
+                        continue
+                    ceiling = min(meta.ceiling_at, meta.created_at + policy.ceiling_s)
+                    if ceiling < meta.ceiling_at:
+                        new = ChunkMeta(**{**meta.__dict__, "ceiling_at": ceiling})
+                        new = ChunkMeta(**{**new.__dict__, "floor_until": min(new.floor_until, ceiling)})
+                        batch.delete(expiry_key(meta.ceiling_at, addr))
+                        batch.put(expiry_key(ceiling, addr), b"")
+                        batch.put(meta_key(addr), new.encode())
+                        changed.append((addr, new))
+            regions = "*" if policy.allowed_regions is None else ",".join(policy.allowed_regions)
+            event = AuditEvent(
+                actor=actor,
+                action=AuditAction.POLICY_CHANGE,
+                tenant=tenant,
+                subject="policy",
+                reason=f"{reason}: floor_s={policy.floor_s} ceiling_s={policy.ceiling_s} regions={regions}",
+            )
+            self._commit(batch, [event])
+            self._policies[tenant] = policy
+            for addr, new in changed:
+                self._index.replace(addr, new)
+            if not policy.allows_region(self.config.region):
+                return self._purge_tenant_locked(
+                    tenant, actor=actor, reason="residency_policy", keep_salt=True
+                )
+            return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
+
+    def _stage_delete(self: GlobalKVStore, batch: WriteBatch, addr: bytes, meta: ChunkMeta) -> None:
+        """Add the removal of a chunk, its index entries and all its references to `batch`."""
+        for key in index_keys(addr, meta):
+            batch.delete(key)
+        for key, _ in self._iter_prefix(REF + addr):
+            batch.delete(key)
+            batch.delete(session_key(key[1 + ADDRESS_BYTES :], addr))
+
+    def _delete_chunks(
+        self: GlobalKVStore, addrs: list[bytes], *, action: AuditAction, actor: str, reason: str
+    ) -> tuple[int, int]:
+        """Delete chunks with one audit record each, in synced batches; returns (chunks, bytes)."""
+        count = freed = 0
+        for i in range(0, len(addrs), 256):
+            batch = WriteBatch(raw_mode=True)
+            events: list[AuditEvent] = []
+            done: list[bytes] = []
+            for addr in addrs[i : i + 256]:
+                meta = self._index.meta.get(addr)
+                if meta is None:
+                    continue
+                self._stage_delete(batch, addr, meta)
+                events.append(
+                    AuditEvent(
+                        actor=actor,
+                        action=action,
+                        tenant=self._tenant_of_tag.get(meta.tenant_tag, ""),
+                        subject=f"chunk:{addr.hex()}",
+                        reason=reason,
+                        nbytes=meta.value_len,
+                    )
+                )
+                done.append(addr)
+            if not done:
+                continue
+            self._commit(batch, events)
+            for addr in done:
+                meta = self._index.remove(addr)
+                assert meta is not None
+                count += 1
+                freed += meta.value_len
+        return count, freed
+
+    def _supersede_tails(
+        self: GlobalKVStore, stag: bytes, addr: bytes, parent: bytes, start: int, n_tokens: int
+    ) -> None:
+        """Drop this session's references to its shorter tails at the same chain position."""
+        for length, addrs in list(self._index.tail_lengths(parent).items()):
+            if length >= n_tokens:
+                continue
+            for old in list(addrs):
+                if old == addr or self._db.get(ref_key(old, stag)) is None:
+                    continue
+                meta = self._index.meta[old]
+                assert meta.start == start
+                self._unref(old, stag, reason="superseded_tail")
+
+    def _unref(self: GlobalKVStore, addr: bytes, stag: bytes, *, reason: str) -> int:
+        """Remove one session's reference; delete the chunk when no session refers to it any more."""
+        others = [k for k, _ in self._iter_prefix(REF + addr) if k[1 + ADDRESS_BYTES :] != stag]
+        if others:
+            batch = WriteBatch(raw_mode=True)
+            batch.delete(ref_key(addr, stag))
+            batch.delete(session_key(stag, addr))
+            self._commit(batch, [])
+            return 0
+        return self._delete_chunks([addr], action=AuditAction.PURGE, actor="storage", reason=reason)[1]
+
+    def _pick_victims(self: GlobalKVStore, need: int, protect: set[bytes], now: float) -> list[bytes] | None:
+        """Least recently used chunks past their floor freeing >= need bytes, or None if impossible."""
+        victims: list[bytes] = []
+        freed = 0
+        for addr in self._index.lru:
+            meta = self._index.meta[addr]
+            if addr in protect or now < meta.floor_until:
+                continue
+            victims.append(addr)
+            freed += meta.value_len
+            if freed >= need:
+                return victims
+        return None
+
+    def _evict(self: GlobalKVStore, victims: list[bytes]) -> int:
+        count, freed = self._delete_chunks(
+            victims, action=AuditAction.EVICT, actor="storage", reason="capacity_lru"
+        )
+        self._stats.evicted_chunks += count
+        self._physically_remove(victims, actor="storage")
+        log.info("chunks_evicted", chunks=count, bytes=freed)
+        return count
+
+    def purge_session(
+        self: GlobalKVStore, tenant: str, session: str, *, actor: str, reason: str = "request"
+    ) -> PurgeResult:
+        """Remove a session's references and every chunk only it used (shared chunks stay)."""
+        with self._lock:
+            self._check_open()
+            salt = self._salts.get(tenant)
+            if salt is None:
+                return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
+            stag = session_tag(salt, session)
+            addrs = [k[1 + TAG_BYTES :] for k, _ in self._iter_prefix(SESSION_IDX + stag)]
+            batch = WriteBatch(raw_mode=True)
+            only_mine: list[bytes] = []
+            for addr in addrs:
+                others = [k for k, _ in self._iter_prefix(REF + addr) if k[1 + ADDRESS_BYTES :] != stag]
+                if others:
+                    batch.delete(ref_key(addr, stag))
+                    batch.delete(session_key(stag, addr))
+                else:
+                    only_mine.append(addr)
+            self._commit(batch, [])
+            return self._purge(
+                only_mine, tenant=tenant, subject=f"session:{session}", actor=actor, reason=reason
+            )
+
+    def purge_tenant(self: GlobalKVStore, tenant: str, *, actor: str, reason: str = "request") -> PurgeResult:
+        """Remove every chunk of the tenant on this node and its salt (so any remnant is unreachable);
+        the tenant's policy stays. Checkpoints taken before are removed."""
+        with self._lock:
+            self._check_open()
+            return self._purge_tenant_locked(tenant, actor=actor, reason=reason, keep_salt=False)
+
+    def _purge_tenant_locked(
+        self: GlobalKVStore, tenant: str, *, actor: str, reason: str, keep_salt: bool
+    ) -> PurgeResult:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
+        ttag = tenant_tag(salt)
+        addrs = [k[1 + TAG_BYTES :] for k, _ in self._iter_prefix(TENANT_IDX + ttag)]
+        result = self._purge(addrs, tenant=tenant, subject=f"tenant:{tenant}", actor=actor, reason=reason)
+        if not keep_salt:
+            batch = WriteBatch(raw_mode=True)
+            batch.delete(SALT + tenant.encode())
+            # Sessions' references die with the chunks; index entries of the tag die with them too.
+            self._commit(batch, [])
+            del self._salts[tenant]
+            self._tenant_of_tag.pop(ttag, None)
+        return result
+
+    def purge_model(
+        self: GlobalKVStore, model_fingerprint: str, *, actor: str, reason: str = "request"
+    ) -> PurgeResult:
+        """Remove every chunk written under this model fingerprint, for every tenant."""
+        with self._lock:
+            self._check_open()
+            mtag = model_tag(model_fingerprint)
+            addrs = [k[1 + TAG_BYTES :] for k, _ in self._iter_prefix(MODEL_IDX + mtag)]
+            return self._purge(
+                addrs, tenant="", subject=f"model:{model_fingerprint}", actor=actor, reason=reason
+            )
+
+    def _purge(
+        self: GlobalKVStore, addrs: list[bytes], *, tenant: str, subject: str, actor: str, reason: str
+    ) -> PurgeResult:
+        count, freed = self._delete_chunks(
+            addrs, action=AuditAction.PURGE, actor=actor, reason=f"{subject} {reason}"
+        )
+        self._stats.purged_chunks += count
+        removed = self._physically_remove(addrs, actor=actor)
+        summary = AuditEvent(
+            actor=actor, action=AuditAction.PURGE, tenant=tenant, subject=subject, reason=reason, nbytes=freed
+        )
+        self._commit(WriteBatch(raw_mode=True), [summary])
+        log.info("store_purged", subject=subject, chunks=count, bytes=freed, checkpoints_removed=removed)
+        return PurgeResult(chunks_deleted=count, bytes_deleted=freed, checkpoints_removed=removed)
+
+    def run_maintenance(self: GlobalKVStore) -> MaintenanceReport:
+        """Delete every chunk past its ceiling, then remove the bytes from disk (module docstring)."""
+        with self._lock:
+            self._check_open()
+            now = self._now()
+            bound = expiry_bound(now)
+            due = [k[9:] for k, _ in self._iter_prefix(EXPIRY) if k < bound]
+            count, freed = self._delete_chunks(
+                due, action=AuditAction.EXPIRE, actor="maintenance", reason="past_ceiling"
+            )
+            self._stats.expired_chunks += count
+            removed = self._physically_remove(due, actor="maintenance") if count else 0
+            if count:
+                log.info("chunks_expired", chunks=count, bytes=freed, checkpoints_removed=removed)
+            return MaintenanceReport(
+                expired_chunks=count, expired_bytes=freed, compacted=bool(count), checkpoints_removed=removed
+            )
+
+    def _physically_remove(self: GlobalKVStore, addrs: list[bytes], *, actor: str) -> int:
+        """Flush, compact the deleted keys through the bottommost level, drop older checkpoints."""
+        if not addrs:
+            return 0
+        self._db.flush(True)
+        opts = CompactOptions()
+        opts.set_bottommost_level_compaction(BottommostLevelCompaction.force())
+        if len(addrs) > _PER_KEY_COMPACTION_LIMIT:
+            self._db.compact_range(CHUNK, prefix_end(CHUNK), opts)
+        else:
+            for addr in sorted(addrs):
+                self._db.compact_range(CHUNK + addr, CHUNK + addr, opts)
+        return self._drop_checkpoints(actor=actor)
+
+    def _drop_checkpoints(self: GlobalKVStore, *, actor: str) -> int:
+        names = sorted(p.name for p in self.config.checkpoint_dir.iterdir())
+        for name in names:
+            shutil.rmtree(self.config.checkpoint_dir / name, ignore_errors=True)
+        if names:
+            event = AuditEvent(
+                actor=actor,
+                action=AuditAction.CHECKPOINT,
+                tenant="",
+                subject="checkpoints:" + ",".join(names),
+                reason="removed_after_deletion",
+            )
+            self._commit(WriteBatch(raw_mode=True), [event])
+        return len(names)
+
+    def create_checkpoint(self: GlobalKVStore, name: str, *, actor: str = "admin") -> Path:
+        """Take a consistent on-disk snapshot (backup) under `path/checkpoints/<name>`.
+
+        Any later deletion (expiry, purge, eviction) removes it, so no backup outlives a deletion.
+        """
+        if not name or "/" in name or name.startswith(".") or name.endswith(".tmp"):
+            raise ValueError(f"checkpoint name must be a plain directory name, got {name!r}")
+        with self._lock:
+            self._check_open()
+            target = self.config.checkpoint_dir / name
+            if target.exists():
+                raise ValueError(f"checkpoint {name!r} already exists")
+            self._db.flush_wal(True)
+            Checkpoint(self._db).create_checkpoint(str(target))
+            event = AuditEvent(
+                actor=actor,
+                action=AuditAction.CHECKPOINT,
+                tenant="",
+                subject=f"checkpoint:{name}",
+                reason="created",
+            )
+            self._commit(WriteBatch(raw_mode=True), [event])
+            return target
+
+    def list_checkpoints(self: GlobalKVStore) -> list[str]:
+        return sorted(p.name for p in self.config.checkpoint_dir.iterdir() if not p.name.endswith(".tmp"))
+
+    def start_maintenance(self: GlobalKVStore) -> None:
+        """Run `run_maintenance` every config.maintenance_interval_s on a daemon thread until close()."""
+        if self._maintenance_thread is not None:
+            return
+        self._maintenance_stop.clear()
+
+        def loop() -> None:
+            while not self._maintenance_stop.wait(self.config.maintenance_interval_s):
+                try:
+                    self.run_maintenance()
+                except Exception as exc:  # noqa: BLE001 - keep the schedule alive; the next pass retries
+                    log.error("maintenance_failed", error=str(exc))
+
+        self._maintenance_thread = threading.Thread(
+            target=loop, name="kvresume-storage-maintenance", daemon=True
+        )
+        self._maintenance_thread.start()
+
+    def stop_maintenance(self: GlobalKVStore) -> None:
+        thread = self._maintenance_thread
+        if thread is None:
+            return
+        self._maintenance_stop.set()
+        thread.join()
+        self._maintenance_thread = None
