@@ -82,7 +82,7 @@ def sparse_attn_fwd_kernel(
     q_ptrs = q_ptr + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BH, BD] bf16
 
-    running_max = tl.full([BLOCK_H], running_max_init, tl.float32)
+    running_max = tl.zeros([BLOCK_H], tl.float32) + running_max_init
     sum_exp = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -144,6 +144,8 @@ def sparse_attn_triton(
         out = torch.empty(b, t, h, d, dtype=torch.bfloat16, device=q.device)
     block_h = max(_MIN_BLOCK_H, min(64, triton.next_power_of_2(h)))
     block_d = max(16, triton.next_power_of_2(d))
+    # a 64-row bf16 KV tile is 64 KiB at D = 512: fewer pipeline stages keep it inside shared memory
+    num_stages, num_warps = (2, 4) if block_d <= 128 else (1, 8)
     grid = (b * t, triton.cdiv(h, block_h))
     if b * t == 0:
         return out
@@ -173,5 +175,7 @@ def sparse_attn_triton(
         BLOCK_K=SPARSE_ATTN_BLOCK,
         BLOCK_D=block_d,
         DOT_FP32=_interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
