@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: (none)
-Create Date: 2026-11-29 11:19:45.479938
+Create Date: 2026-11-29 11:23:49.687716
 """
 
 from __future__ import annotations
@@ -20,21 +20,39 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.create_table(
+        "audit_head",
+        sa.Column("id", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("seq", sa.BigInteger(), nullable=False),
+        sa.Column("hash", sa.String(length=64), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_audit_head")),
+    )
+    # The empty chain's head: seq 0 and storage's GENESIS_HASH (64 zeros; migrations may not import storage/).
+    head = sa.table(
+        "audit_head",
+        sa.column("id", sa.Integer),
+        sa.column("seq", sa.BigInteger),
+        sa.column("hash", sa.String),
+    )
+    op.bulk_insert(head, [{"id": 1, "seq": 0, "hash": "0" * 64}])
+    op.create_table(
         "audit_log",
-        sa.Column("seq", sa.Integer(), autoincrement=False, nullable=False),
-        sa.Column("ts", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("event", sa.String(length=64), nullable=False),
-        sa.Column("tenant_id", sa.String(length=128), nullable=False),
-        sa.Column("record", sa.LargeBinary(), nullable=False),
-        sa.Column("prev_hash", sa.LargeBinary(length=64), nullable=False),
-        sa.Column("hash", sa.LargeBinary(length=64), nullable=False),
+        sa.Column("seq", sa.BigInteger(), autoincrement=False, nullable=False),
+        sa.Column("ts_us", sa.BigInteger(), nullable=False),
+        sa.Column("actor", sa.String(length=128), nullable=False),
+        sa.Column("action", sa.String(length=32), nullable=False),
+        sa.Column("tenant", sa.String(length=128), nullable=False),
+        sa.Column("subject", sa.Text(), nullable=False),
+        sa.Column("reason", sa.Text(), nullable=False),
+        sa.Column("nbytes", sa.BigInteger(), nullable=False),
+        sa.Column("prev_hash", sa.String(length=64), nullable=False),
+        sa.Column("hash", sa.String(length=64), nullable=False),
         sa.PrimaryKeyConstraint("seq", name=op.f("pk_audit_log")),
         sa.UniqueConstraint("hash", name=op.f("uq_audit_log_hash")),
     )
     with op.batch_alter_table("audit_log", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_audit_log_event"), ["event"], unique=False)
-        batch_op.create_index(batch_op.f("ix_audit_log_tenant_id"), ["tenant_id"], unique=False)
-        batch_op.create_index(batch_op.f("ix_audit_log_ts"), ["ts"], unique=False)
+        batch_op.create_index(batch_op.f("ix_audit_log_action"), ["action"], unique=False)
+        batch_op.create_index(batch_op.f("ix_audit_log_tenant"), ["tenant"], unique=False)
+        batch_op.create_index(batch_op.f("ix_audit_log_ts_us"), ["ts_us"], unique=False)
 
     op.create_table(
         "mappers",
@@ -219,8 +237,9 @@ def downgrade() -> None:
 
     op.drop_table("mappers")
     with op.batch_alter_table("audit_log", schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f("ix_audit_log_ts"))
-        batch_op.drop_index(batch_op.f("ix_audit_log_tenant_id"))
-        batch_op.drop_index(batch_op.f("ix_audit_log_event"))
+        batch_op.drop_index(batch_op.f("ix_audit_log_ts_us"))
+        batch_op.drop_index(batch_op.f("ix_audit_log_tenant"))
+        batch_op.drop_index(batch_op.f("ix_audit_log_action"))
 
     op.drop_table("audit_log")
+    op.drop_table("audit_head")

@@ -13,6 +13,7 @@ from array import array
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Enum,
@@ -45,6 +46,7 @@ __all__ = [
     "SessionSegment",
     "MapperRow",
     "AuditRow",
+    "AuditHead",
     "tokens_to_blob",
     "blob_to_tokens",
     "utcnow",
@@ -270,18 +272,34 @@ class MapperRow(Base):
 
 
 class AuditRow(Base):
-    """One record of the authoritative audit chain (one chain per database, `seq` dense from 0).
+    """One record of the authoritative audit chain (one chain per database, `seq` dense from 1).
 
-    `record` holds the record's canonical bytes exactly as storage's format defines them; `prev_hash`
-    and `hash` are that format's chain links, copied out so that verification can stream rows.
+    Columns are exactly the fields of storage's `AuditRecord` (same canonical body, same `chain_hash`),
+    so a row converts to a record and back without loss and `storage.verify_chain` checks the table.
     """
 
     __tablename__ = "audit_log"
 
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    ts: Mapped[dt.datetime] = mapped_column(index=True)
-    event: Mapped[str] = mapped_column(String(64), index=True)
-    tenant_id: Mapped[str] = mapped_column(String(128), default="", index=True)
-    record: Mapped[bytes] = mapped_column(LargeBinary)
-    prev_hash: Mapped[bytes] = mapped_column(LargeBinary(64))
-    hash: Mapped[bytes] = mapped_column(LargeBinary(64), unique=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    ts_us: Mapped[int] = mapped_column(BigInteger, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(32), index=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    subject: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+
+
+class AuditHead(Base):
+    """The chain's head (last seq and hash), kept apart from the records so truncation is detectable.
+
+    One row (`id` 1), created by the migration at (0, genesis hash); every append locks and moves it.
+    """
+
+    __tablename__ = "audit_head"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    hash: Mapped[str] = mapped_column(String(64))

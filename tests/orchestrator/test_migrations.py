@@ -10,6 +10,7 @@ from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.models import metadata
 
 TABLES = {
+    "audit_head",
     "tenants",
     "policies",
     "sessions",

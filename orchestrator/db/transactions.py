@@ -1,0 +1,74 @@
+"""Serialisable units of work with retry: what several orchestrator replicas need to share one database.
+
+Knows nothing of what the work does; it reruns the whole function when the database reports a
+serialisation conflict, so the function must be free of side effects outside its Session.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import structlog
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+
+__all__ = ["serializable_factory", "run_serializable", "is_retryable"]
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+# PostgreSQL SQLSTATEs that mean "another transaction won; run yours again": serialization_failure,
+# deadlock_detected, and unique_violation (two appenders raced for the same next seq).
+_RETRY_SQLSTATES = {"40001", "40P01", "23505"}
+
+
+def serializable_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose transactions run SERIALIZABLE on PostgreSQL (SQLite writers already serialise:
+    `make_engine` begins every SQLite transaction with BEGIN IMMEDIATE)."""
+    if engine.dialect.name == "postgresql":
+        engine = engine.execution_options(isolation_level="SERIALIZABLE")
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for a conflict that a rerun of the transaction may resolve."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate in _RETRY_SQLSTATES:
+        return True
+    # SQLite reports lock contention past busy_timeout as "database is locked".
+    return "database is locked" in str(exc.orig)
+
+
+def run_serializable(
+    factory: sessionmaker[Session],
+    work: Callable[[Session], T],
+    *,
+    attempts: int = 30,
+    backoff_s: float = 0.002,
+) -> T:
+    """Run `work(session)` in one transaction and commit; rerun it on serialisation conflicts.
+
+    Raises:
+        ValueError: attempts < 1.
+        sqlalchemy.exc.DBAPIError: a non-retryable database error, or the last conflict after
+            `attempts` tries.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts={attempts} must be >= 1")
+    for attempt in range(1, attempts + 1):
+        try:
+            with factory() as session, session.begin():
+                return work(session)
+        except DBAPIError as exc:
+            if attempt == attempts or not is_retryable(exc):
+                raise
+            log.debug("serializable_retry", attempt=attempt, sqlstate=getattr(exc.orig, "sqlstate", None))
+            # Jittered exponential backoff so that racing replicas do not collide again in lockstep.
+            time.sleep(backoff_s * (2 ** min(attempt, 8)) * random.random())
+    raise AssertionError("unreachable")

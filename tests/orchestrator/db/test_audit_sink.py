@@ -1,0 +1,140 @@
+"""SqlAuditSink: storage's chain format in SQL, tamper detection, and concurrent appenders (replicas)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from rocksdict import Options, Rdict
+from sqlalchemy import delete, update
+from sqlalchemy.orm import Session
+
+from orchestrator.db.audit_sink import SqlAuditSink
+from orchestrator.db.engine import make_engine
+from orchestrator.db.models import AuditRow
+from storage import AuditAction, AuditEvent, RocksAuditSink, verify_chain
+
+
+def _event(i: int, tenant: str = "acme") -> AuditEvent:
+    return AuditEvent(
+        actor="test",
+        action=AuditAction.STORE,
+        tenant=tenant,
+        subject=f"chunk:{i:04x}",
+        reason="turn_end",
+        nbytes=890 * i,
+    )
+
+
+def test_append_matches_storage_rocks_sink_byte_for_byte(sqlite_engine, tmp_path) -> None:
+    clock = iter(float(t) for t in range(1_700_000_000, 1_700_000_100))
+    sql = SqlAuditSink(sqlite_engine, clock=lambda: next(clock))
+    db = Rdict(str(tmp_path / "rocks"), options=Options(raw_mode=True))
+    try:
+        clock2 = iter(float(t) for t in range(1_700_000_000, 1_700_000_100))
+        rocks = RocksAuditSink(db, clock=lambda: next(clock2))
+        events = [_event(i) for i in range(5)] + [
+            AuditEvent(
+                actor="admin", action=AuditAction.PURGE, tenant="", subject="model:small", reason="admin"
+            )
+        ]
+        for e in events:
+            assert sql.append(e) == rocks.append(e)
+        assert sql.head() == rocks.head()
+        assert list(sql.iter_records(batch=2)) == list(rocks.iter_records())
+    finally:
+        db.close()
+    assert sql.verify().ok and sql.verify().records == 6
+
+
+def test_verify_detects_edit_and_truncation(sqlite_engine) -> None:
+    sink = SqlAuditSink(sqlite_engine)
+    sink.append_many([_event(i) for i in range(4)])
+    with Session(sqlite_engine) as s, s.begin():
+        s.execute(update(AuditRow).where(AuditRow.seq == 2).values(nbytes=1))
+    result = sink.verify()
+    assert (result.ok, result.first_break_seq, result.reason) == (False, 2, "hash mismatch")
+    with Session(sqlite_engine) as s, s.begin():
+        s.execute(update(AuditRow).where(AuditRow.seq == 2).values(nbytes=890))
+        s.execute(delete(AuditRow).where(AuditRow.seq == 4))
+    result = sink.verify()
+    assert not result.ok and result.reason == "chain ends at seq 3 but head says 4"
+
+
+def test_query_filters_by_tenant_action_and_seq(sqlite_engine) -> None:
+    sink = SqlAuditSink(sqlite_engine)
+    sink.append_many([_event(1, "a"), _event(2, "b"), _event(3, "a")])
+    sink.append(AuditEvent(actor="admin", action="purge", tenant="a", subject="tenant:a", reason="admin"))
+    assert [r.seq for r in sink.query(tenant="a")] == [1, 3, 4]
+    assert [r.seq for r in sink.query(tenant="a", action="purge")] == [4]
+    assert [r.seq for r in sink.query(after_seq=2, limit=1)] == [3]
+
+
+def _hammer(url: str, replicas: int, per_replica: int) -> None:
+    barrier = threading.Barrier(replicas)
+    errors: list[BaseException] = []
+
+    def replica(r: int) -> None:
+        engine = make_engine(url)  # each replica has its own engine and connection pool
+        try:
+            sink = SqlAuditSink(engine)
+            barrier.wait()
+            for i in range(per_replica):
+                sink.append(_event(r * 1000 + i, tenant=f"t{r}"))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
+            errors.append(exc)
+        finally:
+            engine.dispose()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    engine = make_engine(url)
+    try:
+        sink = SqlAuditSink(engine)
+        records = list(sink.iter_records())
+        assert [r.seq for r in records] == list(range(1, replicas * per_replica + 1))
+        assert verify_chain(records, head=sink.head()).ok
+        for r in range(replicas):
+            assert sum(rec.tenant == f"t{r}" for rec in records) == per_replica
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_appenders_postgres(postgres_url) -> None:
+    from orchestrator.db.migrate import upgrade
+
+    upgrade(postgres_url)
+    _hammer(postgres_url, replicas=4, per_replica=15)
+
+
+def test_concurrent_appenders_sqlite(sqlite_url) -> None:
+    _hammer(sqlite_url, replicas=3, per_replica=10)
+
+
+def test_run_serializable_reraises_non_conflicts(sqlite_engine) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    from orchestrator.db.transactions import run_serializable, serializable_factory
+
+    def work(s: Session) -> None:
+        s.add(
+            AuditRow(
+                seq=1,
+                ts_us=0,
+                actor="x",
+                action="store",
+                tenant="",
+                subject="",
+                reason="",
+                nbytes=0,
+                prev_hash="0" * 64,
+                hash=None,
+            )
+        )
+
+    with pytest.raises(IntegrityError):
+        run_serializable(serializable_factory(sqlite_engine), work)
