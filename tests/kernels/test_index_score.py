@@ -13,6 +13,7 @@ SHAPES = {
     "decode-T1-N301": (1, 1, 4, 64, 301),
     "B2-T63-H8-N150": (2, 63, 8, 64, 150),
     "H32-D128-T20-N70": (1, 20, 32, 128, 70),
+    "T3-N1000": (1, 3, 4, 64, 1000),
 }
 
 
@@ -103,10 +104,13 @@ def topk_sets_agree_without_near_ties(got: torch.Tensor, want: torch.Tensor, k: 
 
 
 def score_tolerance(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-score bound for a kernel with another fp32 summation order: one bf16 rounding step of every
-    head term (each term may round the other way) plus one of the result; [B, T, N] fp32."""
+    """Per-score bound [B, T, N] fp32 for a kernel that sums in another fp32 order.
+
+    Each head term may round the other way twice (the q·k and the w product: one bf16 ulp, at most
+    2^-7 of the value, each), and the head sum once more.
+    """
     terms = torch.einsum("bthd,bnd->bthn", q.float(), k.float()).relu() * w.float().abs().unsqueeze(-1)
-    return terms.sum(2) * 2.0**-8 * 2 + index_score(q, k, w).float().abs() * 2.0**-8
+    return terms.sum(2) * 2.0**-6 + index_score(q, k, w).float().abs() * 2.0**-7
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ SHAPES = {
     "T63-H8-K130": (2, 63, 8, 128, 200, 130),
     "T5-H6-D64-K64": (1, 5, 6, 64, 70, 64),
     "T7-H4-K1": (1, 7, 4, 128, 9, 1),
+    "T3-N1000-K200": (1, 3, 4, 128, 1000, 200),
 }
 
 
@@ -162,6 +163,8 @@ def test_sparse_attn_triton_matches_torch_on_cuda(shape: tuple[int, ...]) -> Non
     out = torch.full(q.shape, torch.nan, dtype=torch.bfloat16, device="cuda")
     got = sparse_attn_triton(*dev, scale, out=out).cpu()
     assert not got.isnan().any()
-    assert_close("triton(cuda) vs torch(cpu)", got, want, rel_l2=1e-3, max_abs=1.6e-2)
+    # exp and summation order differ: rare one-ulp flips, up to 2^-7 of an output value
+    one_ulp = 2.0**-7 * want.abs().max().item()
+    assert_close("triton(cuda) vs torch(cpu)", got, want, rel_l2=1e-3, max_abs=one_ulp)
     via_api = sparse_attn(*dev, scale, backend="triton").cpu()
     assert torch.equal(via_api, got)
