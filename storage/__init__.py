@@ -35,6 +35,7 @@ from storage.store_results import (
     StoreStats,
     TenantStats,
 )
+from storage.window_pool import PoolConfig, PoolMiss, PoolPut, PoolStats, WindowPool
 
 __all__ = [
     "DEFAULT_CEILING_S",
@@ -51,6 +52,10 @@ __all__ = [
     "MaintenanceReport",
     "Miss",
     "MissReason",
+    "PoolConfig",
+    "PoolMiss",
+    "PoolPut",
+    "PoolStats",
     "PrefixResult",
     "PurgeResult",
     "PutResult",
@@ -66,6 +71,7 @@ __all__ = [
     "StoreStats",
     "TenantStats",
     "VerifyResult",
+    "WindowPool",
     "canonical_json",
     "chain_hash",
     "seal",

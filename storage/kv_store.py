@@ -146,6 +146,7 @@ class GlobalKVStore(RetentionOps):
         with self._lock:
             if self._closed:
                 return
+            self._persist_clock()
             self._closed = True
             self._db.close()
 
@@ -160,6 +161,13 @@ class GlobalKVStore(RetentionOps):
         if stamp > self._hwm:
             self._hwm = stamp
         return self._hwm
+
+    def _persist_clock(self) -> None:
+        """Write the clock high-water mark (also written by every batch) after reads moved it."""
+        try:
+            self._db.put(CLOCK_HWM, F64.pack(self._hwm), self._write_opts)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not stop a close or a read
+            log.error("clock_mark_write_failed", error=str(exc))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -541,6 +549,7 @@ class GlobalKVStore(RetentionOps):
                 if meta is None:
                     break
                 if now >= meta.ceiling_at:
+                    self._persist_clock()
                     return LookupResult(
                         n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
                     )
@@ -555,6 +564,7 @@ class GlobalKVStore(RetentionOps):
                 if meta is None:
                     continue
                 if now >= meta.ceiling_at:
+                    self._persist_clock()
                     return LookupResult(
                         n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
                     )

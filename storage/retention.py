@@ -288,6 +288,7 @@ class RetentionOps:
                 due, action=AuditAction.EXPIRE, actor="maintenance", reason="past_ceiling"
             )
             self._stats.expired_chunks += count
+            self._persist_clock()
             removed = self._physically_remove(due, actor="maintenance") if count else 0
             if count:
                 log.info("chunks_expired", chunks=count, bytes=freed, checkpoints_removed=removed)

@@ -42,8 +42,15 @@ def test_seal_hash_is_sha256_of_prev_and_canonical_body() -> None:
     body = rec.canonical_body()
     # Sorted keys, compact, utf-8, hash excluded, action as its string value.
     assert json.loads(body) == {
-        "seq": 1, "ts_us": 5, "actor": "storage", "action": "store", "tenant": "t-é",
-        "subject": "chunk:1", "reason": "put", "nbytes": 1, "prev_hash": GENESIS_HASH,
+        "seq": 1,
+        "ts_us": 5,
+        "actor": "storage",
+        "action": "store",
+        "tenant": "t-é",
+        "subject": "chunk:1",
+        "reason": "put",
+        "nbytes": 1,
+        "prev_hash": GENESIS_HASH,
     }
     assert list(json.loads(body)) == sorted(json.loads(body))
     assert "é".encode() in body

@@ -1,0 +1,180 @@
+"""Window pool: encoder local-window state of live sessions in host RAM, under a byte budget, a
+minutes-scale TTL and LRU eviction. Knows nothing of what the bytes mean (model/ serialises them).
+
+Losing an entry (TTL, pressure, restart) costs the caller one bounded replay, nothing else, so the
+pool never persists and never blocks a turn: a put that cannot fit is a typed refusal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+DEFAULT_TTL_S = 10 * 60.0
+DEFAULT_RAM_FRACTION = 0.10
+
+
+def default_budget_bytes(fraction: float = DEFAULT_RAM_FRACTION) -> int:
+    """`fraction` of this host's physical RAM."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolConfig:
+    """Args:
+    budget_bytes: most bytes of values held at once (None: 10% of physical RAM).
+    ttl_s: seconds after its last put or get at which an entry is dropped.
+    """
+
+    budget_bytes: int | None = None
+    ttl_s: float = DEFAULT_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be >= 1 or None, got {self.budget_bytes}")
+        if not (math.isfinite(self.ttl_s) and self.ttl_s > 0):
+            raise ValueError(f"ttl_s must be finite and > 0, got {self.ttl_s}")
+
+    @property
+    def effective_budget_bytes(self) -> int:
+        return self.budget_bytes if self.budget_bytes is not None else default_budget_bytes()
+
+
+class PoolMiss(StrEnum):
+    ABSENT = "absent"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPut:
+    """Outcome of a put: `stored` False only when the value alone exceeds the whole budget."""
+
+    stored: bool
+    evicted: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolStats:
+    entries: int
+    bytes_used: int
+    budget_bytes: int
+    hits: int
+    misses_absent: int
+    misses_expired: int
+    evicted_lru: int
+    expired: int
+    refused: int
+
+
+class WindowPool:
+    """Thread-safe LRU + TTL map from (tenant, session) to opaque bytes.
+
+    Keys include the tenant, so one tenant's get can never return another's entry.
+    """
+
+    def __init__(
+        self, config: PoolConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config or PoolConfig()
+        self._budget = self.config.effective_budget_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        # key -> (value, expires_at); order is recency, oldest first.
+        self._entries: OrderedDict[tuple[str, str], tuple[bytes, float]] = OrderedDict()
+        self._bytes = 0
+        self._hits = self._absent = self._expired_misses = self._evicted = self._expired = self._refused = 0
+
+    def put(self, tenant: str, session: str, value: bytes) -> PoolPut:
+        """Store (replace) a session's window state; evicts least recently used entries to fit."""
+        if not tenant or not session:
+            raise ValueError(f"tenant and session must be non-empty, got {tenant!r}, {session!r}")
+        size = len(value)
+        with self._lock:
+            now = self._clock()
+            self._drop((tenant, session))
+            if size > self._budget:
+                self._refused += 1
+                return PoolPut(stored=False, evicted=0, reason=f"value {size} B > budget {self._budget} B")
+            self._sweep(now)
+            evicted = 0
+            while self._bytes + size > self._budget:
+                key = next(iter(self._entries))
+                self._drop(key)
+                self._evicted += 1
+                evicted += 1
+            self._entries[(tenant, session)] = (bytes(value), now + self.config.ttl_s)
+            self._bytes += size
+            return PoolPut(stored=True, evicted=evicted)
+
+    def get(self, tenant: str, session: str) -> bytes | PoolMiss:
+        """The session's window state, refreshing its TTL and recency, or why there is none."""
+        key = (tenant, session)
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(key)
+            if entry is None:
+                self._absent += 1
+                return PoolMiss.ABSENT
+            value, expires_at = entry
+            if now >= expires_at:
+                self._drop(key)
+                self._expired += 1
+                self._expired_misses += 1
+                return PoolMiss.EXPIRED
+            self._entries[key] = (value, now + self.config.ttl_s)
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return value
+
+    def discard(self, tenant: str, session: str) -> bool:
+        """Drop a session's entry (session closed or purged); True if there was one."""
+        with self._lock:
+            return self._drop((tenant, session))
+
+    def discard_tenant(self, tenant: str) -> int:
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == tenant]
+            for key in keys:
+                self._drop(key)
+            return len(keys)
+
+    def sweep(self) -> int:
+        """Drop every expired entry now; returns how many."""
+        with self._lock:
+            return self._sweep(self._clock())
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                entries=len(self._entries),
+                bytes_used=self._bytes,
+                budget_bytes=self._budget,
+                hits=self._hits,
+                misses_absent=self._absent,
+                misses_expired=self._expired_misses,
+                evicted_lru=self._evicted,
+                expired=self._expired,
+                refused=self._refused,
+            )
+
+    def _drop(self, key: tuple[str, str]) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes -= len(entry[0])
+        return True
+
+    def _sweep(self, now: float) -> int:
+        # Expiry times are not in recency order after refreshes, so scan all; pools hold few entries.
+        dead = [k for k, (_, expires_at) in self._entries.items() if now >= expires_at]
+        for key in dead:
+            self._drop(key)
+        self._expired += len(dead)
+        return len(dead)
