@@ -30,3 +30,11 @@ class CheckpointMismatch(ModelError):
         if mismatched:
             parts.append(f"mismatched {len(mismatched)}: {'; '.join(mismatched)}")
         super().__init__(f"checkpoint {source} does not match the model: " + " | ".join(parts))
+
+
+class UnsupportedConfigError(ModelError, ValueError):
+    """The config enables a feature this model does not implement (Engram, MTP/DSpark, vision).
+
+    Disable it in the config; byte accounting (`kv_bytes`) still works on such a config.
+    """
+

@@ -1,0 +1,232 @@
+"""Attention of one layer: sliding-window KV plus (ratio > 0) selected compressed global KV, one softmax
+with a sink.
+
+Knows nothing of the residual stream or of other layers: shared per-pass values (published top-k ids and
+candidate pool) and the layer's caches come in through `AttnIO` and go back out through it. Follows the
+official V4.1 `Attention` (V41_SPEC §5): low-rank Q with RoPE on the last channels, window KV =
+FP8-QDQ(RoPE(kv_norm(wkv(x)))), compressed entries RoPE'd at j*m then FP4-QDQ'd, K = V, inverse RoPE on
+the output, grouped low-rank output projection.
+
+Window index layout (it decides the 64-wide softmax blocks, so it is part of bitwise parity): when no
+position before the rows is visible, the reference prefill layout (width min(T, W), row r lists the rows
+max(0, r-W+1)..r, then -1s); otherwise the ring layout of the reference decode (width W, positions p-W+1..p
+oldest first, -1 where absent), over [ring ; new rows].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kernels import qdq_fp4_e4m3, qdq_fp8_ue8m0, sparse_attn
+from model.compressor import Compressor
+from model.indexer import Indexer
+from model.linear import Linear
+from model.norm import RMSNorm
+from model.rope import apply_rope
+from model.state import SourceCache
+
+
+@dataclass(kw_only=True)
+class AttnIO:
+    """What one layer's attention reads and writes in a pass.
+
+    Attributes:
+        start: position of the first row of x.
+        floor: lowest window position any row may read (truncated SWA of a bounded replay).
+        window: [B, W, D] bf16 this layer's ring before the pass; window_from: its lowest valid position.
+        source: the SourceCache of this layer's kv source (ratio > 0), replaced when this layer writes.
+        compress_x: [B, T_c, dim] attention inputs of the rows to compress (kv sources), at positions
+            [compress_start, ...); x itself when None.
+        topk_ids / candidates: per-pass slots published by index sources / the candidate source.
+        tie_break: kernels top-k rule.
+        stale_slot: index keys of the layer that last published some (conformance mode only; see
+            `Transformer.run(reference_slots=...)`), or None for the correct per-source keys.
+        published: set True when this layer appended index keys in this pass.
+        new_window / new_window_from: the ring after the pass (set by the layer).
+    """
+
+    start: int
+    floor: int
+    window: torch.Tensor
+    window_from: int
+    source: SourceCache | None = None
+    compress_x: torch.Tensor | None = None
+    compress_start: int = 0
+    shared: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    tie_break: str = "reference"
+    stale_slot: torch.Tensor | None = None
+    published: bool = False
+    new_window: torch.Tensor | None = None
+    new_window_from: int = 0
+
+
+def window_ids(
+    start: int, rows: int, width_w: int, eff_floor: int, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """Window index rows and whether the ring is part of the KV buffer.
+
+    Returns:
+        ids [T, width] int64 into [ring ; rows] (ring layout) or into rows (prefill layout); uses_ring.
+    """
+    if eff_floor >= start:
+        r = torch.arange(rows, device=device).unsqueeze(1)  # [T, 1]
+        ids = (r - width_w + 1).clamp(0) + torch.arange(min(rows, width_w), device=device)
+        return torch.where(ids > r, -1, ids), False
+    pos = start + torch.arange(rows, device=device).unsqueeze(1)  # [T, 1]
+    keys = pos - width_w + 1 + torch.arange(width_w, device=device)  # [T, W] ascending positions
+    ids = torch.where(keys >= start, width_w + keys - start, keys % width_w)
+    absent = (keys < eff_floor) | (keys < 0)
+    return torch.where(absent, -1, ids), True
+
+
+class Attention(nn.Module):
+    """One layer's attention. Parameter names follow the reference checkpoint (`layers.{i}.attn.*`)."""
+
+    def __init__(self, layer: int, cfg) -> None:  # cfg: model.ModelConfig
+        super().__init__()
+        dense = "fp8" if cfg.dtype == "fp8" else "bf16"
+        self.layer = layer
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.n_groups = cfg.o_groups
+        self.o_lora_rank = cfg.o_lora_rank
+        self.window_size = cfg.window_size
+        self.ratio = cfg.compress_ratios[layer]
+        self.softmax_scale = cfg.head_dim**-0.5
+        self.is_kv_source = layer in cfg.kv_source_layers
+        self.is_index_source = layer in cfg.index_source_layers
+        self.is_candidate_source = cfg.is_candidate_source(layer)
+        self.uses_candidates = cfg.uses_candidates(layer)
+        self.candidate_block_size = cfg.candidate_block_size
+        self.candidate_topk_blocks = cfg.candidate_topk_blocks
+
+        self.attn_sink = nn.Parameter(torch.zeros(cfg.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dense)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, dense)
+        self.wkv = Linear(cfg.dim, cfg.head_dim, dense)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16")
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dense)
+        self.compressor = (
+            Compressor(cfg.dim, cfg.head_dim, self.ratio, cfg.norm_eps) if self.is_kv_source else None
+        )
+        self.indexer = None
+        if self.is_index_source:
+            self.indexer = Indexer(
+                dim=cfg.dim,
+                q_lora_rank=cfg.q_lora_rank,
+                head_dim=cfg.head_dim,
+                n_heads=cfg.index_n_heads,
+                index_head_dim=cfg.index_head_dim,
+                rope_dim=cfg.rope_head_dim,
+                topk=cfg.index_topk,
+                owns_k=self.is_kv_source,
+                dense_dtype=dense,
+                norm_eps=cfg.norm_eps,
+            )
+
+    def _write_global(self, io: AttnIO, x: torch.Tensor, freqs_table: torch.Tensor) -> None:
+        """Compress new rows and append entries not yet in the cache (never rewrites stored entries)."""
+        assert self.compressor is not None and io.source is not None
+        src = io.source
+        cx = x if io.compress_x is None else io.compress_x
+        cstart = io.start if io.compress_x is None else io.compress_start
+        out = self.compressor(cx, cstart, src.carry_kv, src.carry_score)
+        n_old = src.n_entries
+        g = out.latent.size(1)
+        first = out.first_entry
+        assert first <= n_old or g == 0, f"layer {self.layer}: entry gap {n_old} .. {first}"
+        kv, index_k = src.kv, src.index_k
+        if g and first + g > n_old:
+            pos = torch.arange(first, first + g, device=x.device) * self.ratio
+            freqs = freqs_table[pos]  # [G, rope/2]
+            latent = out.latent
+            if self.indexer is not None and self.indexer.owns_k:
+                io.published = True
+                new_k = self.indexer.keys(latent, freqs)
+                index_k = torch.cat([index_k, new_k[:, n_old - first :]], dim=1)
+            latent = apply_rope(latent, freqs, self.rope_dim)
+            latent = qdq_fp4_e4m3(latent)
+            kv = torch.cat([kv, latent[:, n_old - first :]], dim=1)
+        io.source = SourceCache(
+            ratio=src.ratio, kv=kv, index_k=index_k, carry_kv=out.carry_kv, carry_score=out.carry_score
+        )
+
+    def forward(self, x: torch.Tensor, io: AttnIO, freqs_table: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, dim] bf16 normed inputs at positions [io.start, io.start + T) -> [B, T, dim] bf16.
+
+        freqs_table: [>= end, rope/2] complex64 rotations of this layer (compress or base theta).
+        """
+        b, t, _ = x.shape
+        start, end, w = io.start, io.start + t, self.window_size
+        freqs = freqs_table[start:end]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, H, D]
+        q = apply_rope(q, freqs, self.rope_dim)
+
+        kv = self.kv_norm(self.wkv(x))
+        kv = apply_rope(kv, freqs, self.rope_dim)
+        kv = qdq_fp8_ue8m0(kv)  # [B, T, D]
+        eff_floor = max(io.floor, io.window_from)
+        ids, uses_ring = window_ids(start, t, w, eff_floor, x.device)
+        kv_all = torch.cat([io.window, kv], dim=1) if uses_ring else kv
+        keep = min(t, w)
+        ring = io.window.clone()
+        tail_pos = torch.arange(end - keep, end, device=x.device)
+        ring[:, tail_pos % w] = kv[:, t - keep :]
+        io.new_window = ring
+        io.new_window_from = min(eff_floor, start)
+        ids = ids.int().unsqueeze(0).expand(b, -1, -1)
+
+        if self.ratio:
+            if self.is_kv_source:
+                self._write_global(io, x, freqs_table)
+            assert io.source is not None
+            n_visible = end // self.ratio
+            offset = kv_all.size(1)
+            if self.is_index_source:
+                assert self.indexer is not None
+                if n_visible == 0:
+                    comp = torch.empty(b, t, 0, dtype=torch.int32, device=x.device)
+                else:
+                    visible = (torch.arange(start, end, device=x.device) + 1) // self.ratio
+                    keys = io.source.index_k
+                    if io.stale_slot is not None and not io.published:
+                        keys = io.stale_slot
+                        if keys.size(1) < n_visible:
+                            # the reference's slot is a zero-initialised max-length buffer
+                            keys = torch.cat(
+                                [keys, keys.new_zeros(b, n_visible - keys.size(1), keys.size(2))], 1
+                            )
+                    comp, pool = self.indexer.select(
+                        x,
+                        qr,
+                        freqs,
+                        keys[:, :n_visible],
+                        visible,
+                        candidate_source=self.is_candidate_source,
+                        candidates=io.shared.get("candidates") if self.uses_candidates else None,
+                        block_size=self.candidate_block_size,
+                        topk_blocks=self.candidate_topk_blocks,
+                        tie_break=io.tie_break,
+                    )
+                    comp = torch.where(comp >= 0, comp + offset, -1).int()
+                    if pool is not None:
+                        io.shared["candidates"] = pool
+                io.shared["topk"] = comp
+            comp = io.shared["topk"]
+            assert comp is not None
+            kv_all = torch.cat([kv_all, io.source.kv[:, :n_visible]], dim=1)
+            ids = torch.cat([ids, comp], dim=-1)
+
+        o = sparse_attn(q, kv_all, self.attn_sink, ids, self.softmax_scale)  # [B, T, H, D]
+        o = apply_rope(o, freqs, self.rope_dim, inverse=True)
+        o = o.view(b, t, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))

@@ -1,0 +1,107 @@
+"""Lightning indexer of an index-source layer: MXFP4 index queries scored against shared index keys, then
+top-k (optionally inside the candidate pool of the hierarchical indexer).
+
+Knows nothing of the main attention: it returns selected entry ids; the caller adds its window offset.
+Follows the official V4.1 `Indexer` (V41_SPEC §4): index K = k_norm(wk(pre-RoPE latent)), RoPE at the
+entry position, MXFP4 QDQ; index Q = wq_b(qr), RoPE, MXFP4 QDQ; score = sum_h w_h relu(q_h . k) in
+bf16 with w = weights_proj(x) * D_I^-0.5 * H_I^-0.5; top-k width min(index_topk, entries at the end of the
+rows), the same for every row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import candidate_blocks, index_score, qdq_mxfp4, select_topk
+from model.linear import Linear
+from model.norm import RMSNorm
+from model.rope import apply_rope
+
+
+class Indexer(nn.Module):
+    """Args: dims from the config; owns_k (this layer is a kv source and makes the index keys)."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        q_lora_rank: int,
+        head_dim: int,
+        n_heads: int,
+        index_head_dim: int,
+        rope_dim: int,
+        topk: int,
+        owns_k: bool,
+        dense_dtype: str,
+        norm_eps: float,
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.index_head_dim = index_head_dim
+        self.rope_dim = rope_dim
+        self.topk = topk
+        self.owns_k = owns_k
+        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, dense_dtype)
+        self.weights_proj = Linear(dim, n_heads, "bf16")
+        if owns_k:
+            self.wk = Linear(head_dim, index_head_dim, "bf16")
+            self.k_norm = RMSNorm(index_head_dim, norm_eps)
+
+    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Index keys of new entries.
+
+        Args:
+            latent: [B, G, D] bf16 pre-RoPE compressed latents.
+            freqs: [G, rope_dim/2] complex64 rotations at the entries' positions j*m.
+
+        Returns:
+            [B, G, D_I] bf16, RoPE'd and MXFP4-QDQ'd.
+        """
+        k = self.k_norm(self.wk(latent))
+        k = apply_rope(k, freqs, self.rope_dim)
+        return qdq_mxfp4(k)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        freqs: torch.Tensor,
+        index_k: torch.Tensor,
+        visible: torch.Tensor,
+        *,
+        candidate_source: bool,
+        candidates: torch.Tensor | None,
+        block_size: int,
+        topk_blocks: int,
+        tie_break: str,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Select entries for each query row.
+
+        Args:
+            x: [B, T, dim] bf16 attention inputs; qr: [B, T, q_lora_rank] bf16 query latents.
+            freqs: [T, rope_dim/2] complex64 rotations at the rows' positions.
+            index_k: [B, N, D_I] bf16 keys of every entry visible at the end of the rows.
+            visible: [T] int64 entries each row may see ((pos + 1) // m).
+            candidate_source: publish the candidate pool (level 1) from these scores.
+            candidates: [B, T, N] bool pool to restrict to (Reindex layers), or None.
+            tie_break: "reference" or "deterministic" (kernels.select_topk).
+
+        Returns:
+            ids [B, T, K] int32 ascending entry ids, -1 unused; the candidate pool [B, T, N] bool
+            when published.
+        """
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.index_head_dim))  # [B, T, H_I, D_I]
+        q = apply_rope(q, freqs, self.rope_dim)
+        q = qdq_mxfp4(q)
+        weights = self.weights_proj(x) * (self.index_head_dim**-0.5 * self.n_heads**-0.5)  # [B, T, H_I]
+        scores = index_score(q, index_k, weights, visible=visible)  # [B, T, N] bf16
+        pool = None
+        if candidate_source:
+            pool = candidate_blocks(scores, visible, block_size, topk_blocks, tie_break=tie_break)
+        elif candidates is not None:
+            scores = scores.masked_fill(~candidates, -torch.inf)
+        k = min(self.topk, index_k.size(1))
+        # the reference keeps -inf picks as valid ids; the deterministic mode drops them (V41_SPEC §4.2)
+        ids = select_topk(scores, k, visible, tie_break=tie_break, drop_neg_inf=tie_break != "reference")
+        return ids, pool

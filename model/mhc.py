@@ -1,0 +1,63 @@
+"""Single-pass manifold-constrained hyper-connections (mHC): the 4-lane residual stream's mixing coefficients.
+
+Knows nothing of attention or MoE: it turns a sub-block's input lanes into pre/post/comb coefficients
+(Sinkhorn-normalized comb), collapses lanes into a sublayer input and expands a sublayer output back
+(V41_SPEC §8). Op order copies the official V4.1 `Block.hc_*` and the kernel port's `hc_split_sinkhorn`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def split_sinkhorn(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split raw mixes into pre, post and a Sinkhorn-normalized comb, all fp32.
+
+    Args:
+        mixes: [..., (2 + hc) * hc] fp32.
+        scale: [3] fp32 (pre, post, comb); base: [(2 + hc) * hc] fp32.
+
+    Returns:
+        pre [..., hc], post [..., hc], comb [..., hc, hc] (rows: input lane i, columns: output lane j).
+    """
+    m = mixes.float()
+    scale = scale.float()
+    base = base.float()
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Weighted lane sum: x [B, T, hc, d] bf16, pre [B, T, hc] fp32 -> [B, T, d] in x's dtype."""
+    return torch.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new_lane_j = post_j * y + sum_i comb[i, j] * lane_i.
+
+    Args:
+        y: [B, T, d] bf16 sublayer output; residual: [B, T, hc, d] bf16 lanes;
+        post: [B, T, hc] fp32; comb: [B, T, hc, hc] fp32.
+
+    Returns:
+        [B, T, hc, d] in y's dtype.
+    """
+    mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)  # [B, T, hc, d]
+    return (post.unsqueeze(-1) * y.unsqueeze(-2) + mixed).type_as(y)
+
+
+def identity_pre(batch: int, rows: int, hc: int, device: torch.device) -> torch.Tensor:
+    """The first block's pending pre-mix: one-hot on lane 0, [B, T, hc] fp32."""
+    pre = torch.zeros(batch, rows, hc, dtype=torch.float32, device=device)
+    pre[:, :, 0] = 1.0
+    return pre

@@ -1,0 +1,97 @@
+"""The explicit cache state of one batch of sequences: everything an exact continuation needs.
+
+Knows nothing of bytes or storage (serialisation lives beside it); the forward pass reads and replaces
+its tensors, never mutating a tensor in place, so a state snapshot (`clone`) stays valid.
+Positions are absolute token positions; rings are indexed by slot = position % W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(kw_only=True)
+class SourceCache:
+    """Global KV of one kv-source layer (compressed main KV and its index keys).
+
+    Attributes:
+        ratio: compression ratio m; entry j pools positions [j*m, (j+1)*m) and is rotated at j*m.
+        kv: [B, n, D] bf16, main KV after RoPE and FP4 (E2M1, E4M3 scale per 16) quantize-dequantize;
+            exactly the dequantized stored codes.
+        index_k: [B, n, D_I] bf16 index keys after RoPE and MXFP4 quantize-dequantize.
+        carry_kv, carry_score: [B, m, D] fp32 open-group buffers of a ratio > 1 compressor
+            (slot = position % m; score -inf where never written); None for ratio 1.
+    """
+
+    ratio: int
+    kv: torch.Tensor
+    index_k: torch.Tensor
+    carry_kv: torch.Tensor | None = None
+    carry_score: torch.Tensor | None = None
+
+    @property
+    def n_entries(self) -> int:
+        return self.kv.size(1)
+
+
+@dataclass(kw_only=True)
+class ModelState:
+    """Cache state after `n_tokens` positions of B sequences that share positions.
+
+    Attributes:
+        tokens: [B, n_tokens] int64 token history (needed by bounded replay).
+        sources: kv-source layer -> SourceCache (global KV; what `export_global` persists).
+        windows: per backbone layer, [B, W, D] bf16 sliding-window ring of FP8-QDQ'd, RoPE'd KV.
+        window_from: per layer, the lowest position whose ring entry is valid; positions below are absent
+            (never written, dropped, or truncated by a bounded replay).
+        enc_lanes: [B, W, hc, dim] bf16 ring of the mHC lanes entering the first decoder layer (the encoder
+            output), slot = position % W; lets `ced` mode rerun the decoder over the last W positions.
+        enc_pre: [B, W, hc] fp32 ring of the pending pre-mix entering the first decoder layer.
+        enc_from: lowest position whose enc_lanes/enc_pre entry is valid.
+    """
+
+    tokens: torch.Tensor
+    sources: dict[int, SourceCache]
+    windows: list[torch.Tensor]
+    window_from: list[int]
+    enc_lanes: torch.Tensor | None = None
+    enc_pre: torch.Tensor | None = None
+    enc_from: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.tokens.size(1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def windows_complete(self, layers: range) -> bool:
+        """Whether every layer in `layers` holds its ring for the last min(W, n_tokens) positions."""
+        w = self.windows[0].size(1) if self.windows else 0
+        need = max(0, self.n_tokens - w)
+        return all(self.window_from[i] <= need for i in layers)
+
+    def drop_windows(self, layers: range) -> None:
+        """Forget the rings of `layers` (e.g. the encoder pool entry expired): they become absent."""
+        for i in layers:
+            self.window_from[i] = self.n_tokens
+            self.windows[i] = torch.zeros_like(self.windows[i])
+
+    def clone(self) -> ModelState:
+        """A snapshot that later forwards cannot affect (tensors are never mutated in place)."""
+        return dataclasses.replace(
+            self,
+            sources={k: dataclasses.replace(v) for k, v in self.sources.items()},
+            windows=list(self.windows),
+            window_from=list(self.window_from),
+            extra=dict(self.extra),
+        )
