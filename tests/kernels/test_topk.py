@@ -176,6 +176,9 @@ def test_select_topk_matches_conformance(prompt: int) -> None:
     for step, layer, get, scores, visible, k in indexer_rows(prompt):
         where = f"p{prompt} {step} layer {layer}"
         assert torch.equal(select_topk(scores, k, visible)[0], get("topk_rows")), where
+        # README §7: no reference pick was -inf at a visible position, so dropping such picks changes nothing
+        kept = select_topk(scores, k, visible, drop_neg_inf=False)[0]
+        assert torch.equal(kept, get("topk_rows")), where
         # the deterministic rule may differ only on rows the reference flagged as boundary ties
         det = select_topk(scores, k, visible, tie_break="deterministic")[0]
         ties = get("topk_tie_rows")
