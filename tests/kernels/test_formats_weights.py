@@ -1,0 +1,126 @@
+"""kernels.formats weight helpers and entry-point validation: exact FP8/FP4 weight dequantization,
+the reference-order FP8/FP4 linears, and ValueErrors that name the bad shape or dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+
+U8 = torch.uint8
+
+
+def e8m0(exponents: torch.Tensor) -> torch.Tensor:
+    return (exponents + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def random_fp8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=g) * 40).to(torch.float8_e4m3fn)
+    blocks = (-(-out_features // 32), -(-in_features // 32))
+    return weight, e8m0(torch.randint(-12, -4, blocks, generator=g))
+
+
+def random_fp4_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
+    scale = e8m0(torch.randint(-10, -4, (out_features, in_features // 32), generator=g))
+    return packed.view(torch.float4_e2m1fn_x2), scale
+
+
+def test_dequantize_fp8_block_weight_by_blocks() -> None:
+    weight, scale = random_fp8_weight(70, 96, seed=1)
+    out = kernels.dequantize_fp8_block_weight(weight, scale)
+    for i in range(70):
+        for j in range(0, 96, 32):
+            expected = weight[i, j : j + 32].float() * scale[i // 32, j // 32].float()
+            assert torch.equal(out[i, j : j + 32], expected)
+    as_bytes = kernels.dequantize_fp8_block_weight(weight, scale.view(torch.uint8), torch.bfloat16)
+    assert torch.equal(as_bytes, out.bfloat16())
+
+
+def test_dequantize_fp4_weight_by_nibbles() -> None:
+    packed, scale = random_fp4_weight(5, 64, seed=2)
+    out = kernels.dequantize_fp4_weight(packed, scale)
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    raw = packed.view(torch.uint8)
+    for i in range(5):
+        for j in range(64):
+            nibble = (raw[i, j // 2].item() >> (4 * (j % 2))) & 0xF
+            assert out[i, j].item() == table[nibble] * scale[i, j // 32].float().item()
+    # the same values come out of the MXFP4 activation dequantizer (same codes, same E8M0 scales)
+    assert torch.equal(kernels.dequantize_mxfp4(raw, scale.view(torch.uint8), torch.float32), out)
+
+
+def test_fp8_linear_single_block_is_exact_matmul() -> None:
+    """With in = 32 there is one K block, and power-of-two scales commute with the sum: the reference
+    order equals qdq(x) @ dequant(w)^T exactly."""
+    weight, scale = random_fp8_weight(48, 32, seed=3)
+    x = torch.randn(7, 32).bfloat16()
+    y = kernels.fp8_linear(x, weight, scale, out_dtype=torch.float32)
+    expected = kernels.qdq_fp8_ue8m0(x).float() @ kernels.dequantize_fp8_block_weight(weight, scale).T
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("leading", [(1,), (3, 5)], ids=["rows1", "3x5"])
+def test_fp8_and_fp4_linear_close_to_one_matmul(leading: tuple[int, ...]) -> None:
+    """Many K blocks: only the fp32 summation order differs from one dequantized matmul."""
+    x = (torch.randn(*leading, 256) * 3).bfloat16()
+    weight, scale = random_fp8_weight(63, 256, seed=4)
+    y = kernels.fp8_linear(x, weight, scale, out_dtype=torch.float32)
+    expected = kernels.qdq_fp8_ue8m0(x).float() @ kernels.dequantize_fp8_block_weight(weight, scale).T
+    assert y.shape == (*leading, 63)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    packed, scale4 = random_fp4_weight(63, 256, seed=5)
+    y4 = kernels.fp4_linear(x, packed, scale4)
+    expected4 = kernels.qdq_fp8_ue8m0(x).float() @ kernels.dequantize_fp4_weight(packed, scale4).T
+    assert y4.dtype == torch.get_default_dtype()
+    torch.testing.assert_close(y4.float(), expected4.to(y4.dtype).float(), rtol=2**-7, atol=1e-6)
+
+
+def test_weight_helpers_reject_bad_shapes() -> None:
+    weight, scale = random_fp8_weight(64, 64, seed=6)
+    with pytest.raises(ValueError, match=r"needs scale shape \(2, 2\)"):
+        kernels.dequantize_fp8_block_weight(weight, scale[:1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kernels.dequantize_fp8_block_weight(weight.float(), scale)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        kernels.fp8_linear(torch.randn(2, 32).bfloat16(), weight, scale)
+    packed, scale4 = random_fp4_weight(4, 64, seed=7)
+    with pytest.raises(ValueError, match="needs scale shape"):
+        kernels.dequantize_fp4_weight(packed, scale4[:, :1])
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: kernels.quantize_fp4_e4m3(torch.randn(2, 24)), r"\(2, 24\) must be a positive multiple of"),
+        (lambda: kernels.quantize_mxfp4(torch.randn(2, 32).half()), "bf16 or fp32, got torch.float16"),
+        (lambda: kernels.qdq_fp8_ue8m0(torch.randn(2, 48)), r"\(2, 48\) must be a positive multiple of 32"),
+        (lambda: kernels.qdq_fp8_ue8m0(torch.randn(2, 48), block=24), "power of two >= 2, got 24"),
+        (lambda: kernels.qdq_mxfp4(torch.tensor(1.0)), r"last dim of x \(\)"),
+        (lambda: kernels.qdq_mxfp4(torch.randn(2, 32), backend="cuda"), "got 'cuda'"),
+        (
+            lambda: kernels.dequantize_mxfp4(torch.zeros(2, 16, dtype=U8), torch.zeros(2, 2, dtype=U8)),
+            r"scales of shape \(2, 1\), got \(2, 2\)",
+        ),
+        (
+            lambda: kernels.dequantize_fp4_e4m3(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1)),
+            "scales must be one of",
+        ),
+        (
+            lambda: kernels.dequantize_fp8_ue8m0(
+                torch.zeros(2, 32, dtype=torch.float8_e4m3fn), torch.zeros(2, 1, dtype=U8), torch.float16
+            ),
+            "dtype must be bf16 or fp32, got torch.float16",
+        ),
+    ],
+    ids=[
+        "fp4-width", "mx-dtype", "fp8-width", "fp8-block", "0-dim", "backend", "mx-scales", "fp4-scale-dtype",
+        "out-dtype",
+    ],  # fmt: skip
+)
+def test_entry_points_reject_bad_input(call, match: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=match):
+        call()
