@@ -148,7 +148,11 @@ class GlobalKVStore(RetentionOps):
                 return
             self._persist_clock()
             self._closed = True
-            self._db.close()
+            try:
+                self._db.close()
+            except Exception as exc:  # noqa: BLE001 - after an I/O error (disk full) the final flush fails;
+                # everything acknowledged is already in the synced WAL, so closing must not raise.
+                log.error("store_close_flush_failed", error=str(exc))
 
     def __enter__(self) -> GlobalKVStore:
         return self
