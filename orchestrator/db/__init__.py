@@ -1,0 +1,52 @@
+"""The SQL session registry: typed models, repositories, migrations runner, audit sink, purge, reconcile.
+
+Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per call or turn).
+"""
+
+from orchestrator.db.audit_sink import SqlAuditSink
+from orchestrator.db.engine import make_engine, make_session_factory
+from orchestrator.db.migrate import downgrade, upgrade
+from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
+from orchestrator.db.reconcile import ReconcileReport, reconcile_segments
+from orchestrator.db.repositories import (
+    DurableSegment,
+    EffectivePolicy,
+    MapperRegistration,
+    MapperRepository,
+    PolicyRepository,
+    SegmentRepository,
+    SegmentTotals,
+    SessionRepository,
+    TenantRepository,
+    TurnCounts,
+    TurnRepository,
+    TurnTimings,
+)
+from orchestrator.db.transactions import run_serializable, serializable_factory
+
+__all__ = [
+    "DurableSegment",
+    "EffectivePolicy",
+    "MapperRegistration",
+    "MapperRepository",
+    "PolicyRepository",
+    "PurgeOutcome",
+    "Purger",
+    "ReconcileReport",
+    "SegmentRepository",
+    "SegmentTotals",
+    "SessionRepository",
+    "SqlAuditSink",
+    "StorePurger",
+    "TenantRepository",
+    "TurnCounts",
+    "TurnRepository",
+    "TurnTimings",
+    "downgrade",
+    "make_engine",
+    "make_session_factory",
+    "reconcile_segments",
+    "run_serializable",
+    "serializable_factory",
+    "upgrade",
+]

@@ -75,19 +75,19 @@ class SessionRepository:
         *,
         tenant_id: str,
         limit: int,
-        after: tuple[str, str] | None = None,
+        after_id: str | None = None,
         include_closed: bool = True,
     ) -> list[SessionRow]:
-        """Sessions of the tenant ordered by (created_at, id); `after` is the last (iso time, id) seen."""
+        """Sessions of the tenant ordered by (created_at, id), after the session `after_id` when given."""
         if limit <= 0:
             raise ValueError(f"limit={limit} must be positive")
         stmt = select(SessionRow).where(SessionRow.tenant_id == tenant_id)
         if not include_closed:
             stmt = stmt.where(SessionRow.status == SessionStatus.OPEN)
-        if after is not None:
-            rows = self._s.get(SessionRow, after[1])
-            if rows is not None:
-                stmt = stmt.where(tuple_(SessionRow.created_at, SessionRow.id) > (rows.created_at, rows.id))
+        if after_id is not None:
+            last = self._s.get(SessionRow, after_id)
+            if last is not None:
+                stmt = stmt.where(tuple_(SessionRow.created_at, SessionRow.id) > (last.created_at, last.id))
         stmt = stmt.order_by(SessionRow.created_at, SessionRow.id).limit(limit)
         return list(self._s.scalars(stmt))
 

@@ -41,6 +41,15 @@ class TenantRepository:
             found = self._s.scalars(select(Tenant).where(Tenant.id == tenant_id)).one()
             return found
 
+    def rotate_salt(self, tenant_id: str) -> bool:
+        """Give the tenant a fresh salt, so that anything keyed by the old one is unreachable."""
+        tenant = self.get(tenant_id)
+        if tenant is None:
+            return False
+        tenant.salt = secrets.token_bytes(TENANT_SALT_BYTES)
+        self._s.flush()
+        return True
+
     def list_ids(self) -> list[str]:
         return list(self._s.scalars(select(Tenant.id).order_by(Tenant.id)))
 

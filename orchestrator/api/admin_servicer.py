@@ -1,0 +1,204 @@
+"""The Admin service: retention and residency policy, purge, audit query and verify, store statistics.
+
+Every call needs the admin token; every change appends an audit record in the same transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from sqlalchemy import func, select
+
+from orchestrator.api.context import ServiceContext
+from orchestrator.api.errors import InvalidRequestError, NotFoundError
+from orchestrator.api.status_table import unary_errors
+from orchestrator.db import (
+    EffectivePolicy,
+    PolicyRepository,
+    SegmentRepository,
+    TenantRepository,
+    run_serializable,
+)
+from orchestrator.db.models import SessionRow, Tenant
+from storage import AuditAction, AuditEvent
+
+__all__ = ["AdminServicer", "servicer_class"]
+
+_DEFAULT_AUDIT_PAGE = 100
+_MAX_AUDIT_PAGE = 10000
+
+
+def servicer_class(ctx: ServiceContext) -> type:
+    return type("AdminServicer", (AdminServicer, ctx.stubs.admin_grpc.AdminServicer), {})
+
+
+class AdminServicer:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+        self._pb = ctx.stubs.admin
+
+    def _effective(self, s: Any, tenant_id: str) -> EffectivePolicy:
+        settings = self._ctx.settings
+        return PolicyRepository(s).effective(
+            tenant_id,
+            default_floor_s=settings.retention_floor_s,
+            default_ceiling_s=settings.retention_ceiling_s,
+        )
+
+    @staticmethod
+    def _tenant_id(value: str) -> str:
+        if not value:
+            raise InvalidRequestError("tenant_id is required")
+        return value
+
+    @unary_errors
+    def GetRetentionPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._ctx.auth.admin(context)
+        with self._ctx.sessions() as s:
+            return self._ctx.convert.retention(self._effective(s, self._tenant_id(request.tenant_id)))
+
+    @unary_errors
+    def GetResidencyPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._ctx.auth.admin(context)
+        with self._ctx.sessions() as s:
+            return self._ctx.convert.residency(self._effective(s, self._tenant_id(request.tenant_id)))
+
+    def _set_policy(
+        self,
+        context: grpc.ServicerContext,
+        tenant_id: str,
+        *,
+        retention: tuple[float, float] | None,
+        regions: list[str] | None,
+    ) -> EffectivePolicy:
+        caller = self._ctx.auth.admin(context)
+        tenant_id = self._tenant_id(tenant_id)
+
+        def work(s: Any) -> EffectivePolicy:
+            TenantRepository(s).ensure(tenant_id)
+            current = self._effective(s, tenant_id)
+            floor, ceiling = retention if retention is not None else (current.floor_s, current.ceiling_s)
+            allowed = regions if regions is not None else list(current.allowed_regions)
+            PolicyRepository(s).set(tenant_id, floor_s=floor, ceiling_s=ceiling, allowed_regions=allowed)
+            what = (
+                f"retention:floor_s={floor:g},ceiling_s={ceiling:g}"
+                if retention is not None
+                else f"residency:{','.join(sorted(set(allowed))) or '*'}"
+            )
+            self._ctx.audit.append_in(
+                s,
+                [
+                    AuditEvent(
+                        actor=caller.actor,
+                        action=AuditAction.POLICY_CHANGE,
+                        tenant=tenant_id,
+                        subject=what,
+                        reason="admin_request",
+                    )
+                ],
+            )
+            return self._effective(s, tenant_id)
+
+        return run_serializable(self._ctx.serializable, work)
+
+    @unary_errors
+    def SetRetentionPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
+        policy = self._set_policy(
+            context, request.tenant_id, retention=(request.floor_s, request.ceiling_s), regions=None
+        )
+        return self._ctx.convert.retention(policy)
+
+    @unary_errors
+    def SetResidencyPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
+        policy = self._set_policy(
+            context, request.tenant_id, retention=None, regions=list(request.allowed_regions)
+        )
+        return self._ctx.convert.residency(policy)
+
+    @unary_errors
+    def Purge(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.admin(context)
+        target = request.WhichOneof("target")
+        purger = self._ctx.purger
+        if target == "session_id" and request.session_id:
+            for_session = purger.purge_session(
+                request.session_id, tenant_id=None, actor=caller.actor, reason="admin_request"
+            )
+            if for_session is None:
+                raise NotFoundError(f"session {request.session_id} not found")
+            outcome = for_session
+        elif target == "tenant_id" and request.tenant_id:
+            outcome = purger.purge_tenant(request.tenant_id, actor=caller.actor, reason="admin_request")
+        elif target == "model" and request.model:
+            outcome = purger.purge_model(
+                request.model,
+                tenant_id=request.model_tenant_id or None,
+                actor=caller.actor,
+                reason="admin_request",
+            )
+        else:
+            raise InvalidRequestError("purge needs one non-empty target: session_id, tenant_id or model")
+        return self._pb.PurgeResponse(
+            sessions_deleted=outcome.sessions_deleted,
+            segments_deleted=outcome.segments_deleted,
+            bytes_deleted=outcome.bytes_deleted,
+        )
+
+    @unary_errors
+    def QueryAudit(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._ctx.auth.admin(context)
+        limit = request.limit or _DEFAULT_AUDIT_PAGE
+        if limit > _MAX_AUDIT_PAGE:
+            raise InvalidRequestError(f"limit={limit} exceeds {_MAX_AUDIT_PAGE}")
+        if request.action and request.action not in {a.value for a in AuditAction}:
+            raise InvalidRequestError(f"unknown audit action {request.action!r}")
+        records = self._ctx.audit.query(
+            tenant=request.tenant_id or None,
+            action=request.action or None,
+            since_us=request.since_us or None,
+            until_us=request.until_us or None,
+            after_seq=request.after_seq,
+            limit=limit,
+        )
+        return self._pb.QueryAuditResponse(records=[self._ctx.convert.audit_record(r) for r in records])
+
+    @unary_errors
+    def VerifyAudit(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._ctx.auth.admin(context)
+        head_seq, head_hash = self._ctx.audit.head()
+        result = self._ctx.audit.verify()
+        response = self._pb.VerifyAuditResponse(
+            ok=result.ok, records=result.records, reason=result.reason, head_seq=head_seq, head_hash=head_hash
+        )
+        if result.first_break_seq is not None:
+            response.first_break_seq = result.first_break_seq
+        return response
+
+    @unary_errors
+    def GetStoreStats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._ctx.auth.admin(context)
+        tenant = request.tenant_id or None
+        with self._ctx.sessions() as s:
+            totals = SegmentRepository(s).totals(tenant_id=tenant)
+            sessions_q = select(func.count()).select_from(SessionRow)
+            tenants_q = select(func.count()).select_from(Tenant)
+            if tenant is not None:
+                sessions_q = sessions_q.where(SessionRow.tenant_id == tenant)
+                tenants_q = tenants_q.where(Tenant.id == tenant)
+            sessions = s.scalar(sessions_q) or 0
+            tenants = s.scalar(tenants_q) or 0
+        pool = self._ctx.pool_stats() if self._ctx.pool_stats is not None else None
+        if tenant is None:
+            self._ctx.metrics.stored_bytes.set(totals.bytes)
+        return self._pb.StoreStats(
+            tenants=tenants,
+            sessions=sessions,
+            segments=totals.segments,
+            stored_bytes=totals.bytes,
+            stored_tokens=totals.tokens,
+            pool_bytes_used=pool.bytes_used if pool else 0,
+            pool_budget_bytes=pool.budget_bytes if pool else self._ctx.settings.pool_budget_bytes,
+            pool_entries=pool.entries if pool else 0,
+            region=self._ctx.settings.region,
+        )

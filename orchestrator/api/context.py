@@ -1,0 +1,98 @@
+"""Everything the servicers share: settings, database, audit sink, auth, running turns, metrics, stubs.
+
+Built once per server by `build_context`; knows nothing of gRPC's server object.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from orchestrator.api.auth import Authenticator
+from orchestrator.api.convert import Converter
+from orchestrator.api.metrics import ServiceMetrics
+from orchestrator.api.running_turns import RunningTurns
+from orchestrator.api.stubs import Stubs, load_stubs
+from orchestrator.api.turn_types import TurnHandler
+from orchestrator.db import (
+    Purger,
+    SqlAuditSink,
+    StorePurger,
+    make_engine,
+    make_session_factory,
+    serializable_factory,
+    upgrade,
+)
+from orchestrator.settings import Settings
+
+__all__ = ["ServiceContext", "PoolStats", "build_context"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolStats:
+    bytes_used: int
+    budget_bytes: int
+    entries: int
+
+
+@dataclass(kw_only=True)
+class ServiceContext:
+    """Shared service state. `turn_handler`, `store` and `pool_stats` are wired by whoever owns them."""
+
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    serializable: sessionmaker[Session]
+    audit: SqlAuditSink
+    auth: Authenticator
+    running: RunningTurns
+    metrics: ServiceMetrics
+    stubs: Stubs
+    convert: Converter
+    purger: Purger
+    node: str
+    turn_handler: TurnHandler | None = None
+    pool_stats: Callable[[], PoolStats] | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def build_context(
+    settings: Settings,
+    *,
+    migrate: bool = True,
+    store: StorePurger | None = None,
+    turn_handler: TurnHandler | None = None,
+    pool_stats: Callable[[], PoolStats] | None = None,
+    metrics: ServiceMetrics | None = None,
+) -> ServiceContext:
+    """Open the registry (migrating it to head unless `migrate=False`) and assemble the shared state."""
+    url = settings.resolved_database_url
+    if migrate:
+        upgrade(url)
+    engine = make_engine(url)
+    serializable = serializable_factory(engine)
+    audit = SqlAuditSink(engine)
+    stubs = load_stubs()
+    return ServiceContext(
+        settings=settings,
+        engine=engine,
+        sessions=make_session_factory(engine),
+        serializable=serializable,
+        audit=audit,
+        auth=Authenticator(tenant_tokens=settings.tenant_tokens, admin_token=settings.admin_token),
+        running=RunningTurns(),
+        metrics=metrics if metrics is not None else ServiceMetrics(),
+        stubs=stubs,
+        convert=Converter(stubs),
+        purger=Purger(serializable, audit, store),
+        node=socket.gethostname(),
+        turn_handler=turn_handler,
+        pool_stats=pool_stats,
+    )

@@ -1,0 +1,314 @@
+"""The Sessions service: create, turn (delegated to the turn engine), fork, get, list, close, delete, abort.
+
+Converts messages to domain objects at entry; a tenant sees only its own sessions (others read as
+NOT_FOUND, so that ids do not leak across tenants).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import structlog
+
+from orchestrator.api.context import ServiceContext
+from orchestrator.api.errors import (
+    CancelledError,
+    InvalidRequestError,
+    NotFoundError,
+    PreconditionError,
+    ResourceExhaustedError,
+)
+from orchestrator.api.status_table import stream_errors, unary_errors
+from orchestrator.api.turn_log import log_turn_decision
+from orchestrator.api.turn_types import GenerationSpec, PlanEvent, TokenChunkEvent, TurnInput, TurnStatsEvent
+from orchestrator.db import PolicyRepository, SessionRepository, TenantRepository, run_serializable
+from orchestrator.db.models import SessionStatus
+
+__all__ = ["SessionsServicer", "servicer_class"]
+
+log = structlog.get_logger(__name__)
+_DEFAULT_PAGE = 50
+_MAX_PAGE = 1000
+
+
+def _page_token(session_id: str) -> str:
+    return base64.urlsafe_b64encode(session_id.encode()).decode()
+
+
+def _after(token: str) -> str | None:
+    if not token:
+        return None
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"bad page_token {token!r}") from exc
+
+
+def servicer_class(ctx: ServiceContext) -> type:
+    """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED."""
+    base = ctx.stubs.sessions_grpc.SessionsServicer
+    return type("SessionsServicer", (SessionsServicer, base), {})
+
+
+class SessionsServicer:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self._ctx = ctx
+        self._pb = ctx.stubs.sessions
+
+    def _get_owned(self, s: Any, session_id: str, tenant_id: str) -> Any:
+        if not session_id:
+            raise InvalidRequestError("session_id is required")
+        row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
+        if row is None:
+            raise NotFoundError(f"session {session_id} not found")
+        return row
+
+    @unary_errors
+    def CreateSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+        settings = self._ctx.settings
+        if not request.model:
+            raise InvalidRequestError("model is required")
+        hint = request.retention.retention_s if request.retention.HasField("retention_s") else None
+        if hint is not None and not hint > 0:
+            raise InvalidRequestError(f"retention_s={hint} must be positive")
+
+        def work(s: Any) -> tuple[Any, float]:
+            tenant = TenantRepository(s).ensure(caller.tenant_id)
+            repo = SessionRepository(s)
+            if repo.count(tenant_id=tenant.id) >= settings.max_sessions_per_tenant:
+                raise ResourceExhaustedError(
+                    f"tenant {tenant.id} has {settings.max_sessions_per_tenant} sessions, the limit"
+                )
+            policy = PolicyRepository(s).effective(
+                tenant.id,
+                default_floor_s=settings.retention_floor_s,
+                default_ceiling_s=settings.retention_ceiling_s,
+            )
+            granted = policy.clip_retention(hint)
+            row = repo.create(
+                tenant_id=tenant.id,
+                model=request.model,
+                retention_s=granted,
+                retention_hint_s=hint,
+                node=self._ctx.node,
+                region=settings.region,
+            )
+            return self._ctx.convert.session(row), granted
+
+        session, granted = run_serializable(self._ctx.serializable, work)
+        c = self._ctx.stubs.common
+        if hint is None:
+            outcome = c.RETENTION_DEFAULTED
+        else:
+            outcome = c.RETENTION_ACCEPTED if granted == hint else c.RETENTION_CLIPPED
+        response = self._pb.CreateSessionResponse(session=session, retention_outcome=outcome)
+        if hint is not None:
+            response.requested_retention_s = hint
+        log.info(
+            "session_created", session_id=session.session_id, tenant=caller.tenant_id, model=request.model
+        )
+        return response
+
+    @unary_errors
+    def GetSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+        with self._ctx.sessions() as s:
+            return self._ctx.convert.session(self._get_owned(s, request.session_id, caller.tenant_id))
+
+    @unary_errors
+    def ListSessions(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+        size = request.page_size or _DEFAULT_PAGE
+        if size > _MAX_PAGE:
+            raise InvalidRequestError(f"page_size={size} exceeds {_MAX_PAGE}")
+        after = _after(request.page_token)
+        with self._ctx.sessions() as s:
+            rows = SessionRepository(s).list(
+                tenant_id=caller.tenant_id,
+                limit=size + 1,
+                after_id=after,
+                include_closed=not request.open_only,
+            )
+            more = len(rows) > size
+            rows = rows[:size]
+            return self._pb.ListSessionsResponse(
+                sessions=[self._ctx.convert.session(r) for r in rows],
+                next_page_token=_page_token(rows[-1].id) if more else "",
+            )
+
+    @unary_errors
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+
+        def work(s: Any) -> Any:
+            row = self._get_owned(s, request.session_id, caller.tenant_id)
+            SessionRepository(s).close(row)
+            return self._ctx.convert.session(row)
+
+        self._ctx.running.abort(request.session_id, "session closed")
+        return run_serializable(self._ctx.serializable, work)
+
+    @unary_errors
+    def ForkSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+
+        def work(s: Any) -> Any:
+            parent = self._get_owned(s, request.session_id, caller.tenant_id)
+            if request.at_turn > parent.turn_count:
+                raise InvalidRequestError(
+                    f"at_turn={request.at_turn} is past session {parent.id}'s {parent.turn_count} turns"
+                )
+            child = SessionRepository(s).fork(parent, at_turn=request.at_turn)
+            return self._ctx.convert.session(child)
+
+        session = run_serializable(self._ctx.serializable, work)
+        log.info(
+            "session_forked",
+            session_id=session.session_id,
+            parent=request.session_id,
+            at_turn=request.at_turn,
+        )
+        return self._pb.ForkSessionResponse(session=session)
+
+    @unary_errors
+    def DeleteSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+        if not request.session_id:
+            raise InvalidRequestError("session_id is required")
+        self._ctx.running.abort(request.session_id, "session deleted")
+        outcome = self._ctx.purger.purge_session(
+            request.session_id, tenant_id=caller.tenant_id, actor=caller.actor, reason="tenant_request"
+        )
+        if outcome is None:
+            raise NotFoundError(f"session {request.session_id} not found")
+        return self._pb.DeleteSessionResponse(
+            segments_deleted=outcome.segments_deleted, bytes_deleted=outcome.bytes_deleted
+        )
+
+    @unary_errors
+    def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
+        caller = self._ctx.auth.tenant(context)
+        with self._ctx.sessions() as s:
+            self._get_owned(s, request.session_id, caller.tenant_id)
+        aborted = self._ctx.running.abort(request.session_id, request.reason or "aborted by caller")
+        log.info("turn_abort_requested", session_id=request.session_id, aborted=aborted)
+        return self._pb.AbortResponse(aborted=aborted)
+
+    def _turn_input(self, request: Any, tenant_id: str) -> TurnInput:
+        settings = self._ctx.settings
+        which = request.WhichOneof("input")
+        tokens = tuple(request.tokens.ids) if which == "tokens" else None
+        text = request.text if which == "text" else None
+        if which is None or not (tokens or text):
+            raise InvalidRequestError(f"empty turn for session {request.session_id}: no tokens and no text")
+        if tokens is not None and len(tokens) > settings.max_turn_tokens:
+            raise ResourceExhaustedError(
+                f"turn of {len(tokens)} tokens exceeds the limit {settings.max_turn_tokens}"
+            )
+        if text is not None and len(text.encode()) > settings.max_turn_tokens * 4:
+            raise ResourceExhaustedError(f"turn text of {len(text.encode())} bytes exceeds the limit")
+        g = request.generation
+        max_new = g.max_new_tokens or min(256, settings.max_new_tokens)
+        if max_new > settings.max_new_tokens:
+            raise InvalidRequestError(f"max_new_tokens={max_new} exceeds the limit {settings.max_new_tokens}")
+        try:
+            spec = GenerationSpec(
+                max_new_tokens=max_new,
+                temperature=g.temperature,
+                top_p=g.top_p if g.top_p > 0 else 1.0,
+                top_k=g.top_k,
+                seed=g.seed if g.HasField("seed") else None,
+                stop_token_ids=tuple(g.stop_token_ids),
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return TurnInput(
+            session_id=request.session_id,
+            tenant_id=tenant_id,
+            request_id=request.request_id or uuid.uuid4().hex,
+            tokens=tokens,
+            text=text,
+            generation=spec,
+            model=request.model or None,
+        )
+
+    @stream_errors
+    def Turn(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        caller = self._ctx.auth.tenant(context)
+        turn = self._turn_input(request, caller.tenant_id)
+        with self._ctx.sessions() as s:
+            row = self._get_owned(s, request.session_id, caller.tenant_id)
+            if row.status != SessionStatus.OPEN:
+                raise PreconditionError(f"session {row.id} is closed")
+        handler = self._ctx.turn_handler
+        if handler is None:
+            raise NotImplementedError("this server has no turn engine configured")
+        handle = self._ctx.running.start(turn.session_id, turn.request_id)
+        context.add_callback(lambda: handle.cancel("client cancelled"))
+        metrics = self._ctx.metrics
+        metrics.running_turns.inc()
+        structlog.contextvars.bind_contextvars(session_id=turn.session_id, request_id=turn.request_id)
+        started = time.perf_counter()
+        plan_event: PlanEvent | None = None
+        outcome = "failed"
+        stats: TurnStatsEvent | None = None
+        generated = 0
+        try:
+            for event in handler.run_turn(turn, handle):
+                if isinstance(event, PlanEvent):
+                    plan_event = event
+                    structlog.contextvars.bind_contextvars(turn_id=event.turn_index)
+                elif isinstance(event, TokenChunkEvent):
+                    generated += len(event.ids)
+                else:
+                    stats = event
+                yield self._ctx.convert.turn_event(event)
+            if handle.cancelled:
+                raise CancelledError(f"turn aborted: {handle.reason}")
+            outcome = "done"
+        except CancelledError:
+            outcome = "aborted"
+            raise
+        finally:
+            metrics.running_turns.dec()
+            self._ctx.running.finish(handle)
+            if plan_event is not None:
+                self._report(turn, plan_event, stats, outcome, generated, time.perf_counter() - started)
+            structlog.contextvars.unbind_contextvars("session_id", "request_id", "turn_id")
+
+    def _report(
+        self,
+        turn: TurnInput,
+        plan_event: PlanEvent,
+        stats: TurnStatsEvent | None,
+        outcome: str,
+        generated: int,
+        elapsed_s: float,
+    ) -> None:
+        plan = plan_event.plan
+        m = self._ctx.metrics
+        path = str(plan.path)
+        m.turns.labels(path=path, outcome=outcome).inc()
+        for kind in ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped"):
+            m.turn_tokens.labels(kind=kind).inc(getattr(plan.counts, kind))
+        m.turn_latency.labels(path=path).observe(stats.total_s if stats else elapsed_s)
+        if stats is not None:
+            m.ttft.labels(path=path).observe(stats.ttft_s)
+        log_turn_decision(
+            session_id=turn.session_id,
+            turn_index=plan_event.turn_index,
+            request_id=turn.request_id,
+            plan=plan,
+            outcome=outcome,
+            ttft_s=stats.ttft_s if stats else None,
+            decode_tokens_per_s=stats.decode_tokens_per_s if stats else None,
+            total_s=stats.total_s if stats else elapsed_s,
+            generated_tokens=generated,
+            persisted=stats.persisted if stats else False,
+        )
