@@ -11,7 +11,9 @@ from model.checkpoint import (
     weights_fingerprint,
 )
 from model.config import LayerRole, LayerRow, ModelConfig
-from model.errors import CheckpointMismatch, ModelError
+from model.conformance import LOGITS_REL_TOL, PromptReport, TensorDiff, cache_tensors, check_conformance
+from model.errors import CheckpointMismatch, ModelError, UnsupportedConfigError
+from model.inference import PREFILL_MODES, decode, decode_batch, prefill
 from model.kv_bytes import (
     INDEX_K_SCALE_GROUP,
     MAIN_KV_SCALE_GROUP,
@@ -24,8 +26,29 @@ from model.kv_bytes import (
     window_kv_entry_bytes,
 )
 from model.presets import PRESET_NAMES, load_preset
+from model.state import ModelState, SourceCache
+from model.transformer import PassOutput, PassStats, Transformer
+from model.weights import init_random, load_model, save_plain
 
 __all__ = [
+    "cache_tensors",
+    "check_conformance",
+    "decode",
+    "decode_batch",
+    "init_random",
+    "load_model",
+    "LOGITS_REL_TOL",
+    "ModelState",
+    "PassOutput",
+    "PassStats",
+    "prefill",
+    "PREFILL_MODES",
+    "PromptReport",
+    "save_plain",
+    "SourceCache",
+    "TensorDiff",
+    "Transformer",
+    "UnsupportedConfigError",
     "checkpoint_metadata",
     "CheckpointMismatch",
     "index_k_entry_bytes",

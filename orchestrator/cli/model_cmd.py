@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from fractions import Fraction
 
 from model import PRESET_NAMES, KVBytes, ModelConfig, kv_bytes, load_preset
@@ -80,7 +81,56 @@ def _register_bytes(model_subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_bytes)
 
 
+def _run_check(args: argparse.Namespace) -> int:
+    # imported here: the check pulls in torch, which `model bytes` does not need
+    from model import ModelError, check_conformance
+
+    prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
+    try:
+        reports = check_conformance(args.checkpoint, args.vectors, device=args.device, prompts=prompts)
+    except ModelError as exc:
+        print(f"kvresume model check: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([
+            {
+                "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
+                "generated": r.generated, "reference_generated": r.reference_generated,
+                "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
+            }
+            for r in reports
+        ], indent=2))
+    else:
+        for r in reports:
+            same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
+            print(
+                f"{r.prompt} ({r.n_tokens} tokens): logits max rel err {r.logits_rel_err:.3e}; "
+                f"greedy {same}/{len(r.reference_generated)} equal; "
+                f"{len(r.caches)} caches, max err {r.cache_max_abs:.3e}: {'OK' if r.ok else 'FAIL'}"
+            )
+            for d in r.caches:
+                if args.verbose or not d.ok:
+                    print(f"    {d.name}: max err {d.max_abs:.3e}")
+            for failure in r.failures:
+                print(f"  FAIL {failure}")
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def _register_check(model_subparsers: argparse._SubParsersAction) -> None:
+    parser = model_subparsers.add_parser(
+        "check", help="conformance: run the vectors' prompts, compare logits, greedy ids and caches"
+    )
+    parser.add_argument("--checkpoint", required=True, help="folder with config.json and model.safetensors")
+    parser.add_argument("--vectors", required=True, help="folder laid out like shared/conformance/v41-tiny")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    parser.add_argument("--prompts", help="comma-separated prompt indices (default: every prompt)")
+    parser.add_argument("--verbose", action="store_true", help="list every cache tensor's error")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(handler=_run_check)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("model", help="model utilities (bytes, check)")
     model_subparsers = parser.add_subparsers(dest="model_command", required=True)
     _register_bytes(model_subparsers)
+    _register_check(model_subparsers)
