@@ -234,17 +234,18 @@ class _Transcript:
     def episode(self, distances: Sequence[int] | None, end_limit: int | None) -> list[AnswerSpan]:
         """Append one read and its questions; returns the placed answers (empty when none fit)."""
         spec, rng = self.spec, self.rng
+        need = 1 if distances is None else len(distances)
         for _ in range(_FILE_TRIES):
             f = self.files[int(rng.integers(0, len(self.files)))]
             n_lines = self._shown_lines(f.text)
             facts = [x for x in f.facts if x.line <= n_lines and x.kind in spec.kinds]
-            if facts:
+            if len(facts) >= need:
                 break
         else:
+            if distances is not None:
+                raise ValueError(f"{len(distances)} distances: no file tried has that many askable facts")
             return []
         if distances is not None:
-            if len(facts) < len(distances):
-                raise ValueError(f"{len(distances)} distances but {f.path!r} has only {len(facts)} facts")
             picks = rng.choice(len(facts), size=len(distances), replace=False)
             chosen = [facts[i] for i in sorted(picks)]
             # show exactly through the last asked line so that short distances stay reachable
