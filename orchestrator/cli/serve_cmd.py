@@ -1,0 +1,74 @@
+"""`kvresume serve`: run the gRPC service (Sessions, Admin, Mappers, health, reflection) and /metrics."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+import structlog
+
+from orchestrator.api import build_context, build_server, configure_logging
+from orchestrator.settings import Settings, load_settings
+
+log = structlog.get_logger(__name__)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from --config / environment / the flags shared by the service commands."""
+    return load_settings(
+        toml_path=getattr(args, "config", None),
+        overrides={
+            "database_url": getattr(args, "database_url", None),
+            "data_dir": getattr(args, "data_dir", None),
+            "grpc_host": getattr(args, "host", None),
+            "grpc_port": getattr(args, "port", None),
+            "metrics_port": getattr(args, "metrics_port", None),
+            "region": getattr(args, "region", None),
+        },
+    )
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="settings TOML (default: $KVRESUME_CONFIG)")
+    parser.add_argument("--database-url", help="SQLAlchemy URL of the registry (default: SQLite in data dir)")
+    parser.add_argument("--data-dir", help="data directory")
+
+
+def _run(args: argparse.Namespace) -> int:
+    configure_logging(json=True if args.json_logs else None)
+    settings = settings_from_args(args)
+    ctx = build_context(settings)
+    running = build_server(ctx)
+    metrics_server = None
+    if settings.metrics_port:
+        metrics_server, _ = ctx.metrics.serve(settings.metrics_port)
+    log.info(
+        "service_started",
+        grpc=f"{settings.grpc_host}:{running.port}",
+        metrics_port=settings.metrics_port,
+        region=settings.region,
+        tls=settings.tls_enabled,
+        turn_engine=ctx.turn_handler is not None,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("service_stopping")
+    running.stop(grace_s=5.0)
+    if metrics_server is not None:
+        metrics_server.shutdown()  # type: ignore[attr-defined]
+    ctx.close()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the gRPC service and the metrics endpoint")
+    add_settings_flags(parser)
+    parser.add_argument("--host", help="gRPC listen host")
+    parser.add_argument("--port", type=int, help="gRPC listen port (0: any free port)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    parser.add_argument("--region", help="this node's region label")
+    parser.add_argument("--json-logs", action="store_true", help="JSON log lines even on a TTY")
+    parser.set_defaults(handler=_run)

@@ -1,0 +1,60 @@
+"""`kvresume admin ...` and `kvresume session ...` against an in-process server; `admin migrate` locally."""
+
+from __future__ import annotations
+
+import json
+
+from orchestrator.cli import main
+from tests.orchestrator.api.conftest import ADMIN_TOKEN
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_admin_migrate_and_local_audit_verify(tmp_path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
+    assert main(["admin", "migrate", "--database-url", url]) == 0
+    assert main(["admin", "audit-local", "--database-url", url, "--json"]) == 0
+    out = _json_lines(capsys.readouterr().out)
+    assert out[-1] == {
+        "ok": True,
+        "records": 0,
+        "first_break_seq": None,
+        "reason": "",
+        "head_seq": 0,
+        "head_hash": "0" * 64,
+    }
+    assert main(["admin", "downgrade", "--database-url", url, "--revision", "base"]) == 0
+
+
+def test_session_and_admin_commands_over_grpc(service, capsys) -> None:
+    target = ["--target", f"127.0.0.1:{service.server.port}"]
+    tenant = [*target, "--token", "tok-acme"]
+    admin = [*target, "--token", ADMIN_TOKEN]
+    assert main(["session", "create", "--model", "small", "--retention-s", "120", *tenant]) == 0
+    created = _json_lines(capsys.readouterr().out)[0]
+    sid = created["session"]["session_id"]
+    assert created["session"]["tenant_id"] == "acme"
+    assert main(["session", "get", sid, *tenant]) == 0
+    assert _json_lines(capsys.readouterr().out)[0]["session_id"] == sid
+    # Another tenant: NOT_FOUND, exit code 1, the status on stderr.
+    assert main(["session", "get", sid, *target, "--token", "tok-globex"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["session", "turn", sid, "--text", "hi", *tenant]) == 1
+    assert "UNIMPLEMENTED" in capsys.readouterr().err
+    assert (
+        main(
+            ["admin", "retention", "set", "--tenant", "acme", "--floor-s", "10", "--ceiling-s", "99", *admin]
+        )
+        == 0
+    )
+    assert _json_lines(capsys.readouterr().out)[0]["ceiling_s"] == 99
+    assert main(["admin", "audit", "verify", *admin]) == 0
+    assert _json_lines(capsys.readouterr().out)[0]["ok"] is True
+    assert main(["admin", "purge", "--session", sid, *admin]) == 0
+    assert _json_lines(capsys.readouterr().out)[0]["sessions_deleted"] == "1"
+    assert main(["admin", "stats", "--tenant", "acme", *admin]) == 0
+    assert _json_lines(capsys.readouterr().out)[0]["region"] == "eu-1"
+    assert main(["admin", "stats", *target, "--token", "tok-acme"]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
