@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import structlog
-from rocksdict import DBCompressionType, Options, Rdict, WriteBatch
+from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
 
 from storage.audit_record import AuditAction, AuditEvent, AuditRecord
 from storage.audit_rocks import RocksAuditSink, synced_write_options
@@ -79,6 +79,17 @@ log = structlog.get_logger(__name__)
 ACTOR = "storage"
 
 
+def _read_options() -> ReadOptions:
+    opts = ReadOptions()
+    # Values are 100s of KB read once per resume; caching them in RocksDB's block cache would only
+    # copy them again and evict index blocks (the OS page cache still holds them).
+    opts.fill_cache(False)
+    # Every chunk value carries its own sha256 over header and payload, verified on each read, so
+    # RocksDB's per-block crc32c would check the same bytes a second time.
+    opts.set_verify_checksums(False)
+    return opts
+
+
 def _db_options() -> Options:
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -126,6 +137,7 @@ class GlobalKVStore(RetentionOps):
         config.db_path.mkdir(parents=True, exist_ok=True)
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(config.db_path), _db_options())
+        self._db.set_read_options(_read_options())
         self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)
         self.recovery = self._recover()
         log.info("store_opened", path=config.path, **self.recovery.__dict__)
