@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
         return 0
-    print(f"# torch {meta['torch']}, {meta['threads']} threads, cuda: {meta['cuda_device']}, runs: {args.runs}")
-    print(f"{'device':6} {'format':10} {'op':10} {'backend':7} {'MB':>6} {'ms':>9} {'GB/s':>8} {'vs copy':>7}")
+    print(f"# torch {meta['torch']}, {meta['threads']} threads, cuda {meta['cuda_device']}, runs {args.runs}")
+    header = ("device", "format", "op", "backend", "MB", "ms", "GB/s", "vs copy")
+    print("{:6} {:10} {:10} {:7} {:>6} {:>9} {:>8} {:>8}".format(*header))
     for r in results:
         print(
             f"{r['device']:6} {r['format']:10} {r['op']:10} {r['backend']:7} {r['mb']:6.0f} "
