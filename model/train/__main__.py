@@ -47,7 +47,8 @@ def _sample(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.tokenizer)
     manifest_path = args.manifest or (args.tokenizer / MANIFEST_FILE if args.tokenizer else None)
     manifest = CorpusManifest.load(manifest_path) if manifest_path else build_manifest()
-    files = read_split(manifest, "validation")
+    # a small corpus can have an empty validation split; fall back to train rather than fail
+    files = read_split(manifest, "validation") or read_split(manifest, "train")
     filler = CorpusFiller(tokenize_corpus(tok, [t for _, t in files]))
     rng = np.random.default_rng(args.seed)
     if args.task == "kv":
