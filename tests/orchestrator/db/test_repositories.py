@@ -1,0 +1,228 @@
+"""Repositories on SQLite and PostgreSQL: tenancy, turns, shared segments, fork, purge, reconcile."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from orchestrator.db import (
+    DurableSegment,
+    PolicyRepository,
+    Purger,
+    SegmentRepository,
+    SessionRepository,
+    SqlAuditSink,
+    TenantRepository,
+    TurnRepository,
+    TurnTimings,
+    make_engine,
+    make_session_factory,
+    reconcile_segments,
+    serializable_factory,
+    upgrade,
+)
+from orchestrator.db.models import TurnStatus
+
+LATER = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def engine(request, tmp_path):
+    url = (
+        f"sqlite:///{tmp_path / 'r.sqlite3'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres_url")
+    )
+    upgrade(url)
+    eng = make_engine(url)
+    yield eng
+    eng.dispose()
+
+
+def _seg(
+    key: bytes,
+    start: int,
+    end: int,
+    *,
+    tenant: str = "acme",
+    model: str = "small",
+    node: str = "n1",
+    expires: dt.datetime = LATER,
+) -> DurableSegment:
+    return DurableSegment(
+        store_key=key,
+        tenant_id=tenant,
+        model=model,
+        fingerprint=f"fp-{model}",
+        start_pos=start,
+        end_pos=end,
+        nbytes=(end - start) * 890,
+        expires_at=expires,
+        node=node,
+    )
+
+
+def _session_with_turns(s, tenant: str = "acme", turns=(([1, 2], [3]), ([4], [5, 6]))) -> str:
+    TenantRepository(s).ensure(tenant)
+    row = SessionRepository(s).create(tenant_id=tenant, model="small", retention_s=60)
+    repo = TurnRepository(s)
+    for inp, out in turns:
+        t = repo.begin(row, model="small", input_tokens=inp)
+        repo.finish(t, row, output_tokens=out, timings=TurnTimings(ttft_s=0.1))
+    return row.id
+
+
+def test_tenant_ensure_is_race_safe(engine) -> None:
+    factory = make_session_factory(engine)
+    barrier = threading.Barrier(4)
+    salts: list[bytes] = []
+
+    def create() -> None:
+        barrier.wait()
+        with factory() as s, s.begin():
+            salts.append(TenantRepository(s).ensure("hooli").salt)
+
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(salts) == 4 and len(set(salts)) == 1 and len(salts[0]) == 32
+
+
+def test_turns_extend_history_and_failed_turns_leave_no_trace(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        sid = _session_with_turns(s)
+        row = SessionRepository(s).get(sid, tenant_id="acme")
+        assert (row.turn_count, row.history_tokens) == (2, 6)
+        repo = TurnRepository(s)
+        failed = repo.begin(row, model="small", input_tokens=[9])
+        repo.finish(failed, row, output_tokens=[], timings=TurnTimings(), status=TurnStatus.ABORTED)
+        assert SessionRepository(s).history(sid) == [1, 2, 3, 4, 5, 6]
+        assert [t.index for t in repo.list(sid)] == [0, 1]
+        with pytest.raises(ValueError, match="appends no tokens"):
+            repo.begin(row, model="small", input_tokens=[])
+    with factory() as s, s.begin():
+        row = SessionRepository(s).get(sid, tenant_id="acme")
+        TurnRepository(s).begin(row, model="small", input_tokens=[7])
+    # A twin turn at the same index (another replica that read the same turn_count) is refused.
+    with pytest.raises(IntegrityError), factory() as s, s.begin():
+        row = SessionRepository(s).get(sid, tenant_id="acme")
+        TurnRepository(s).begin(row, model="small", input_tokens=[8])
+
+
+def test_sessions_are_tenant_scoped_and_listed_in_order(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        for t in ("acme", "globex"):
+            TenantRepository(s).ensure(t)
+        repo = SessionRepository(s)
+        ids = [repo.create(tenant_id="acme", model="small", retention_s=1).id for _ in range(3)]
+        other = repo.create(tenant_id="globex", model="small", retention_s=1).id
+    with factory() as s:
+        repo = SessionRepository(s)
+        assert repo.get(other, tenant_id="acme") is None and repo.get(other, tenant_id=None) is not None
+        first = repo.list(tenant_id="acme", limit=2)
+        rest = repo.list(tenant_id="acme", limit=2, after_id=first[-1].id)
+        assert [r.id for r in first + rest] == ids and repo.count(tenant_id="acme") == 3
+
+
+def test_segments_are_shared_and_purged_when_unneeded(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        a = _session_with_turns(s)
+        segs = SegmentRepository(s)
+        segs.link(a, _seg(b"k0", 0, 3))
+        segs.link(a, _seg(b"k1", 3, 6))
+        fork = SessionRepository(s).fork(SessionRepository(s).get(a, tenant_id="acme"), at_turn=1)
+        assert [x.store_key for x in segs.for_session(fork.id)] == [b"k0"]
+        assert SessionRepository(s).history(fork.id) == [1, 2, 3]
+        # A second session of the tenant storing the same chunk shares the row.
+        b = _session_with_turns(s)
+        assert segs.link(b, _seg(b"k0", 0, 3)).id == segs.for_session(a)[0].id
+        with pytest.raises(ValueError, match="owned by tenant 'acme'"):
+            TenantRepository(s).ensure("evil")
+            segs.link(b, _seg(b"k0", 0, 3, tenant="evil"))
+        assert segs.unlink_session(a) == [b"k1"]
+        assert segs.unlink_session(fork.id) == []
+        assert segs.unlink_session(b) == [b"k0"]
+        assert segs.totals().segments == 0
+
+
+def test_expired_segments_are_dropped(engine) -> None:
+    factory = make_session_factory(engine)
+    now = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    with factory() as s, s.begin():
+        a = _session_with_turns(s)
+        segs = SegmentRepository(s)
+        segs.link(a, _seg(b"old", 0, 3, expires=now - dt.timedelta(seconds=1)))
+        segs.link(a, _seg(b"new", 3, 6, expires=now + dt.timedelta(hours=1)))
+        assert segs.expired(now) == [b"old"]
+        assert [x.store_key for x in segs.for_session(a)] == [b"new"]
+
+
+def test_policy_ceiling_wins_and_clips_hints(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        TenantRepository(s).ensure("acme")
+        repo = PolicyRepository(s)
+        default = repo.effective("acme", default_floor_s=10, default_ceiling_s=100)
+        assert default.is_default and default.clip_retention(None) == 100
+        repo.set("acme", floor_s=500, ceiling_s=50, allowed_regions=["eu-1"])
+        eff = repo.effective("acme", default_floor_s=10, default_ceiling_s=100)
+        assert (eff.floor_s, eff.ceiling_s) == (50, 50)
+        assert eff.clip_retention(1) == 50 and eff.may_store_in("eu-1") and not eff.may_store_in("us-1")
+
+
+def test_purger_tenant_rotates_salt_and_audits(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        a = _session_with_turns(s)
+        SegmentRepository(s).link(a, _seg(b"k0", 0, 3))
+        old_salt = TenantRepository(s).get("acme").salt
+
+    class FakeStore:
+        """Records what the purger asks of the store (the real store is storage's GlobalKVStore)."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def purge_tenant(self, tenant, *, actor, reason="request"):
+            self.calls.append(("tenant", tenant, actor))
+            return type("R", (), {"chunks_deleted": 1, "bytes_deleted": 2670})()
+
+    store = FakeStore()
+    sink = SqlAuditSink(engine)
+    out = Purger(serializable_factory(engine), sink, store).purge_tenant("acme", actor="admin", reason="gdpr")
+    assert (out.sessions_deleted, out.segments_deleted, out.bytes_deleted) == (1, 1, 2670)
+    assert store.calls == [("tenant", "acme", "admin")]
+    with factory() as s:
+        assert TenantRepository(s).get("acme").salt != old_salt
+        assert SessionRepository(s).count(tenant_id="acme") == 0
+    (rec,) = sink.query(action="purge")
+    assert (rec.subject, rec.reason, rec.nbytes) == ("tenant:acme", "gdpr", 2670)
+
+
+def test_reconcile_drops_rows_without_durable_chunks(engine) -> None:
+    factory = make_session_factory(engine)
+    with factory() as s, s.begin():
+        a = _session_with_turns(s)
+        segs = SegmentRepository(s)
+        segs.link(a, _seg(b"durable", 0, 3))
+        segs.link(a, _seg(b"lost-in-crash", 3, 6))
+        segs.link(a, _seg(b"other-node", 6, 7, node="n2"))
+    durable = {b"durable", b"written-but-row-missing"}
+    report = reconcile_segments(
+        serializable_factory(engine),
+        node="n1",
+        store_has=lambda keys: set(keys) & durable,
+        store_keys=durable,
+    )
+    assert (report.rows_checked, report.dangling_rows_deleted) == (2, 1)
+    assert report.unreferenced_chunks == frozenset({b"written-but-row-missing"})
+    with factory() as s:
+        assert [x.store_key for x in SegmentRepository(s).for_session(a)] == [b"durable", b"other-node"]
