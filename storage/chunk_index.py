@@ -11,6 +11,8 @@ One-byte prefixes (addr = 32-byte chunk address, tags = 16 bytes):
     F model_tag addr            -> ""   chunks of a model fingerprint (purge_model)
     R addr session_tag          -> ""   references (a chunk lives while any session refers to it)
     S session_tag addr          -> ""   chunks of a session (purge_session)
+    G addr                      -> ceiling (f64) of a deleted chunk whose bytes await compaction
+    Q checkpoint name           -> earliest ceiling (f64) of any bytes the checkpoint may hold
     K tenant_id                 -> 32-byte random salt (never returned by any API)
     Y tenant_id                 -> RetentionPolicy JSON
     W                           -> clock high-water mark (f64)
@@ -33,6 +35,8 @@ TENANT_IDX = b"T"
 MODEL_IDX = b"F"
 REF = b"R"
 SESSION_IDX = b"S"
+PENDING = b"G"
+CHECKPOINT_CEILING = b"Q"
 SALT = b"K"
 POLICY = b"Y"
 CLOCK_HWM = b"W"

@@ -26,6 +26,7 @@ from storage.audit_record import AuditAction, AuditEvent, AuditRecord
 from storage.audit_rocks import RocksAuditSink, synced_write_options
 from storage.chunk_format import ChunkHeader, decode_chunk, encode_chunk
 from storage.chunk_index import (
+    CHECKPOINT_CEILING,
     CHUNK,
     CLOCK_HWM,
     EXPIRY,
@@ -255,6 +256,13 @@ class GlobalKVStore(RetentionOps):
             if entry.name.endswith(".tmp"):
                 shutil.rmtree(entry, ignore_errors=True)
                 stale += 1
+        existing = {p.name.encode() for p in self.config.checkpoint_dir.iterdir()}
+        gone = [k for k, _ in self._iter_prefix(CHECKPOINT_CEILING) if k[1:] not in existing]
+        if gone:
+            batch = WriteBatch(raw_mode=True)
+            for key in gone:
+                batch.delete(key)
+            self._db.write(batch, self._write_opts)
         self._stats.recovered_chunks = len(self._index)
         return RecoveryReport(
             chunks=len(self._index),

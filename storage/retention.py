@@ -5,12 +5,16 @@ A mixin of GlobalKVStore (kv_store.py), split out by concept; it uses the store'
 index and audit sink, and every method below runs with the store lock held unless it takes it.
 
 Physical deletion: RocksDB's own TTL is database-wide and leaves expired values readable until a
-compaction happens to reach them, so it is not used. Instead a deletion is (1) a synced batch of
-tombstones with its audit record, then (2) a memtable flush, so that the WAL segments holding the old
-values become obsolete and are removed, then (3) a manual compaction of the deleted keys forced down
-through the bottommost level, which rewrites the SST files without the values and drops the
-tombstones, then (4) removal of every checkpoint taken before, since checkpoints hard-link old SST and
-WAL files. After these steps no file under the store's root holds the deleted bytes.
+compaction happens to reach them, so it is not used. Every deletion (expiry, purge, eviction,
+superseded tail, corrupt value) commits, in one synced batch with its audit record, the tombstones
+of the chunk and a `G` entry naming it as pending physical removal. A removal pass then (1) flushes
+the memtable, so the WAL segments holding old values become obsolete and are deleted, (2) compacts
+the pending keys through the bottommost level (forced), which rewrites the SST files without the
+values and drops the tombstones, (3) clears the `G` entries, and (4) removes checkpoints that may
+hold bytes past their ceiling (each checkpoint records the earliest ceiling of what it may hold) or,
+after a purge, every checkpoint. Purges run the pass at once; expiry and evictions run it in the
+maintenance pass. Hence a chunk's bytes leave every file under the store's root by
+ceiling + maintenance_interval_s + one pass, and a purge's bytes before the purge call returns.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from rocksdict import BottommostLevelCompaction, Checkpoint, CompactOptions, Wri
 
 from storage.audit_record import AuditAction, AuditEvent
 from storage.chunk_index import (
+    CHECKPOINT_CEILING,
     CHUNK,
     EXPIRY,
+    F64,
     MODEL_IDX,
+    PENDING,
     POLICY,
     REF,
     SALT,
@@ -110,9 +117,11 @@ class RetentionOps:
             return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
 
     def _stage_delete(self: GlobalKVStore, batch: WriteBatch, addr: bytes, meta: ChunkMeta) -> None:
-        """Add the removal of a chunk, its index entries and all its references to `batch`."""
+        """Add the removal of a chunk, its index entries and all its references to `batch`, and mark
+        its bytes pending physical removal."""
         for key in index_keys(addr, meta):
             batch.delete(key)
+        batch.put(PENDING + addr, F64.pack(meta.ceiling_at))
         for key, _ in self._iter_prefix(REF + addr):
             batch.delete(key)
             batch.delete(session_key(key[1 + ADDRESS_BYTES :], addr))
@@ -196,7 +205,6 @@ class RetentionOps:
             victims, action=AuditAction.EVICT, actor="storage", reason="capacity_lru"
         )
         self._stats.evicted_chunks += count
-        self._physically_remove(victims, actor="storage")
         log.info("chunks_evicted", chunks=count, bytes=freed)
         return count
 
@@ -269,7 +277,8 @@ class RetentionOps:
             addrs, action=AuditAction.PURGE, actor=actor, reason=f"{subject} {reason}"
         )
         self._stats.purged_chunks += count
-        removed = self._physically_remove(addrs, actor=actor)
+        self._remove_pending_bytes()
+        removed = self._drop_checkpoints(actor=actor, reason="purge", older_than=None)
         summary = AuditEvent(
             actor=actor, action=AuditAction.PURGE, tenant=tenant, subject=subject, reason=reason, nbytes=freed
         )
@@ -278,7 +287,8 @@ class RetentionOps:
         return PurgeResult(chunks_deleted=count, bytes_deleted=freed, checkpoints_removed=removed)
 
     def run_maintenance(self: GlobalKVStore) -> MaintenanceReport:
-        """Delete every chunk past its ceiling, then remove the bytes from disk (module docstring)."""
+        """Delete every chunk past its ceiling, then remove the bytes of every deletion so far from
+        disk and drop checkpoints that could hold bytes past their ceiling (module docstring)."""
         with self._lock:
             self._check_open()
             now = self._now()
@@ -289,46 +299,73 @@ class RetentionOps:
             )
             self._stats.expired_chunks += count
             self._persist_clock()
-            removed = self._physically_remove(due, actor="maintenance") if count else 0
-            if count:
-                log.info("chunks_expired", chunks=count, bytes=freed, checkpoints_removed=removed)
+            compacted = self._remove_pending_bytes()
+            removed = self._drop_checkpoints(actor="maintenance", reason="past_ceiling", older_than=now)
+            if count or compacted or removed:
+                log.info(
+                    "maintenance_pass",
+                    expired=count,
+                    bytes=freed,
+                    compacted=compacted,
+                    checkpoints_removed=removed,
+                )
             return MaintenanceReport(
-                expired_chunks=count, expired_bytes=freed, compacted=bool(count), checkpoints_removed=removed
+                expired_chunks=count,
+                expired_bytes=freed,
+                compacted=compacted > 0,
+                checkpoints_removed=removed,
             )
 
-    def _physically_remove(self: GlobalKVStore, addrs: list[bytes], *, actor: str) -> int:
-        """Flush, compact the deleted keys through the bottommost level, drop older checkpoints."""
-        if not addrs:
+    def _remove_pending_bytes(self: GlobalKVStore) -> int:
+        """Flush and compact every chunk key pending physical removal through the bottommost level,
+        then clear the pending marks; returns how many keys were compacted."""
+        pending = [k[1:] for k, _ in self._iter_prefix(PENDING)]
+        if not pending:
             return 0
         self._db.flush(True)
         opts = CompactOptions()
         opts.set_bottommost_level_compaction(BottommostLevelCompaction.force())
-        if len(addrs) > _PER_KEY_COMPACTION_LIMIT:
+        if len(pending) > _PER_KEY_COMPACTION_LIMIT:
             self._db.compact_range(CHUNK, prefix_end(CHUNK), opts)
         else:
-            for addr in sorted(addrs):
+            for addr in pending:
                 self._db.compact_range(CHUNK + addr, CHUNK + addr, opts)
-        return self._drop_checkpoints(actor=actor)
+        batch = WriteBatch(raw_mode=True)
+        for addr in pending:
+            batch.delete(PENDING + addr)
+        self._commit(batch, [])
+        return len(pending)
 
-    def _drop_checkpoints(self: GlobalKVStore, *, actor: str) -> int:
-        names = sorted(p.name for p in self.config.checkpoint_dir.iterdir())
+    def _drop_checkpoints(self: GlobalKVStore, *, actor: str, reason: str, older_than: float | None) -> int:
+        """Remove checkpoints whose earliest held ceiling is <= older_than (all when None)."""
+        names = []
+        for path in sorted(self.config.checkpoint_dir.iterdir()):
+            raw = self._db.get(CHECKPOINT_CEILING + path.name.encode())
+            # A checkpoint without a recorded ceiling (interrupted bookkeeping) is dropped early.
+            ceiling = F64.unpack(raw)[0] if raw is not None else float("-inf")
+            if older_than is None or ceiling <= older_than:
+                names.append(path.name)
+        if not names:
+            return 0
+        batch = WriteBatch(raw_mode=True)
         for name in names:
             shutil.rmtree(self.config.checkpoint_dir / name, ignore_errors=True)
-        if names:
-            event = AuditEvent(
-                actor=actor,
-                action=AuditAction.CHECKPOINT,
-                tenant="",
-                subject="checkpoints:" + ",".join(names),
-                reason="removed_after_deletion",
-            )
-            self._commit(WriteBatch(raw_mode=True), [event])
+            batch.delete(CHECKPOINT_CEILING + name.encode())
+        event = AuditEvent(
+            actor=actor,
+            action=AuditAction.CHECKPOINT,
+            tenant="",
+            subject="checkpoints:" + ",".join(names),
+            reason=f"removed_{reason}",
+        )
+        self._commit(batch, [event])
         return len(names)
 
     def create_checkpoint(self: GlobalKVStore, name: str, *, actor: str = "admin") -> Path:
         """Take a consistent on-disk snapshot (backup) under `path/checkpoints/<name>`.
 
-        Any later deletion (expiry, purge, eviction) removes it, so no backup outlives a deletion.
+        It is removed by the first maintenance pass after the earliest ceiling of anything it holds,
+        and by any purge, so no backup outlives a ceiling or a purge.
         """
         if not name or "/" in name or name.startswith(".") or name.endswith(".tmp"):
             raise ValueError(f"checkpoint name must be a plain directory name, got {name!r}")
@@ -337,7 +374,11 @@ class RetentionOps:
             target = self.config.checkpoint_dir / name
             if target.exists():
                 raise ValueError(f"checkpoint {name!r} already exists")
-            self._db.flush_wal(True)
+            held = [m.ceiling_at for m in self._index.meta.values()]
+            held += [F64.unpack(v)[0] for _, v in self._iter_prefix(PENDING, values=True)]
+            batch = WriteBatch(raw_mode=True)
+            batch.put(CHECKPOINT_CEILING + name.encode(), F64.pack(min(held, default=float("inf"))))
+            self._commit(batch, [])
             Checkpoint(self._db).create_checkpoint(str(target))
             event = AuditEvent(
                 actor=actor,

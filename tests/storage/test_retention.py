@@ -259,3 +259,33 @@ def test_create_checkpoint_is_a_consistent_copy(make_store, tmp_path) -> None:
         assert restored.audit.verify().ok
     finally:
         restored.close()
+
+
+def test_evicted_and_superseded_bytes_leave_disk_at_next_maintenance(make_store, clock) -> None:
+    store = make_store(capacity_bytes=2 * 360)
+    store.set_policy("tA", RetentionPolicy(floor_s=0, ceiling_s=10 * HOUR), actor="admin")
+    marker = b"EVICTMARK-" + os.urandom(8).hex().encode()
+    tail_marker = b"TAILMARK-" + os.urandom(8).hex().encode()
+    a, b = _toks(1), _toks(2)
+    store.put_chunks("tA", "s1", FP, a, {(0, CHUNK): (marker * 20)[:200], (CHUNK, CHUNK + 2): tail_marker})
+    store.put_chunks("tA", "s1", FP, a, {(CHUNK, 2 * CHUNK): b"full"})  # supersedes the tail
+    store._db.flush(True)
+    assert store.put_chunks("tA", "s2", FP, b, payloads_for(b, upto=CHUNK, size=200)).evicted_chunks >= 1
+    root = Path(store.config.path)
+    assert store.lookup("tA", FP, a).n_tokens == 0
+    report = store.run_maintenance()
+    assert report.compacted and report.expired_chunks == 0
+    assert _files_containing(root, marker) == [] and _files_containing(root, tail_marker) == []
+
+
+def test_checkpoint_kept_until_earliest_ceiling_it_holds(make_store, clock) -> None:
+    store = make_store()
+    store.set_policy("tA", RetentionPolicy(floor_s=0, ceiling_s=2 * HOUR), actor="admin")
+    a = _toks(1)
+    store.put_chunks("tA", "s1", FP, a, payloads_for(a))
+    store.create_checkpoint("c1")
+    clock.advance(HOUR)
+    assert store.run_maintenance().checkpoints_removed == 0 and store.list_checkpoints() == ["c1"]
+    clock.advance(HOUR)
+    report = store.run_maintenance()
+    assert report.expired_chunks == 2 and report.checkpoints_removed == 1 and store.list_checkpoints() == []
