@@ -1,0 +1,288 @@
+"""Write path of the global KV store: validate chunk ranges, apply residency and capacity, and commit
+each chunk with its index entries, references and audit record in one synced batch.
+
+A mixin of GlobalKVStore (kv_store.py), split out by concept; it uses the store's lock, database,
+index and audit sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import structlog
+from rocksdict import WriteBatch
+
+from storage.audit_record import AuditAction, AuditEvent
+from storage.chunk_format import ChunkHeader, encode_chunk
+from storage.chunk_index import ChunkMeta, index_keys, ref_key, session_key
+from storage.chunk_key import (
+    ADDRESS_BYTES,
+    TAG_BYTES,
+    chain_root,
+    check_id,
+    chunk_address,
+    model_tag,
+    session_tag,
+    tenant_tag,
+    token_bytes,
+)
+from storage.policy import RetentionPolicy
+from storage.store_results import PutResult, Refusal, RefusalKind
+
+if TYPE_CHECKING:
+    from storage.kv_store import GlobalKVStore
+
+log = structlog.get_logger(__name__)
+
+ACTOR = "storage"
+
+
+class ChunkWriter:
+    """Write half of GlobalKVStore (see the module docstring)."""
+
+    def put_chunks(
+        self: GlobalKVStore,
+        tenant: str,
+        session: str,
+        model_fingerprint: str,
+        token_ids: list[int] | bytes,
+        payloads: Mapping[tuple[int, int], bytes],
+        *,
+        actor: str = ACTOR,
+    ) -> PutResult:
+        """Persist chunk payloads of a session's history, durably, under the tenant's policy.
+
+        Args:
+            tenant, session: owner ids; the session holds a reference on every chunk it stores.
+            model_fingerprint: opaque id of the model (config, weights, cache format, numerics).
+            token_ids: the history (ints, or u32 little-endian bytes) covering every range.
+            payloads: (start, end) -> opaque payload bytes (model/'s export_global(start, end)).
+                Full chunks are [k*chunk_tokens, (k+1)*chunk_tokens); at most one partial tail chunk
+                [k*chunk_tokens, e) with e < (k+1)*chunk_tokens, the last range. A tail supersedes the
+                session's shorter tail at the same position, and a full chunk supersedes them all.
+
+        Returns:
+            PutResult; `refusal` says why nothing was persisted (residency, capacity in floor, I/O).
+
+        Raises:
+            ValueError: misaligned, overlapping or out-of-range ranges, empty or oversized payloads.
+        """
+        check_id("tenant", tenant)
+        check_id("session", session)
+        check_id("model_fingerprint", model_fingerprint)
+        toks = token_bytes(token_ids)
+        ranges = self._validate_ranges(len(toks) // 4, payloads)
+        with self._lock:
+            self._check_open()
+            policy = self._policies.get(tenant, RetentionPolicy())
+            if not policy.allows_region(self.config.region):
+                return self._refuse(
+                    tenant,
+                    session,
+                    RefusalKind.RESIDENCY,
+                    f"region {self.config.region!r} not in allowed_regions "
+                    f"{list(policy.allowed_regions or ())}",
+                    sum(len(payloads[r]) for r in ranges),
+                )
+            salt = self._salt(tenant, create=True)
+            assert salt is not None
+            return self._put_locked(
+                tenant, session, model_fingerprint, toks, ranges, payloads, policy, salt, actor
+            )
+
+    def _validate_ranges(
+        self: GlobalKVStore, n_tokens: int, payloads: Mapping[tuple[int, int], bytes]
+    ) -> list[tuple[int, int]]:
+        size = self.config.chunk_tokens
+        ranges = sorted(payloads)
+        prev_end = 0
+        for i, (start, end) in enumerate(ranges):
+            if start % size or not (0 <= start < end <= n_tokens) or end - start > size:
+                raise ValueError(
+                    f"range ({start}, {end}) must start at a multiple of chunk_tokens={size}, "
+                    f"span at most {size} tokens and lie within the {n_tokens}-token history"
+                )
+            if end - start < size and i != len(ranges) - 1:
+                raise ValueError(f"partial range ({start}, {end}) must be the last one")
+            if start < prev_end:
+                raise ValueError(f"range ({start}, {end}) overlaps the previous one")
+            prev_end = end
+            payload = payloads[(start, end)]
+            if not isinstance(payload, bytes | bytearray | memoryview) or not 0 < len(payload):
+                raise ValueError(f"payload of range ({start}, {end}) must be non-empty bytes")
+            if len(payload) > self.config.max_payload_bytes:
+                raise ValueError(
+                    f"payload of range ({start}, {end}) is {len(payload)} B "
+                    f"> max_payload_bytes={self.config.max_payload_bytes}"
+                )
+        return ranges
+
+    def _refuse(
+        self: GlobalKVStore, tenant: str, session: str, kind: RefusalKind, message: str, nbytes: int
+    ) -> PutResult:
+        self._stats.refusals[kind.value] += 1
+        event = AuditEvent(
+            actor=ACTOR,
+            action=AuditAction.REFUSE,
+            tenant=tenant,
+            subject=f"session:{session}",
+            reason=kind.value,
+            nbytes=nbytes,
+        )
+        try:
+            self._commit(WriteBatch(raw_mode=True), [event])
+        except Exception as exc:  # noqa: BLE001 - a full disk refuses the audit write too; say so, don't crash
+            log.error("refusal_audit_failed", tenant=tenant, kind=kind.value, error=str(exc))
+        log.warning("store_refused", tenant=tenant, kind=kind.value, message=message)
+        return PutResult(
+            stored=[],
+            new_bytes=0,
+            shared_chunks=0,
+            evicted_chunks=0,
+            refusal=Refusal(kind=kind, message=message),
+        )
+
+    def _put_locked(
+        self: GlobalKVStore,
+        tenant: str,
+        session: str,
+        fp: str,
+        toks: bytes,
+        ranges: list[tuple[int, int]],
+        payloads: Mapping[tuple[int, int], bytes],
+        policy: RetentionPolicy,
+        salt: bytes,
+        actor: str,
+    ) -> PutResult:
+        size = self.config.chunk_tokens
+        now = self._now()
+        ttag, stag, mtag = tenant_tag(salt), session_tag(salt, session), model_tag(fp)
+        parent = chain_root(fp, salt)
+        parents = {0: parent}
+        for k in range(1, max(s for s, _ in ranges) // size + 1):
+            parent = chunk_address(parent, toks[(k - 1) * size * 4 : k * size * 4])
+            parents[k * size] = parent
+        plan: list[tuple[int, int, bytes, bytes, bool]] = []
+        new_bytes = 0
+        replaced_bytes = 0
+        for start, end in ranges:
+            addr = chunk_address(parents[start], toks[start * 4 : end * 4])
+            old = self._index.meta.get(addr)
+            shared = old is not None and now < old.ceiling_at
+            if not shared:
+                new_bytes += self._value_len(fp, len(payloads[(start, end)]))
+                replaced_bytes += old.value_len if old is not None else 0
+            plan.append((start, end, addr, parents[start], shared))
+        need = self._index.bytes_stored - replaced_bytes + new_bytes - self.config.capacity_bytes
+        evicted = 0
+        if need > 0:
+            protect = {addr for _, _, addr, _, _ in plan}
+            victims = self._pick_victims(need, protect, now)
+            if victims is None:
+                return self._refuse(
+                    tenant,
+                    session,
+                    RefusalKind.CAPACITY,
+                    f"needs {new_bytes} B, capacity {self.config.capacity_bytes} B is held by chunks inside "
+                    "their retention floor",
+                    new_bytes,
+                )
+            try:
+                evicted = self._evict(victims)
+            except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
+                return self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes)
+        floor_until = now + policy.effective_floor_s
+        ceiling_at = now + policy.ceiling_s
+        stored: list[tuple[int, int]] = []
+        written = shared_count = 0
+        for start, end, addr, parent, shared in plan:
+            batch = WriteBatch(raw_mode=True)
+            batch.put(ref_key(addr, stag), b"")
+            batch.put(session_key(stag, addr), b"")
+            events: list[AuditEvent] = []
+            meta = None
+            if shared:
+                shared_count += 1
+            else:
+                old = self._index.meta.get(addr)
+                if old is not None:
+                    # Same address past its ceiling: drop the old entry before writing anew.
+                    self._stage_delete(batch, addr, old)
+                payload = bytes(payloads[(start, end)])
+                header = ChunkHeader(
+                    address=addr,
+                    tenant_tag=ttag,
+                    model_fingerprint=fp,
+                    start=start,
+                    n_tokens=end - start,
+                    created_at=now,
+                    floor_until=floor_until,
+                    ceiling_at=ceiling_at,
+                    payload_len=len(payload),
+                )
+                value = encode_chunk(header, payload)
+                meta = ChunkMeta(
+                    tenant_tag=ttag,
+                    model_tag=mtag,
+                    parent=parent,
+                    start=start,
+                    n_tokens=end - start,
+                    value_len=len(value),
+                    created_at=now,
+                    floor_until=floor_until,
+                    ceiling_at=ceiling_at,
+                    is_tail=end - start < size,
+                )
+                keys = index_keys(addr, meta)
+                batch.put(keys[0], value)
+                batch.put(keys[1], meta.encode())
+                for key in keys[2:]:
+                    batch.put(key, b"")
+                events.append(
+                    AuditEvent(
+                        actor=actor,
+                        action=AuditAction.STORE,
+                        tenant=tenant,
+                        subject=f"chunk:{addr.hex()}",
+                        reason=f"session:{session} tokens:{start}-{end}",
+                        nbytes=len(value),
+                    )
+                )
+            try:
+                self._commit(batch, events)
+            except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
+                result = self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes - written)
+                return PutResult(
+                    stored=stored,
+                    new_bytes=written,
+                    shared_chunks=shared_count,
+                    evicted_chunks=evicted,
+                    refusal=result.refusal,
+                )
+            if meta is not None:
+                self._index.remove(addr)
+                self._index.add(addr, meta)
+                written += meta.value_len
+                self._stats.chunks_written += 1
+                self._stats.bytes_written += meta.value_len
+            else:
+                self._index.touch(addr)
+            stored.append((start, end))
+            self._supersede_tails(stag, addr, parent, start, end - start)
+        return PutResult(stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=evicted)
+
+    @staticmethod
+    def _value_len(fp: str, payload_len: int) -> int:
+        probe = ChunkHeader(
+            address=bytes(ADDRESS_BYTES),
+            tenant_tag=bytes(TAG_BYTES),
+            model_fingerprint=fp,
+            start=0,
+            n_tokens=0,
+            created_at=0.0,
+            floor_until=0.0,
+            ceiling_at=0.0,
+            payload_len=payload_len,
+        )
+        return probe.header_len + payload_len + 32
