@@ -66,6 +66,8 @@ class AgentFile:
     path: str
     text: str
     facts: tuple[Fact, ...]
+    # character offset where each line begins (line n starts at line_starts[n - 1])
+    line_starts: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +144,8 @@ def index_files(files: Sequence[tuple[str, str]]) -> list[AgentFile]:
     for path, text in files:
         facts = _facts(text)
         if facts:
-            out.append(AgentFile(path=path, text=text, facts=tuple(facts)))
+            starts = tuple(_line_starts(text))
+            out.append(AgentFile(path=path, text=text, facts=tuple(facts), line_starts=starts))
     return out
 
 
@@ -164,8 +167,10 @@ class _Transcript:
         spec: AgentSpec,
         files: Sequence[AgentFile],
         filler: Filler,
+        memo: dict[tuple[str, int], int],
     ) -> None:
         self.tok, self.rng, self.spec, self.files, self.filler = tok, rng, spec, files, filler
+        self.memo = memo
         self.ids: list[int] = [tok.specials.bos, tok.specials.user, *tok.encode(_INTRO), tok.specials.end]
 
     def _tool_header(self, path: str) -> list[int]:
@@ -192,9 +197,15 @@ class _Transcript:
         assert len(out) == n
         return out
 
-    def _shown_lines(self, text: str) -> int:
-        """How many leading lines of `text` fit in max_file_tokens tokens."""
-        starts = _line_starts(text)
+    def _shown_lines(self, f: AgentFile) -> int:
+        """How many leading lines of the file fit in max_file_tokens tokens (memoized per call site)."""
+        key = (f.path, self.spec.max_file_tokens)
+        if key not in self.memo:
+            self.memo[key] = self._count_shown_lines(f)
+        return self.memo[key]
+
+    def _count_shown_lines(self, f: AgentFile) -> int:
+        text, starts = f.text, f.line_starts
         cap = self.spec.max_file_tokens
         # only a head of the file can fit; long tokens are rare, so 12 characters per token is ample
         head = text[: cap * 12]
@@ -211,7 +222,7 @@ class _Transcript:
 
     def _read(self, f: AgentFile, shown: int) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
         """Header ids, body ids, and token start/end character offsets of the first `shown` lines."""
-        starts = _line_starts(f.text)
+        starts = f.line_starts
         body, offs = self.tok.encode_with_offsets(f.text[: starts[shown]] if shown < len(starts) else f.text)
         begins = np.asarray([o[0] for o in offs], dtype=np.int64)
         ends = np.asarray([o[1] for o in offs], dtype=np.int64)
@@ -237,7 +248,7 @@ class _Transcript:
         need = 1 if distances is None else len(distances)
         for _ in range(_FILE_TRIES):
             f = self.files[int(rng.integers(0, len(self.files)))]
-            n_lines = self._shown_lines(f.text)
+            n_lines = self._shown_lines(f)
             facts = [x for x in f.facts if x.line <= n_lines and x.kind in spec.kinds]
             if len(facts) >= need:
                 break
@@ -254,15 +265,15 @@ class _Transcript:
             anchor = facts[int(rng.integers(0, len(facts)))]
             shown = int(rng.integers(anchor.line, n_lines + 1))
             chosen = [x for x in facts if x.line <= shown]
-        queries = self._queries(f, chosen, shown, distances, end_limit)
-        if queries is None and distances is None:
+        planned = self._queries(f, chosen, shown, distances, end_limit)
+        if planned is None and distances is None:
             # the tail after the last fact is longer than max_distance allows: end the read at that fact
             shown = max(x.line for x in chosen)
-            queries = self._queries(f, chosen, shown, distances, end_limit)
-        if queries is None:
+            planned = self._queries(f, chosen, shown, distances, end_limit)
+        if planned is None:
             return []
-        header, body, _, _ = self._read(f, shown)
-        self.ids.extend([*header, *body, self.tok.specials.end])
+        queries, read = planned
+        self.ids.extend(read)
         limit = None if distances is not None else spec.max_distance
         return place_queries(self.ids, queries, self.gap, max_distance=limit, end_limit=end_limit)
 
@@ -273,9 +284,9 @@ class _Transcript:
         shown: int,
         distances: Sequence[int] | None,
         end_limit: int | None,
-    ) -> list[Query] | None:
-        """Questions about `chosen` facts of a read showing `shown` lines (about to be appended), or
-        None when sampling finds no feasible distance."""
+    ) -> tuple[list[Query], list[int]] | None:
+        """Questions about `chosen` facts and the ids of the read showing `shown` lines (to be appended
+        next), or None when sampling finds no feasible distance."""
         spec, rng = self.spec, self.rng
         header, body, begins, ends = self._read(f, shown)
         base = len(self.ids) + len(header)
@@ -312,7 +323,7 @@ class _Transcript:
                 q, lo, hi = feasible[i]
                 d = sample_distances(rng, 1, lo, hi)[0]
                 queries.append(dataclasses.replace(q, distance=d))
-        return queries
+        return queries, [*header, *body, self.tok.specials.end]
 
 
 def agent_transcript(
@@ -323,6 +334,7 @@ def agent_transcript(
     filler: Filler,
     *,
     distances: Sequence[int] | None = None,
+    memo: dict[tuple[str, int], int] | None = None,
 ) -> TaskExample:
     """Generate one agent transcript.
 
@@ -333,6 +345,8 @@ def agent_transcript(
         files: `index_files` output for one corpus split (the files that may be read).
         filler: background tokens inside the other turns.
         distances: explicit evidence->answer distances for one read (harness use); None samples them.
+        memo: a dict reused across calls to skip re-measuring how much of each file fits; share one only
+            between calls with the same tokenizer and files.
 
     Returns:
         A `TaskExample`; its loss mask covers exactly the answer tokens.
@@ -343,7 +357,7 @@ def agent_transcript(
     """
     if not files:
         raise ValueError("files is empty: index_files found no askable fact in the split")
-    t = _Transcript(tok, rng, spec, files, filler)
+    t = _Transcript(tok, rng, spec, files, filler, {} if memo is None else memo)
     if distances is not None or spec.length is None:
         answers = t.episode(distances, None)
         if not answers:

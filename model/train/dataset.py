@@ -161,6 +161,8 @@ class TrainStream(Iterator[Batch]):
         p = np.asarray(spec.weights, dtype=np.float64)
         self._p = p / p.sum()
         self._step = 0
+        # agent_transcript's per-file measurements; a function of tokenizer and files, not of the step
+        self._memo: dict[tuple[str, int], int] = {}
 
     @classmethod
     def from_manifest(
@@ -191,7 +193,7 @@ class TrainStream(Iterator[Batch]):
             ex = kv_recall(self._tok, rng, task, self._filler)
         else:
             task = dataclasses.replace(spec.agent, length=n, max_distance=max(spec.agent.min_distance, cap))
-            ex = agent_transcript(self._tok, rng, task, self._files, self._filler)
+            ex = agent_transcript(self._tok, rng, task, self._files, self._filler, memo=self._memo)
         loss = np.ones(n, dtype=np.bool_) if spec.task_context_loss else ex.loss_mask.copy()
         return Row(kind=kind, ids=ex.ids, loss_mask=loss, answer_mask=ex.loss_mask.copy(), answers=ex.answers)
 
