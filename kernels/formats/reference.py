@@ -11,6 +11,8 @@ Rules beyond the reference (it is defined only for finite bf16):
 - A group holding any NaN or +-inf is poisoned: its scale becomes NaN (E4M3 0x7F, E8M0 0xFF) and its
   element codes 0, so the whole group dequantizes to NaN. (The reference saturates inf in one format and
   produces NaN or zeros in the others; a KV entry with a non-finite value is corrupt, so we make that loud.)
+- As in the reference, MXFP4 and FP8 QDQ of finite values near the fp32 maximum can give +-inf (a code
+  rounds up past the largest float under a 2^126 scale).
 """
 
 from __future__ import annotations
