@@ -62,6 +62,73 @@ def _audit_verify_local(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure per-token costs of a model preset on this machine and merge them into the cost table."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from rocksdict import Options, Rdict
+
+    from kernels import dequantize_fp4_e4m3
+    from model import Transformer, init_random, kv_bytes, load_preset, prefill
+    from orchestrator.planner import Costs, CostTable
+    from orchestrator.planner.calibration import per_token_seconds
+
+    settings = settings_from_args(args)
+    out = Path(args.out) if args.out else (settings.calibration_file or settings.data_dir / "costs.json")
+    sizes = [int(x) for x in args.sizes.split(",")]
+    cfg = load_preset(args.preset)
+    # Costs depend on shapes, not on weight values: random weights of the preset's config suffice.
+    model = init_random(Transformer(cfg), seed=0)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, cfg.vocab_size, (1, n), generator=gen)
+
+    def encode(n: int) -> None:
+        prefill(model, tokens(n), None, mode="ced")
+
+    def every_layer(n: int) -> None:
+        prefill(model, tokens(n), None, mode="reference")
+
+    per_token = kv_bytes(cfg)
+    entry = int(per_token.global_bytes_per_token)
+    n_sources = max(1, len(per_token.sources))
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        db = Rdict(tmp, options=Options(raw_mode=True))
+
+        # Loading stored KV = reading its bytes from RocksDB and dequantizing the FP4 main KV.
+        def load(n: int) -> None:
+            db[b"k"] = bytes(n * entry)
+            assert len(db[b"k"]) == n * entry
+            packed = torch.zeros(n * n_sources, cfg.head_dim // 2, dtype=torch.uint8)
+            scales = torch.ones(n * n_sources, cfg.head_dim // 16).to(torch.float8_e4m3fn)
+            dequantize_fp4_e4m3(packed, scales)
+
+        try:
+            encode_s = per_token_seconds(encode, sizes, repeats=args.repeats)
+            full_s = per_token_seconds(every_layer, sizes, repeats=args.repeats)
+            load_s = per_token_seconds(load, [n * 16 for n in sizes], repeats=args.repeats)
+        finally:
+            db.close()
+    # `reference` runs every layer over every token, `ced` the decoder over the last W only: the
+    # difference of their slopes is the decoder half's per-token cost.
+    costs = Costs(
+        load_s=load_s,
+        encode_s=encode_s,
+        decode_replay_s=max(full_s - encode_s, 0.0),
+        map_s=0.0,
+        source=str(out),
+    )
+    table = CostTable.load(out) if out.is_file() else CostTable()
+    name = args.model_name or args.preset
+    table.with_model(name, costs).save(out)
+    print(json.dumps({"model": name, "out": str(out), **costs.to_json()}, sort_keys=True))
+    return 0
+
+
 def _remote(
     build: Callable[[Any, argparse.Namespace], tuple[str, Any]], *, ok: Callable[[Any], bool] | None = None
 ):
@@ -186,6 +253,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_settings_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=_audit_verify_local)
+
+    p = sub.add_parser("calibrate", help="measure per-token costs of a model and store them for the planner")
+    add_settings_flags(p)
+    p.add_argument("--preset", required=True, help="model preset (for example v41-tiny)")
+    p.add_argument("--model-name", help="name the planner knows the model by (default: the preset)")
+    p.add_argument(
+        "--out", help="cost table JSON (default: settings.calibration_file or data_dir/costs.json)"
+    )
+    p.add_argument("--sizes", default="32,64,128", help="comma-separated token counts to time")
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(handler=_calibrate)
 
     p = sub.add_parser("stats", help="store statistics")
     _remote_flags(p)

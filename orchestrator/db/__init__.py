@@ -6,6 +6,7 @@ Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per c
 from orchestrator.db.audit_sink import SqlAuditSink
 from orchestrator.db.engine import make_engine, make_session_factory
 from orchestrator.db.migrate import downgrade, upgrade
+from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
 from orchestrator.db.reconcile import ReconcileReport, reconcile_segments
 from orchestrator.db.repositories import (
@@ -45,8 +46,10 @@ __all__ = [
     "downgrade",
     "make_engine",
     "make_session_factory",
+    "mapper_infos",
     "reconcile_segments",
     "run_serializable",
     "serializable_factory",
+    "session_view",
     "upgrade",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from orchestrator.cli import main
 from tests.orchestrator.api.conftest import ADMIN_TOKEN
 
@@ -58,3 +60,31 @@ def test_session_and_admin_commands_over_grpc(service, capsys) -> None:
     assert _json_lines(capsys.readouterr().out)[0]["region"] == "eu-1"
     assert main(["admin", "stats", *target, "--token", "tok-acme"]) == 1
     assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_admin_calibrate_writes_a_cost_table_the_planner_loads(tmp_path, capsys) -> None:
+    from orchestrator.planner import CostTable
+
+    out = tmp_path / "costs.json"
+    assert (
+        main(
+            [
+                "admin",
+                "calibrate",
+                "--preset",
+                "v41-tiny",
+                "--model-name",
+                "tiny",
+                "--sizes",
+                "4,8",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    costs = CostTable.load(out).for_model("tiny")
+    assert costs.encode_s > 0 and costs.source == str(out)
