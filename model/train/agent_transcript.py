@@ -352,8 +352,8 @@ def agent_transcript(
         A `TaskExample`; its loss mask covers exactly the answer tokens.
 
     Raises:
-        ValueError: `files` is empty, a requested distance is shorter than the read allows, or nothing
-            fits in `spec.length`.
+        ValueError: `files` is empty, no file tried has as many askable facts as `distances`, a requested
+            distance is shorter than the read allows, or nothing fits in `spec.length`.
     """
     if not files:
         raise ValueError("files is empty: index_files found no askable fact in the split")

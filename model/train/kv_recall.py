@@ -172,8 +172,8 @@ def kv_recall(
         A `TaskExample` whose loss mask covers exactly the answer (value) tokens.
 
     Raises:
-        ValueError: a requested distance is shorter than the definitions block, or the example does not
-            fit in `spec.length`.
+        ValueError: more distances than `n_pairs`, a requested distance shorter than the definitions
+            block allows, an example longer than `spec.length`, or no question fitting in it.
     """
     sp = tok.specials
     ids: list[int] = [sp.bos]

@@ -6,7 +6,8 @@ Distance is measured in tokens: `answer.start - answer.evidence_start`, where `e
 first token of the span that holds the answer earlier in the sequence (a defined value, a name in a file
 that a tool read). A generator asks `place_queries` for a distance per question; the question lands
 exactly there unless it would overlap the previous one, in which case it moves right by the overlap and
-the larger, measured distance is what the example records.
+the larger, measured distance is what the example records (or, under a max distance or an end limit
+that the move would break, the question is dropped).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,14 @@ SAMPLE = [
 ] * 20
 
 
+@functools.cache
+def _load_shipped() -> BpeTokenizer:
+    return BpeTokenizer.load(shipped_tokenizer_dir())
+
+
 @pytest.fixture(scope="module")
 def shipped() -> BpeTokenizer:
-    return BpeTokenizer.load(shipped_tokenizer_dir())
+    return _load_shipped()
 
 
 def test_bpe_train_is_deterministic() -> None:
@@ -95,7 +101,7 @@ def test_byte_tokenizer_round_trips_any_unicode(text: str) -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.text())
 def test_bpe_tokenizer_round_trips_any_unicode(text: str) -> None:
-    tok = BpeTokenizer.load(shipped_tokenizer_dir())
+    tok = _load_shipped()
     assert tok.decode(tok.encode(text)) == text
 
 
