@@ -46,7 +46,9 @@ class Settings:
     database_url: str = ""
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 50051
+    # Port 0 binds any free port (tests); metrics_enabled=False serves no /metrics at all.
     metrics_port: int = 9090
+    metrics_enabled: bool = True
     region: str = "local"
     tenant_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     admin_token: str = field(default="", repr=False)
@@ -130,6 +132,7 @@ _INT_FIELDS = {
     "pool_budget_bytes",
     "grpc_workers",
 }
+_BOOL_FIELDS = {"metrics_enabled"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}
 
 
@@ -142,6 +145,12 @@ def _coerce(name: str, value: Any) -> Any:
         return int(value)
     if name in _FLOAT_FIELDS:
         return float(value)
+    if name in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ValueError(f"setting {name}={value!r} must be a boolean")
     if name == "tenant_tokens":
         if isinstance(value, str):
             return _parse_token_list(value)

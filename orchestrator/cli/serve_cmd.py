@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Callable
 
 import structlog
 
-from orchestrator.api import build_context, build_server, configure_logging
+from orchestrator.api import RunningServer, ServiceContext, build_context, build_server, configure_logging
 from orchestrator.settings import Settings, load_settings
 
 log = structlog.get_logger(__name__)
@@ -35,31 +36,51 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="data directory")
 
 
-def _run(args: argparse.Namespace) -> int:
-    configure_logging(json=True if args.json_logs else None)
-    settings = settings_from_args(args)
+def serve(
+    settings: Settings,
+    stop: threading.Event,
+    *,
+    on_ready: Callable[[ServiceContext, RunningServer, int | None], None] | None = None,
+) -> None:
+    """Run the service until `stop` is set: registry migrated, gRPC server, metrics endpoint.
+
+    Args:
+        on_ready: called once serving, with the context, the server and the metrics port (None: off).
+    """
     ctx = build_context(settings)
     running = build_server(ctx)
     metrics_server = None
-    if settings.metrics_port:
-        metrics_server, _ = ctx.metrics.serve(settings.metrics_port)
+    metrics_port: int | None = None
+    if settings.metrics_enabled:
+        metrics_server, _ = ctx.metrics.serve(settings.metrics_port, addr=settings.grpc_host)
+        metrics_port = metrics_server.server_port  # type: ignore[attr-defined]
     log.info(
         "service_started",
         grpc=f"{settings.grpc_host}:{running.port}",
-        metrics_port=settings.metrics_port,
+        metrics_port=metrics_port,
         region=settings.region,
         tls=settings.tls_enabled,
         turn_engine=ctx.turn_handler is not None,
     )
+    try:
+        if on_ready is not None:
+            on_ready(ctx, running, metrics_port)
+        stop.wait()
+    finally:
+        log.info("service_stopping")
+        running.stop(grace_s=5.0)
+        if metrics_server is not None:
+            metrics_server.shutdown()  # type: ignore[attr-defined]
+            metrics_server.server_close()  # type: ignore[attr-defined]
+        ctx.close()
+
+
+def _run(args: argparse.Namespace) -> int:
+    configure_logging(json=True if args.json_logs else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("service_stopping")
-    running.stop(grace_s=5.0)
-    if metrics_server is not None:
-        metrics_server.shutdown()  # type: ignore[attr-defined]
-    ctx.close()
+    serve(settings_from_args(args), stop)
     return 0
 
 
@@ -68,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_settings_flags(parser)
     parser.add_argument("--host", help="gRPC listen host")
     parser.add_argument("--port", type=int, help="gRPC listen port (0: any free port)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port)")
     parser.add_argument("--region", help="this node's region label")
     parser.add_argument("--json-logs", action="store_true", help="JSON log lines even on a TTY")
     parser.set_defaults(handler=_run)
