@@ -29,6 +29,7 @@ from model.train.corpus import (
 )
 from model.train.dataset import ROW_KINDS, Batch, MixtureSpec, Row, TrainStream, tokenize_corpus
 from model.train.kv_recall import KvRecallSpec, kv_recall
+from model.train.score import AnswerResult, BucketRecall, recall_by_bucket, score_answers, score_batch
 from model.train.tasks import (
     DISTANCE_BUCKETS,
     AnswerSpan,
@@ -56,9 +57,11 @@ __all__ = [
     "SPLITS",
     "AgentFile",
     "AgentSpec",
+    "AnswerResult",
     "AnswerSpan",
     "Batch",
     "BpeTokenizer",
+    "BucketRecall",
     "BuildSummary",
     "ByteTokenizer",
     "CorpusChangedError",
@@ -88,6 +91,9 @@ __all__ = [
     "kv_recall",
     "load_tokenizer",
     "read_split",
+    "recall_by_bucket",
+    "score_answers",
+    "score_batch",
     "shipped_tokenizer_dir",
     "stdlib_root",
     "tokenize_corpus",
