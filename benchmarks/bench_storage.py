@@ -101,6 +101,16 @@ def _file_read(path: Path, n: int) -> float:
     return elapsed
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -220,7 +230,7 @@ def main() -> None:
             "disk_overhead_ratio": disk_per_token / BYTES_PER_TOKEN,
             "lookup": lookups,
             "hardware": {
-                "cpu": platform.processor() or platform.machine(),
+                "cpu": _cpu_model(),
                 "cores": os.cpu_count(),
                 "python": platform.python_version(),
                 "dir": str(root),

@@ -204,6 +204,16 @@ class ChunkWriter:
             meta = None
             if shared:
                 shared_count += 1
+                events.append(
+                    AuditEvent(
+                        actor=actor,
+                        action=AuditAction.STORE,
+                        tenant=tenant,
+                        subject=f"chunk:{addr.hex()}",
+                        reason=f"session:{session} tokens:{start}-{end} shared",
+                        nbytes=0,
+                    )
+                )
             else:
                 old = self._index.meta.get(addr)
                 if old is not None:
