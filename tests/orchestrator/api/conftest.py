@@ -39,9 +39,9 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def make_settings(tmp: Path, **overrides: Any) -> Settings:
+    overrides.setdefault("database_url", f"sqlite:///{tmp / 'registry.sqlite3'}")
     return Settings(
         data_dir=tmp,
-        database_url=f"sqlite:///{tmp / 'registry.sqlite3'}",
         tenant_tokens=TENANT_TOKENS,
         admin_token=ADMIN_TOKEN,
         grpc_host="127.0.0.1",

@@ -369,3 +369,25 @@ def test_fork_and_delete_keep_shared_segments(service) -> None:
     )
     records = service.ctx.audit.query(tenant="acme", action="purge")
     assert [(r.subject, r.nbytes, r.actor) for r in records][-1] == (f"session:{sid}", 3560, "tenant:acme")
+
+
+def test_sessions_lifecycle_on_postgres(tmp_path, postgres_url) -> None:
+    from orchestrator.api import build_context, build_server
+    from tests.orchestrator.api.conftest import make_settings
+
+    ctx = build_context(make_settings(tmp_path, database_url=postgres_url))
+    running = build_server(ctx, host="127.0.0.1", port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            pb = ctx.stubs
+            stub = pb.sessions_grpc.SessionsStub(channel)
+            md = bearer("tok-acme")
+            created = stub.CreateSession(pb.sessions.CreateSessionRequest(model="small"), metadata=md).session
+            listed = stub.ListSessions(pb.sessions.ListSessionsRequest(), metadata=md)
+            assert [s.session_id for s in listed.sessions] == [created.session_id]
+            stub.DeleteSession(pb.sessions.DeleteSessionRequest(session_id=created.session_id), metadata=md)
+            assert stub.ListSessions(pb.sessions.ListSessionsRequest(), metadata=md).sessions == []
+            assert ctx.audit.verify().ok and ctx.audit.head()[0] == 1
+    finally:
+        running.stop(grace_s=None)
+        ctx.close()
