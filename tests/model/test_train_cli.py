@@ -50,6 +50,9 @@ def test_main_data_check_and_sample(built: Path, tmp_path: Path, capsys: pytest.
     assert main(["data", "sample", "--tokenizer", str(built), "--task", "kv", "--distance", "40", "300"]) == 0
     out = capsys.readouterr().out
     assert "kv_recall      distance     40" in out and "distance    300" in out
+    assert main(["data", "sample", "--tokenizer", str(built), "--task", "agent", "--distance", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "<tool> read_file(" in out and "distance    200" in out
 
 
 @pytest.mark.slow
