@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-size-mb", type=int, default=1024, help="bf16 tensor size on CUDA")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per op; the median is reported")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU measurements")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     plans = [] if args.no_cpu else [("cpu", ["torch"], args.size_mb)]
     if torch.cuda.is_available():

@@ -76,6 +76,20 @@ def test_triton_quantize_matches_torch(device: str, name: str, dtype: torch.dtyp
         assert_same(dequantize(*expected, out_dtype, backend="triton"), dequantize(*expected, out_dtype))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_fresh_seed_matches_torch(device: str) -> None:
+    """A seed drawn per run (printed on failure), on top of the fixed-seed cases above."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    for name, (quantize, _, qdq, _) in FORMATS.items():
+        x = wild(97, 256, torch.bfloat16, device, seed=seed)
+        for a, e in zip(quantize(x, backend="triton"), quantize(x), strict=True):
+            try:
+                assert_same(a.view(torch.uint8), e.view(torch.uint8))
+            except AssertionError as error:
+                raise AssertionError(f"{name}, seed {seed}: {error}") from None
+        assert_same(qdq(x, backend="triton"), qdq(x))
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_dequantize_any_bytes(device: str, name: str) -> None:
