@@ -86,6 +86,13 @@ class ModelState:
             self.window_from[i] = self.n_tokens
             self.windows[i] = torch.zeros_like(self.windows[i])
 
+    def drop_encoder_rows(self) -> None:
+        """Forget the encoder-output ring (it travels with the encoder windows in the pool)."""
+        self.enc_from = self.n_tokens
+        if self.enc_lanes is not None and self.enc_pre is not None:
+            self.enc_lanes = torch.zeros_like(self.enc_lanes)
+            self.enc_pre = torch.zeros_like(self.enc_pre)
+
     def clone(self) -> ModelState:
         """A snapshot that later forwards cannot affect (tensors are never mutated in place)."""
         return dataclasses.replace(

@@ -1,0 +1,100 @@
+"""`check_conformance` and `kvresume model check` on the shared v41-tiny vectors, with negative controls."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import check_conformance
+from orchestrator.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+VECTORS = REPO.parent / "shared" / "conformance" / "v41-tiny"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # small matmuls on a shared 2-core machine run ~10x faster without OpenMP oversubscription;
+    # the reference is thread-count independent (vectors README section 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def vectors() -> Path:
+    if not VECTORS.is_dir():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"conformance vectors missing at {VECTORS} (required in CI)")
+        pytest.skip(f"conformance vectors not found at {VECTORS}")
+    return VECTORS
+
+
+def test_check_conformance_all_prompts_bitwise(vectors: Path) -> None:
+    reports = check_conformance(vectors, vectors)
+    assert [r.prompt for r in reports] == ["prompt0", "prompt1", "prompt2"]
+    for r in reports:
+        assert r.ok, r.failures
+        assert r.logits_rel_err == 0.0
+        assert r.generated == r.reference_generated
+        # window ring per layer, compressed KV + index K per source, carries of the two ratio-2 sources
+        assert len(r.caches) == 2 * (12 + 3 * 2 + 2 * 2)
+        assert r.cache_max_abs == 0.0
+
+
+def _copy_prompt2(src: Path, dst: Path) -> None:
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors", "p2_logits.safetensors", "p2_cache_prefill.safetensors",
+                 "p2_cache_decode.safetensors"):
+        shutil.copy(src / name, dst / name)
+    save_file({"prompt2": load_file(str(src / "input_ids.safetensors"))["prompt2"]},
+              str(dst / "input_ids.safetensors"))
+
+
+def _perturb(path: Path, name: str, index: tuple[int, ...]) -> None:
+    tensors = load_file(str(path))
+    t = tensors[name].clone()
+    t[index] = t[index] + (1.0 if t.dtype == torch.float32 else 0.5)
+    tensors[name] = t
+    save_file(tensors, str(path))
+
+
+def test_model_check_cli_passes(vectors: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--prompts", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "prompt2 (19 tokens): logits max rel err 0.000e+00; greedy 5/5 equal" in out
+
+
+@pytest.mark.parametrize(
+    ("file", "tensor", "index", "named"),
+    [
+        ("p2_logits.safetensors", "decode.logits", (2, 7), "decode.logits[2]"),
+        ("p2_cache_prefill.safetensors", "layers.2.compress_kv", (3, 5), "prefill:layers.2.compress_kv"),
+        ("p2_cache_decode.safetensors", "layers.9.window_kv", (1, 0), "decode:layers.9.window_kv"),
+    ],
+    ids=["logit", "prefill-cache", "decode-window"],
+)
+def test_model_check_cli_fails_naming_perturbed_tensor(
+    vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, tensor: str,
+    index: tuple[int, ...], named: str,
+) -> None:
+    folder = tmp_path / "vectors"
+    _copy_prompt2(vectors, folder)
+    _perturb(folder / file, tensor, index)
+    rc = main(["model", "check", "--checkpoint", str(folder), "--vectors", str(folder)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert f"FAIL {named}" in out
+
+
+def test_model_check_cli_missing_vectors_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["model", "check", "--checkpoint", str(tmp_path), "--vectors", str(tmp_path / "nope")])
+    assert rc == 1
+    assert "no vectors folder" in capsys.readouterr().err
