@@ -88,5 +88,5 @@ def test_admin_calibrate_writes_a_cost_table_the_planner_loads(tmp_path, capsys)
     )
     costs = CostTable.load(out).for_model("tiny")
     # Timings on a shared CPU are noisy at these tiny sizes, so only the artifact's shape is pinned here.
-    assert costs.source == str(out) and costs is not CostTable().default
+    assert "tiny" in CostTable.load(out).models and costs.source == str(out)
     assert _json_lines(capsys.readouterr().out)[0]["model"] == "tiny"
