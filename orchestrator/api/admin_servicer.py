@@ -189,8 +189,6 @@ class AdminServicer:
             sessions = s.scalar(sessions_q) or 0
             tenants = s.scalar(tenants_q) or 0
         pool = self._ctx.pool_stats() if self._ctx.pool_stats is not None else None
-        if tenant is None:
-            self._ctx.metrics.stored_bytes.set(totals.bytes)
         return self._pb.StoreStats(
             tenants=tenants,
             sessions=sessions,

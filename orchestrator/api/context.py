@@ -20,6 +20,7 @@ from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
 from orchestrator.db import (
     Purger,
+    SegmentRepository,
     SqlAuditSink,
     StorePurger,
     make_engine,
@@ -80,7 +81,7 @@ def build_context(
     serializable = serializable_factory(engine)
     audit = SqlAuditSink(engine)
     stubs = load_stubs()
-    return ServiceContext(
+    ctx = ServiceContext(
         settings=settings,
         engine=engine,
         sessions=make_session_factory(engine),
@@ -96,3 +97,23 @@ def build_context(
         turn_handler=turn_handler,
         pool_stats=pool_stats,
     )
+    _wire_gauges(ctx)
+    return ctx
+
+
+def _wire_gauges(ctx: ServiceContext) -> None:
+    """Gauges read at scrape time: stored bytes from the registry, pool occupancy from its owner."""
+    m = ctx.metrics
+
+    def stored_bytes() -> float:
+        with ctx.sessions() as s:
+            return float(SegmentRepository(s).totals().bytes)
+
+    m.stored_bytes.set_function(stored_bytes)
+    m.pool_budget_bytes.set(ctx.settings.pool_budget_bytes)
+    m.running_turns.set_function(lambda: float(len(ctx.running)))
+    if ctx.pool_stats is not None:
+        pool = ctx.pool_stats
+        m.pool_bytes.set_function(lambda: float(pool().bytes_used))
+        m.pool_entries.set_function(lambda: float(pool().entries))
+        m.pool_budget_bytes.set_function(lambda: float(pool().budget_bytes))

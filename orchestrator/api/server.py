@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from orchestrator.api import admin_servicer, mappers_servicer, sessions_servicer
 from orchestrator.api.context import ServiceContext
+from orchestrator.api.interceptor import RequestInterceptor
 
 __all__ = ["RunningServer", "build_server"]
 
@@ -47,7 +48,11 @@ def build_server(ctx: ServiceContext, *, host: str | None = None, port: int | No
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", settings.max_request_bytes),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.grpc_workers), options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
+        options=options,
+        interceptors=[RequestInterceptor(ctx.metrics)],
+    )
     stubs = ctx.stubs
     stubs.sessions_grpc.add_SessionsServicer_to_server(sessions_servicer.servicer_class(ctx)(ctx), server)
     stubs.admin_grpc.add_AdminServicer_to_server(admin_servicer.servicer_class(ctx)(ctx), server)

@@ -251,8 +251,6 @@ class SessionsServicer:
             raise NotImplementedError("this server has no turn engine configured")
         handle = self._ctx.running.start(turn.session_id, turn.request_id)
         context.add_callback(lambda: handle.cancel("client cancelled"))
-        metrics = self._ctx.metrics
-        metrics.running_turns.inc()
         structlog.contextvars.bind_contextvars(session_id=turn.session_id, request_id=turn.request_id)
         started = time.perf_counter()
         plan_event: PlanEvent | None = None
@@ -276,7 +274,6 @@ class SessionsServicer:
             outcome = "aborted"
             raise
         finally:
-            metrics.running_turns.dec()
             self._ctx.running.finish(handle)
             if plan_event is not None:
                 self._report(turn, plan_event, stats, outcome, generated, time.perf_counter() - started)

@@ -88,6 +88,8 @@ def test_purge_tenant_and_model_then_verify_audit(service) -> None:
     _session_with_segment(service, "tok-initech", "initech", b"i-2", model="small")
     stats = admin.GetStoreStats(pb.admin.StoreStatsRequest(tenant_id="initech"), metadata=ADMIN)
     assert (stats.segments, stats.stored_bytes, stats.stored_tokens) == (2, 2 * 256 * 890, 512)
+    everything = admin.GetStoreStats(pb.admin.StoreStatsRequest(), metadata=ADMIN).stored_bytes
+    assert f"kvresume_stored_bytes {float(everything)}" in service.ctx.metrics.exposition().decode()
     out = admin.Purge(pb.admin.PurgeRequest(tenant_id="initech"), metadata=ADMIN)
     assert (out.segments_deleted, out.bytes_deleted) == (2, 2 * 256 * 890) and out.sessions_deleted >= 2
     stats = admin.GetStoreStats(pb.admin.StoreStatsRequest(tenant_id="initech"), metadata=ADMIN)

@@ -199,6 +199,10 @@ def test_auth_rejects_missing_unknown_and_wrong_kind_of_token(service) -> None:
         _code(service.admin().VerifyAudit, pb.admin.VerifyAuditRequest(), metadata=bearer("tok-acme"))
         == grpc.StatusCode.PERMISSION_DENIED
     )
+    text = service.ctx.metrics.exposition().decode()
+    assert (
+        'kvresume_rpcs_total{code="UNAUTHENTICATED",method="/kvresume.v1.Sessions/CreateSession"} 2.0' in text
+    )
 
 
 def test_turn_rejects_bad_requests_before_running(service) -> None:
@@ -271,6 +275,8 @@ def test_turn_streams_plan_then_tokens_then_stats(service, engine) -> None:
     assert (line["prefilled"], line["cached"], line["generated"]) == (3, 0, 3)
     text = service.ctx.metrics.exposition().decode()
     assert 'kvresume_turns_total{outcome="done",path="COLD_PREFILL"}' in text
+    assert 'kvresume_rpcs_total{code="OK",method="/kvresume.v1.Sessions/Turn"}' in text
+    assert "kvresume_running_turns 0.0" in text
     # Second turn: the history holds 6 tokens and the planner, with nothing stored, says why it is cold.
     second = list(
         stub.Turn(pb.sessions.TurnRequest(session_id=sid, text="ab"), metadata=bearer("tok-initech"))
