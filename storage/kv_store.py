@@ -368,7 +368,14 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         for span in found.spans:
             value = self._db.get(CHUNK + span.address)
             if value is None:
-                miss = self._on_bad_value(tenant, span, "value_missing", 0)
+                with self._lock:
+                    indexed = span.address in self._index.meta
+                # Deleted since the lookup (purge, eviction, expiry): an ordinary miss. Indexed but
+                # without a value: the database lost it, which is corruption.
+                if indexed:
+                    miss = self._on_bad_value(tenant, span, "value_missing", 0)
+                else:
+                    miss = Miss(reason=MissReason.ABSENT, at_token=span.start)
                 break
             decoded = decode_chunk(
                 value, address=span.address, tenant_tag=ttag, model_fingerprint=model_fingerprint

@@ -217,3 +217,23 @@ def test_store_config_validation() -> None:
         StoreConfig.from_json('{"version": 1, "path": "x", "nope": 1}')
     cfg = StoreConfig(path="x", chunk_tokens=256)
     assert StoreConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_longest_valid_prefix_value_deleted_under_the_index_is_corrupt(make_store) -> None:
+    store = make_store()
+    toks = _tokens(2 * CHUNK)
+    store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+    second = store.lookup("tA", FP, toks).spans[1].address
+    db = _raw_db(store)
+    db.delete(CHUNK_PREFIX + second)
+    db.close()
+    store = make_store()
+    # Recovery treats an index entry without its value as a leftover and removes it.
+    assert store.recovery.orphans_removed > 0
+    got = store.longest_valid_prefix("tA", FP, toks)
+    assert got.n_tokens == CHUNK and got.miss.reason == MissReason.ABSENT
+    # The same loss while the store is open is reported as corruption.
+    store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+    store._db.delete(CHUNK_PREFIX + second)
+    got = store.longest_valid_prefix("tA", FP, toks)
+    assert got.miss.reason == MissReason.CORRUPT and got.miss.detail == "value_missing"
