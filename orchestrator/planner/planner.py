@@ -108,12 +108,15 @@ def _prefix_reason(prefix: int, session: SessionView, cache: CacheInventory) -> 
     return f"global KV of {prefix} of {session.history_len} history tokens stored{why}"
 
 
-def _pool_miss(pool: PoolState, session: SessionView, model: str) -> str:
+def _pool_miss(pool: PoolState, session: SessionView, model: str, prefix: int) -> str:
     if pool.model is None:
         return "windows not in the pool"
     if pool.model != model:
         return f"pool windows belong to {pool.model}"
-    return f"pool windows end at {pool.windows_end}, history at {session.history_len}"
+    if pool.windows_end != session.history_len:
+        return f"pool windows end at {pool.windows_end}, history at {session.history_len}"
+    # The windows continue the whole history, but the resume point is the end of the stored prefix.
+    return f"pool windows end at {pool.windows_end}, past the stored prefix"
 
 
 def _same_model_candidates(
@@ -144,7 +147,7 @@ def _same_model_candidates(
         )
         window_why = "bounded replay instead of restoring the pool windows"
     else:
-        window_why = f"{_pool_miss(pool, session, model)}, bounded replay"
+        window_why = f"{_pool_miss(pool, session, model, prefix)}, bounded replay"
     out.append(
         _from_prefix(
             session,

@@ -102,7 +102,10 @@ def test_plan_turn_partial_prefix_resumes_from_longest_valid_prefix() -> None:
     assert plan.path == ResumePath.GLOBAL_REPLAY
     assert plan.resume_from == 768
     assert plan.counts == TokenCounts(cached=768, replayed_encoder=128, prefilled=242, replayed_decoder=118)
-    assert "768 of 1000 history tokens stored (chunk 3 failed its checksum)" in plan.reason
+    assert plan.reason == (
+        "global KV of 768 of 1000 history tokens stored (chunk 3 failed its checksum); "
+        "pool windows end at 1000, past the stored prefix, bounded replay"
+    )
 
 
 def test_plan_turn_nothing_stored_is_cold_with_the_miss_reason() -> None:
