@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import qdq_fp4_e4m3, qdq_fp8_ue8m0, sparse_attn
+from kernels import qdq_fp4_e4m3, qdq_fp8_ue8m0, quantize_fp4_e4m3, quantize_fp8_ue8m0, sparse_attn
 from model.compressor import Compressor
 from model.indexer import Indexer
 from model.linear import Linear
@@ -37,6 +37,7 @@ class AttnIO:
         start: position of the first row of x.
         floor: lowest window position any row may read (truncated SWA of a bounded replay).
         window: [B, W, D] bf16 this layer's ring before the pass; window_from: its lowest valid position.
+        window_codes, window_scales: the ring's stored form ([B, W, D] e4m3, [B, W, D/32] uint8).
         source: the SourceCache of this layer's kv source (ratio > 0), replaced when this layer writes.
         compress_x: [B, T_c, dim] attention inputs of the rows to compress (kv sources), at positions
             [compress_start, ...); x itself when None.
@@ -51,6 +52,8 @@ class AttnIO:
     start: int
     floor: int
     window: torch.Tensor
+    window_codes: torch.Tensor
+    window_scales: torch.Tensor
     window_from: int
     source: SourceCache | None = None
     compress_x: torch.Tensor | None = None
@@ -60,6 +63,8 @@ class AttnIO:
     stale_slot: torch.Tensor | None = None
     published: bool = False
     new_window: torch.Tensor | None = None
+    new_window_codes: torch.Tensor | None = None
+    new_window_scales: torch.Tensor | None = None
     new_window_from: int = 0
 
 
@@ -141,21 +146,26 @@ class Attention(nn.Module):
         g = out.latent.size(1)
         first = out.first_entry
         assert first <= n_old or g == 0, f"layer {self.layer}: entry gap {n_old} .. {first}"
-        kv, index_k = src.kv, src.index_k
+        new = dict(kv=src.kv, index_k=src.index_k, kv_packed=src.kv_packed, kv_scales=src.kv_scales,
+                   index_packed=src.index_packed, index_scales=src.index_scales)
         if g and first + g > n_old:
+            skip = n_old - first
             pos = torch.arange(first, first + g, device=x.device) * self.ratio
             freqs = freqs_table[pos]  # [G, rope/2]
             latent = out.latent
             if self.indexer is not None and self.indexer.owns_k:
                 io.published = True
-                new_k = self.indexer.keys(latent, freqs)
-                index_k = torch.cat([index_k, new_k[:, n_old - first :]], dim=1)
+                keys, packed, scales = self.indexer.keys(latent, freqs)
+                new["index_k"] = torch.cat([src.index_k, keys[:, skip:]], dim=1)
+                new["index_packed"] = torch.cat([src.index_packed, packed[:, skip:]], dim=1)
+                new["index_scales"] = torch.cat([src.index_scales, scales[:, skip:]], dim=1)
             latent = apply_rope(latent, freqs, self.rope_dim)
-            latent = qdq_fp4_e4m3(latent)
-            kv = torch.cat([kv, latent[:, n_old - first :]], dim=1)
-        io.source = SourceCache(
-            ratio=src.ratio, kv=kv, index_k=index_k, carry_kv=out.carry_kv, carry_score=out.carry_score
-        )
+            with torch.no_grad():
+                packed, scales = quantize_fp4_e4m3(latent.detach())
+            new["kv"] = torch.cat([src.kv, qdq_fp4_e4m3(latent)[:, skip:]], dim=1)
+            new["kv_packed"] = torch.cat([src.kv_packed, packed[:, skip:]], dim=1)
+            new["kv_scales"] = torch.cat([src.kv_scales, scales.view(torch.uint8)[:, skip:]], dim=1)
+        io.source = SourceCache(ratio=src.ratio, carry_kv=out.carry_kv, carry_score=out.carry_score, **new)
 
     def forward(self, x: torch.Tensor, io: AttnIO, freqs_table: torch.Tensor) -> torch.Tensor:
         """x: [B, T, dim] bf16 normed inputs at positions [io.start, io.start + T) -> [B, T, dim] bf16.
@@ -171,15 +181,19 @@ class Attention(nn.Module):
 
         kv = self.kv_norm(self.wkv(x))
         kv = apply_rope(kv, freqs, self.rope_dim)
+        with torch.no_grad():
+            codes, scales = quantize_fp8_ue8m0(kv.detach())  # [B, T, D] e4m3, [B, T, D/32] uint8
         kv = qdq_fp8_ue8m0(kv)  # [B, T, D]
         eff_floor = max(io.floor, io.window_from)
         ids, uses_ring = window_ids(start, t, w, eff_floor, x.device)
         kv_all = torch.cat([io.window, kv], dim=1) if uses_ring else kv
         keep = min(t, w)
-        ring = io.window.clone()
-        tail_pos = torch.arange(end - keep, end, device=x.device)
-        ring[:, tail_pos % w] = kv[:, t - keep :]
-        io.new_window = ring
+        slots = torch.arange(end - keep, end, device=x.device) % w
+        ring, ring_codes, ring_scales = io.window.clone(), io.window_codes.clone(), io.window_scales.clone()
+        ring[:, slots] = kv[:, t - keep :]
+        ring_codes[:, slots] = codes[:, t - keep :]
+        ring_scales[:, slots] = scales[:, t - keep :]
+        io.new_window, io.new_window_codes, io.new_window_scales = ring, ring_codes, ring_scales
         io.new_window_from = min(eff_floor, start)
         ids = ids.int().unsqueeze(0).expand(b, -1, -1)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import candidate_blocks, index_score, qdq_mxfp4, select_topk
+from kernels import candidate_blocks, index_score, qdq_mxfp4, quantize_mxfp4, select_topk
 from model.linear import Linear
 from model.norm import RMSNorm
 from model.rope import apply_rope
@@ -48,7 +48,9 @@ class Indexer(nn.Module):
             self.wk = Linear(head_dim, index_head_dim, "bf16")
             self.k_norm = RMSNorm(index_head_dim, norm_eps)
 
-    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    def keys(
+        self, latent: torch.Tensor, freqs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Index keys of new entries.
 
         Args:
@@ -56,11 +58,14 @@ class Indexer(nn.Module):
             freqs: [G, rope_dim/2] complex64 rotations at the entries' positions j*m.
 
         Returns:
-            [B, G, D_I] bf16, RoPE'd and MXFP4-QDQ'd.
+            keys [B, G, D_I] bf16 (RoPE'd, MXFP4-QDQ'd), and their stored form: E2M1 codes uint8
+            [B, G, D_I/2] and E8M0 scale bytes uint8 [B, G, D_I/32].
         """
         k = self.k_norm(self.wk(latent))
         k = apply_rope(k, freqs, self.rope_dim)
-        return qdq_mxfp4(k)
+        with torch.no_grad():
+            packed, scales = quantize_mxfp4(k.detach())
+        return qdq_mxfp4(k), packed, scales
 
     def select(
         self,

@@ -22,6 +22,10 @@ class SourceCache:
         kv: [B, n, D] bf16, main KV after RoPE and FP4 (E2M1, E4M3 scale per 16) quantize-dequantize;
             exactly the dequantized stored codes.
         index_k: [B, n, D_I] bf16 index keys after RoPE and MXFP4 quantize-dequantize.
+        kv_packed, kv_scales: the stored form of kv: E2M1 codes uint8 [B, n, D/2] (even channel in the low
+            nibble) and E4M3 scales as uint8 bytes [B, n, D/16]. kv is exactly their dequantization.
+        index_packed, index_scales: the stored form of index_k: E2M1 codes uint8 [B, n, D_I/2] and E8M0
+            scale bytes uint8 [B, n, D_I/32].
         carry_kv, carry_score: [B, m, D] fp32 open-group buffers of a ratio > 1 compressor
             (slot = position % m; score -inf where never written); None for ratio 1.
     """
@@ -29,6 +33,10 @@ class SourceCache:
     ratio: int
     kv: torch.Tensor
     index_k: torch.Tensor
+    kv_packed: torch.Tensor
+    kv_scales: torch.Tensor
+    index_packed: torch.Tensor
+    index_scales: torch.Tensor
     carry_kv: torch.Tensor | None = None
     carry_score: torch.Tensor | None = None
 
@@ -45,6 +53,8 @@ class ModelState:
         tokens: [B, n_tokens] int64 token history (needed by bounded replay).
         sources: kv-source layer -> SourceCache (global KV; what `export_global` persists).
         windows: per backbone layer, [B, W, D] bf16 sliding-window ring of FP8-QDQ'd, RoPE'd KV.
+        window_codes, window_scales: per layer, the ring's stored form: E4M3 values float8_e4m3fn [B, W, D]
+            and UE8M0 scale bytes uint8 [B, W, D/32]; windows is exactly their dequantization.
         window_from: per layer, the lowest position whose ring entry is valid; positions below are absent
             (never written, dropped, or truncated by a bounded replay).
         enc_lanes: [B, W, hc, dim] bf16 ring of the mHC lanes entering the first decoder layer (the encoder
@@ -56,6 +66,8 @@ class ModelState:
     tokens: torch.Tensor
     sources: dict[int, SourceCache]
     windows: list[torch.Tensor]
+    window_codes: list[torch.Tensor]
+    window_scales: list[torch.Tensor]
     window_from: list[int]
     enc_lanes: torch.Tensor | None = None
     enc_pre: torch.Tensor | None = None
@@ -85,6 +97,8 @@ class ModelState:
         for i in layers:
             self.window_from[i] = self.n_tokens
             self.windows[i] = torch.zeros_like(self.windows[i])
+            self.window_codes[i] = torch.zeros_like(self.window_codes[i])
+            self.window_scales[i] = torch.zeros_like(self.window_scales[i])
 
     def drop_encoder_rows(self) -> None:
         """Forget the encoder-output ring (it travels with the encoder windows in the pool)."""
@@ -99,6 +113,8 @@ class ModelState:
             self,
             sources={k: dataclasses.replace(v) for k, v in self.sources.items()},
             windows=list(self.windows),
+            window_codes=list(self.window_codes),
+            window_scales=list(self.window_scales),
             window_from=list(self.window_from),
             extra=dict(self.extra),
         )

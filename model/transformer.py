@@ -115,20 +115,29 @@ class Transformer(nn.Module):
                 carry_score = torch.full(
                     (batch, m, cfg.head_dim), -torch.inf, dtype=torch.float32, device=dev
                 )
+            d, di = cfg.head_dim, cfg.index_head_dim
             sources[s] = SourceCache(
                 ratio=m,
-                kv=torch.zeros(batch, 0, cfg.head_dim, dtype=torch.bfloat16, device=dev),
-                index_k=torch.zeros(batch, 0, cfg.index_head_dim, dtype=torch.bfloat16, device=dev),
+                kv=torch.zeros(batch, 0, d, dtype=torch.bfloat16, device=dev),
+                index_k=torch.zeros(batch, 0, di, dtype=torch.bfloat16, device=dev),
+                kv_packed=torch.zeros(batch, 0, d // 2, dtype=torch.uint8, device=dev),
+                kv_scales=torch.zeros(batch, 0, d // 16, dtype=torch.uint8, device=dev),
+                index_packed=torch.zeros(batch, 0, di // 2, dtype=torch.uint8, device=dev),
+                index_scales=torch.zeros(batch, 0, di // 32, dtype=torch.uint8, device=dev),
                 carry_kv=carry_kv,
                 carry_score=carry_score,
             )
         w = cfg.window_size
+        layers = range(cfg.n_layers)
         return ModelState(
             tokens=torch.zeros(batch, 0, dtype=torch.int64, device=dev),
             sources=sources,
-            windows=[
-                torch.zeros(batch, w, cfg.head_dim, dtype=torch.bfloat16, device=dev)
-                for _ in range(cfg.n_layers)
+            windows=[torch.zeros(batch, w, cfg.head_dim, dtype=torch.bfloat16, device=dev) for _ in layers],
+            window_codes=[
+                torch.zeros(batch, w, cfg.head_dim, dtype=torch.float8_e4m3fn, device=dev) for _ in layers
+            ],
+            window_scales=[
+                torch.zeros(batch, w, cfg.head_dim // 32, dtype=torch.uint8, device=dev) for _ in layers
             ],
             window_from=[0] * cfg.n_layers,
             enc_lanes=torch.zeros(batch, w, cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=dev),
@@ -161,6 +170,8 @@ class Transformer(nn.Module):
             start=start,
             floor=floor,
             window=state.windows[i],
+            window_codes=state.window_codes[i],
+            window_scales=state.window_scales[i],
             window_from=state.window_from[i],
             source=state.sources[src_layer] if src_layer is not None else None,
             compress_x=compress_x,
@@ -171,6 +182,8 @@ class Transformer(nn.Module):
         )
         h, pre = self.layers[i](h, pre, io, self.rope_for(i, end, h.device))
         state.windows[i] = io.new_window
+        state.window_codes[i] = io.new_window_codes
+        state.window_scales[i] = io.new_window_scales
         state.window_from[i] = io.new_window_from
         if i in cfg.kv_source_layers:
             state.sources[i] = io.source
@@ -184,6 +197,8 @@ class Transformer(nn.Module):
             start=start,
             floor=0,
             window=state.windows[i],
+            window_codes=state.window_codes[i],
+            window_scales=state.window_scales[i],
             window_from=state.window_from[i],
             source=state.sources[i],
             compress_x=x,
