@@ -132,6 +132,12 @@ def test_leading_dims_are_kept() -> None:
         assert_bitwise(dequantize(payload, scales, torch.bfloat16), qdq(x))
         flat_payload, _ = quantize(x.view(-1, 64))
         assert_bitwise(payload.reshape(flat_payload.shape), flat_payload)
+    # a non-contiguous fp32 view quantizes like its contiguous copy
+    xt = random_rows(64, 32, torch.float32, seed=8).t()
+    for quantize, _, qdq, _ in FORMATS.values():
+        assert_bitwise(qdq(xt), qdq(xt.contiguous()))
+        for a, b in zip(quantize(xt), quantize(xt.contiguous()), strict=True):
+            assert_bitwise(a, b)
     empty = torch.zeros(0, 32, dtype=torch.bfloat16)
     assert kernels.qdq_mxfp4(empty).shape == (0, 32)
 
