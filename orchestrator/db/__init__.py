@@ -8,7 +8,7 @@ from orchestrator.db.engine import make_engine, make_session_factory
 from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
-from orchestrator.db.reconcile import ReconcileReport, reconcile_segments
+from orchestrator.db.reconcile import ReconcileReport, reconcile_segments, reconcile_with_prefixes
 from orchestrator.db.repositories import (
     DurableSegment,
     EffectivePolicy,
@@ -48,6 +48,7 @@ __all__ = [
     "make_session_factory",
     "mapper_infos",
     "reconcile_segments",
+    "reconcile_with_prefixes",
     "run_serializable",
     "serializable_factory",
     "session_view",

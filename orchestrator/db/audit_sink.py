@@ -75,7 +75,26 @@ class SqlAuditSink(AuditSink):
     def append_many(self, events: Sequence[AuditEvent]) -> list[AuditRecord]:
         return run_serializable(self._factory, lambda s: self.append_in(s, events), attempts=self._attempts)
 
-    def append_in(self, session: Session, events: Sequence[AuditEvent]) -> list[AuditRecord]:
+    def mirror(self, record: AuditRecord) -> AuditRecord:
+        """Append a record sealed in another chain (the store's, via its `on_audit`) as the next record
+        of this one: same fields and timestamp, this chain's seq and hashes."""
+        event = AuditEvent(
+            actor=record.actor,
+            action=record.action,
+            tenant=record.tenant,
+            subject=record.subject,
+            reason=record.reason,
+            nbytes=record.nbytes,
+        )
+        return run_serializable(
+            self._factory,
+            lambda s: self.append_in(s, [event], ts_us=record.ts_us)[0],
+            attempts=self._attempts,
+        )
+
+    def append_in(
+        self, session: Session, events: Sequence[AuditEvent], *, ts_us: int | None = None
+    ) -> list[AuditRecord]:
         """Seal and insert `events` after the current head inside `session`'s transaction."""
         if not events:
             return []
@@ -83,7 +102,8 @@ class SqlAuditSink(AuditSink):
         # fails one of the two transactions, which run_serializable reruns.
         head = session.scalars(select(AuditHead).where(AuditHead.id == _HEAD_ID).with_for_update()).one()
         seq, prev = head.seq, head.hash
-        ts_us = int(round(self._clock() * 1_000_000))
+        if ts_us is None:
+            ts_us = int(round(self._clock() * 1_000_000))
         records: list[AuditRecord] = []
         for event in events:
             seq += 1

@@ -11,12 +11,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.db.repositories import SegmentRepository
+from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.db.repositories import SegmentRepository, SessionRepository
 from orchestrator.db.transactions import run_serializable
 
-__all__ = ["ReconcileReport", "reconcile_segments"]
+__all__ = ["ReconcileReport", "reconcile_segments", "reconcile_with_prefixes"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,4 +65,49 @@ def reconcile_segments(
     )
     return ReconcileReport(
         rows_checked=checked, dangling_rows_deleted=deleted, unreferenced_chunks=unreferenced
+    )
+
+
+def reconcile_with_prefixes(
+    factory: sessionmaker[Session],
+    *,
+    node: str,
+    stored_prefix: Callable[[str, str, list[int]], int],
+) -> ReconcileReport:
+    """Delete this node's segment rows that lie beyond what the store holds for their session's history.
+
+    For a store addressed by (tenant, model fingerprint, tokens), such as storage's GlobalKVStore:
+    `stored_prefix(tenant, fingerprint, history)` returns how many leading tokens it holds durably
+    (`store.lookup(...).n_tokens`). A row whose chunk ends past that is dropped for every session.
+    """
+
+    def work(s: Session) -> tuple[int, int]:
+        stmt = (
+            select(SessionSegment.session_id, CacheSegment)
+            .join(CacheSegment, SessionSegment.segment_id == CacheSegment.id)
+            .where(CacheSegment.node == node)
+        )
+        by_session: dict[str, list[CacheSegment]] = {}
+        for session_id, seg in s.execute(stmt):
+            by_session.setdefault(session_id, []).append(seg)
+        sessions = SessionRepository(s)
+        dangling: dict[int, CacheSegment] = {}
+        checked: set[int] = set()
+        for session_id, segs in by_session.items():
+            history = sessions.history(session_id)
+            prefixes: dict[tuple[str, str], int] = {}
+            for seg in segs:
+                checked.add(seg.id)
+                key = (seg.tenant_id, seg.fingerprint)
+                if key not in prefixes:
+                    prefixes[key] = stored_prefix(seg.tenant_id, seg.fingerprint, history)
+                if seg.end_pos > prefixes[key]:
+                    dangling[seg.id] = seg
+        deleted = SegmentRepository(s).delete_keys(seg.store_key for seg in dangling.values())
+        return len(checked), deleted
+
+    checked, deleted = run_serializable(factory, work)
+    log.info("registry_reconciled", node=node, rows_checked=checked, dangling_rows_deleted=deleted)
+    return ReconcileReport(
+        rows_checked=checked, dangling_rows_deleted=deleted, unreferenced_chunks=frozenset()
     )
