@@ -132,7 +132,8 @@ def _e2m1_code(v, sign):
 def _e2m1_to_f32(code):
     """int32 E2M1 code 0..15 -> fp32 value; twice the magnitude is 0,1,2,3,4,6,8,12 (code 8 is -0.0)."""
     c = code & 7
-    doubled = tl.where(c < 4, c, (2 + (c & 1)) << ((c >> 1) - 1))
+    # codes 4..7 are (2 + lsb) << (c/2 - 1); the shift is kept >= 0 for the lanes where c < 4 as well
+    doubled = tl.where(c < 4, c, (2 + (c & 1)) << tl.maximum((c >> 1) - 1, 0))
     value = doubled.to(tl.float32) * 0.5
     return tl.where((code & 8) != 0, -value, value)
 
