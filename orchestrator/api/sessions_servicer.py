@@ -7,6 +7,7 @@ NOT_FOUND, so that ids do not leak across tenants).
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,15 +37,17 @@ _DEFAULT_PAGE = 50
 _MAX_PAGE = 1000
 
 
-def _page_token(session_id: str) -> str:
-    return base64.urlsafe_b64encode(session_id.encode()).decode()
+def _page_token(row: Any) -> str:
+    # The cursor is the last row's position (created_at, id), opaque to the caller.
+    return base64.urlsafe_b64encode(f"{row.created_at.isoformat()}|{row.id}".encode()).decode()
 
 
-def _after(token: str) -> str | None:
+def _after(token: str) -> tuple[dt.datetime, str] | None:
     if not token:
         return None
     try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
+        when, _, session_id = base64.urlsafe_b64decode(token.encode()).decode().partition("|")
+        return dt.datetime.fromisoformat(when), session_id
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"bad page_token {token!r}") from exc
 
@@ -132,14 +135,14 @@ class SessionsServicer:
             rows = SessionRepository(s).list(
                 tenant_id=caller.tenant_id,
                 limit=size + 1,
-                after_id=after,
+                after=after,
                 include_closed=not request.open_only,
             )
             more = len(rows) > size
             rows = rows[:size]
             return self._pb.ListSessionsResponse(
                 sessions=[self._ctx.convert.session(r) for r in rows],
-                next_page_token=_page_token(rows[-1].id) if more else "",
+                next_page_token=_page_token(rows[-1]) if more else "",
             )
 
     @unary_errors

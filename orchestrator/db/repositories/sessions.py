@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 
 from sqlalchemy import func, select, tuple_
@@ -75,19 +76,20 @@ class SessionRepository:
         *,
         tenant_id: str,
         limit: int,
-        after_id: str | None = None,
+        after: tuple[dt.datetime, str] | None = None,
         include_closed: bool = True,
     ) -> list[SessionRow]:
-        """Sessions of the tenant ordered by (created_at, id), after the session `after_id` when given."""
+        """Sessions of the tenant ordered by (created_at, id), strictly after `after` = (created_at, id).
+
+        The cursor is a position, not a row, so paging continues correctly when that session was deleted.
+        """
         if limit <= 0:
             raise ValueError(f"limit={limit} must be positive")
         stmt = select(SessionRow).where(SessionRow.tenant_id == tenant_id)
         if not include_closed:
             stmt = stmt.where(SessionRow.status == SessionStatus.OPEN)
-        if after_id is not None:
-            last = self._s.get(SessionRow, after_id)
-            if last is not None:
-                stmt = stmt.where(tuple_(SessionRow.created_at, SessionRow.id) > (last.created_at, last.id))
+        if after is not None:
+            stmt = stmt.where(tuple_(SessionRow.created_at, SessionRow.id) > tuple_(*after))
         stmt = stmt.order_by(SessionRow.created_at, SessionRow.id).limit(limit)
         return list(self._s.scalars(stmt))
 

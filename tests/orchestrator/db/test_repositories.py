@@ -127,8 +127,14 @@ def test_sessions_are_tenant_scoped_and_listed_in_order(engine) -> None:
         repo = SessionRepository(s)
         assert repo.get(other, tenant_id="acme") is None and repo.get(other, tenant_id=None) is not None
         first = repo.list(tenant_id="acme", limit=2)
-        rest = repo.list(tenant_id="acme", limit=2, after_id=first[-1].id)
+        rest = repo.list(tenant_id="acme", limit=2, after=(first[-1].created_at, first[-1].id))
         assert [r.id for r in first + rest] == ids and repo.count(tenant_id="acme") == 3
+    # The cursor still works after the session it names was deleted.
+    with factory() as s, s.begin():
+        repo = SessionRepository(s)
+        cursor = (first[-1].created_at, first[-1].id)
+        repo.delete(repo.get(first[-1].id, tenant_id="acme"))
+        assert [r.id for r in repo.list(tenant_id="acme", limit=5, after=cursor)] == ids[2:]
 
 
 def test_segments_are_shared_and_purged_when_unneeded(engine) -> None:
