@@ -100,7 +100,10 @@ class AdminServicer:
             )
             return self._effective(s, tenant_id)
 
-        return run_serializable(self._ctx.serializable, work)
+        policy = run_serializable(self._ctx.serializable, work)
+        if self._ctx.on_policy_change is not None:
+            self._ctx.on_policy_change(policy, caller.actor)
+        return policy
 
     @unary_errors
     def SetRetentionPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:

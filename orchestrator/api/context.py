@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,6 +19,7 @@ from orchestrator.api.running_turns import RunningTurns
 from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
 from orchestrator.db import (
+    EffectivePolicy,
     Purger,
     SegmentRepository,
     SqlAuditSink,
@@ -42,7 +43,8 @@ class PoolStats:
 
 @dataclass(kw_only=True)
 class ServiceContext:
-    """Shared service state. `turn_handler`, `store` and `pool_stats` are wired by whoever owns them."""
+    """Shared service state. `turn_handler`, `pool_stats` and `on_policy_change` are wired by whoever
+    owns the turn engine, the pool and the store."""
 
     settings: Settings
     engine: Engine
@@ -58,7 +60,8 @@ class ServiceContext:
     node: str
     turn_handler: TurnHandler | None = None
     pool_stats: Callable[[], PoolStats] | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    # Called after a policy change commits (e.g. to apply it to the store: GlobalKVStore.set_policy).
+    on_policy_change: Callable[[EffectivePolicy, str], None] | None = None
 
     def close(self) -> None:
         self.engine.dispose()

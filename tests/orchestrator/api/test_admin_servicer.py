@@ -50,9 +50,15 @@ def test_policies_round_trip_and_are_audited(service) -> None:
     pb, admin = service.pb, service.admin()
     default = admin.GetRetentionPolicy(pb.admin.TenantRef(tenant_id="umbrella"), metadata=ADMIN)
     assert default.is_default and default.ceiling_s == service.ctx.settings.retention_ceiling_s
-    got = admin.SetRetentionPolicy(
-        pb.admin.RetentionPolicy(tenant_id="umbrella", floor_s=7200, ceiling_s=3600), metadata=ADMIN
-    )
+    applied = []
+    service.ctx.on_policy_change = lambda policy, actor: applied.append((policy.ceiling_s, actor))
+    try:
+        got = admin.SetRetentionPolicy(
+            pb.admin.RetentionPolicy(tenant_id="umbrella", floor_s=7200, ceiling_s=3600), metadata=ADMIN
+        )
+    finally:
+        service.ctx.on_policy_change = None
+    assert applied == [(3600, "admin")]
     # The ceiling wins over a larger floor (ARCHITECTURE §4).
     assert (got.floor_s, got.ceiling_s, got.is_default) == (3600, 3600, False)
     res = admin.SetResidencyPolicy(
