@@ -3,6 +3,16 @@
 Knows nothing of storage, SQL or gRPC; returns statistics instead of logging.
 """
 
+from model.cache_format import (
+    CACHE_FORMAT_VERSION,
+    HEADER_BYTES,
+    export_global,
+    export_windows,
+    import_global,
+    import_windows,
+    model_fingerprint,
+    state_from_global,
+)
 from model.checkpoint import (
     SAVEABLE_DTYPES,
     checkpoint_metadata,
@@ -12,7 +22,7 @@ from model.checkpoint import (
 )
 from model.config import LayerRole, LayerRow, ModelConfig
 from model.conformance import LOGITS_REL_TOL, PromptReport, TensorDiff, cache_tensors, check_conformance
-from model.errors import CheckpointMismatch, ModelError, UnsupportedConfigError
+from model.errors import CacheFormatError, CheckpointMismatch, ModelError, UnsupportedConfigError
 from model.inference import PREFILL_MODES, decode, decode_batch, prefill
 from model.kv_bytes import (
     INDEX_K_SCALE_GROUP,
@@ -31,6 +41,15 @@ from model.transformer import PassOutput, PassStats, Transformer
 from model.weights import init_random, load_model, save_plain
 
 __all__ = [
+    "CACHE_FORMAT_VERSION",
+    "CacheFormatError",
+    "export_global",
+    "export_windows",
+    "HEADER_BYTES",
+    "import_global",
+    "import_windows",
+    "model_fingerprint",
+    "state_from_global",
     "cache_tensors",
     "check_conformance",
     "decode",

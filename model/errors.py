@@ -38,3 +38,9 @@ class UnsupportedConfigError(ModelError, ValueError):
     Disable it in the config; byte accounting (`kv_bytes`) still works on such a config.
     """
 
+
+
+class CacheFormatError(ModelError, ValueError):
+    """A cache blob cannot be imported: truncated, corrupted (checksum), another format version, another
+    model fingerprint, or positions that do not continue the state. Treat it as a cache miss.
+    """

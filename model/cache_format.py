@@ -1,0 +1,243 @@
+"""Versioned byte format of cache state: global KV chunks and the encoder window pool entry.
+
+Knows nothing of storage keys or policy; it turns a `ModelState`'s stored forms into bytes and back,
+never re-quantizing (codes and scales are copied as stored). Layout (little-endian):
+
+header (96 B): magic (4: b"KVRG" global, b"KVRW" windows), version u16, reserved u16, fingerprint (32 B),
+    a u64, b u64 (global: start, end positions; windows: n_tokens, 0), payload length u64,
+    sha256(payload) truncated to 16 B.
+global payload: for each kv source in layer order, for each entry j in [start // m, end // m):
+    main codes (D/2 B) | main E4M3 scales (D/16 B) | index codes (D_I/2 B) | index E8M0 scales (D_I/32 B).
+    Its length is exactly (end - start) * Σ_s (9/16 D + 17/32 D_I) / m_s when start and end are multiples
+    of every ratio (V41_SPEC §10.2: 212 B/token for v41-tiny, 890 for the released model).
+windows payload: for each encoder layer: window_from u64 | FP8 codes (W*D B) | UE8M0 scales (W*D/32 B);
+    for each encoder kv source with ratio > 1: carry kv and carry score (2 * m*D fp32);
+    then enc_from u64 | encoder-output lanes (W*hc*dim bf16) | pending pre-mix (W*hc fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+
+import torch
+
+from kernels import dequantize_fp4_e4m3, dequantize_fp8_ue8m0, dequantize_mxfp4
+from model.checkpoint import weights_fingerprint
+from model.errors import CacheFormatError
+from model.state import ModelState, SourceCache
+from model.transformer import Transformer
+
+CACHE_FORMAT_VERSION = 1
+GLOBAL_MAGIC = b"KVRG"
+WINDOWS_MAGIC = b"KVRW"
+_HEADER = struct.Struct("<4sHH32sQQQ16s")
+HEADER_BYTES = _HEADER.size
+
+
+def model_fingerprint(model: Transformer, numerics: str = "torch-cpu-bf16") -> bytes:
+    """32-byte digest of the config, the weights, the cache format version and the numerics profile.
+
+    Args:
+        numerics: compute profile label (dtype, device class); caches from another profile are misses.
+    """
+    h = hashlib.sha256(b"kvresume.model_fingerprint.v1\0")
+    h.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    h.update(weights_fingerprint(model.state_dict()).encode())
+    h.update(f"\0format={CACHE_FORMAT_VERSION}\0numerics={numerics}".encode())
+    return h.digest()
+
+
+def _pack(magic: bytes, fingerprint: bytes, a: int, b: int, payload: bytes) -> bytes:
+    if len(fingerprint) != 32:
+        raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
+    digest = hashlib.sha256(payload).digest()[:16]
+    return _HEADER.pack(magic, CACHE_FORMAT_VERSION, 0, fingerprint, a, b, len(payload), digest) + payload
+
+
+def _unpack(blob: bytes, magic: bytes, fingerprint: bytes) -> tuple[int, int, memoryview]:
+    if len(blob) < HEADER_BYTES:
+        raise CacheFormatError(f"cache blob truncated: {len(blob)} bytes, header needs {HEADER_BYTES}")
+    got_magic, version, _, fp, a, b, length, digest = _HEADER.unpack_from(blob)
+    if got_magic != magic:
+        raise CacheFormatError(f"cache blob magic {got_magic!r}, expected {magic!r}")
+    if version != CACHE_FORMAT_VERSION:
+        raise CacheFormatError(f"cache format version {version}, this model reads {CACHE_FORMAT_VERSION}")
+    if fp != fingerprint:
+        raise CacheFormatError("cache blob was written by another model fingerprint")
+    payload = memoryview(blob)[HEADER_BYTES:]
+    if len(payload) != length:
+        raise CacheFormatError(f"cache payload is {len(payload)} bytes, header says {length}")
+    if hashlib.sha256(payload).digest()[:16] != digest:
+        raise CacheFormatError("cache payload checksum mismatch")
+    return a, b, payload
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _take(payload: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    raw = torch.frombuffer(bytearray(payload[offset : offset + n]), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape), offset + n
+
+
+def export_global(state: ModelState, start: int, end: int, *, fingerprint: bytes, row: int = 0) -> bytes:
+    """Global KV of positions [start, end) of batch row `row`, as stored (no re-quantization).
+
+    Entries of source m are [start // m, end // m); a chunk that ends inside an open group leaves that
+    group to the next chunk.
+
+    Raises:
+        ValueError: a range outside [0, n_tokens] or start not a multiple of every ratio.
+    """
+    if not 0 <= start <= end <= state.n_tokens:
+        raise ValueError(f"range [{start}, {end}) must lie in [0, n_tokens={state.n_tokens}]")
+    parts = []
+    for layer in sorted(state.sources):
+        src = state.sources[layer]
+        if start % src.ratio:
+            raise ValueError(f"start {start} is not a multiple of layer {layer}'s ratio {src.ratio}")
+        sl = slice(start // src.ratio, end // src.ratio)
+        fields = [src.kv_packed, src.kv_scales, src.index_packed, src.index_scales]
+        entry = torch.cat([f[row, sl] for f in fields], dim=-1)  # [n, D/2 + D/16 + D_I/2 + D_I/32] uint8
+        parts.append(_bytes(entry))
+    return _pack(GLOBAL_MAGIC, fingerprint, start, end, b"".join(parts))
+
+
+def import_global(state: ModelState, blob: bytes, *, fingerprint: bytes) -> int:
+    """Append a global chunk to a batch-1 state whose global KV ends exactly at the chunk's start.
+
+    Only global KV changes (tokens, windows and carries are the caller's: see `state_from_global`).
+
+    Returns:
+        the chunk's end position.
+
+    Raises:
+        CacheFormatError: corrupt, foreign or non-contiguous chunk.
+    """
+    start, end, payload = _unpack(blob, GLOBAL_MAGIC, fingerprint)
+    offset = 0
+    updates = {}
+    for layer in sorted(state.sources):
+        src = state.sources[layer]
+        m = src.ratio
+        if start % m or src.n_entries != start // m:
+            raise CacheFormatError(
+                f"chunk starts at {start} but layer {layer} holds {src.n_entries} entries of ratio {m}"
+            )
+        n = end // m - start // m
+        d2, d16 = src.kv_packed.size(-1), src.kv_scales.size(-1)
+        i2, i32 = src.index_packed.size(-1), src.index_scales.size(-1)
+        width = d2 + d16 + i2 + i32
+        if offset + n * width > len(payload):
+            raise CacheFormatError(f"chunk payload too short for layer {layer}")
+        entry, offset = _take(payload, offset, n * width, torch.uint8, (1, n, width))
+        entry = entry.to(src.kv.device)
+        kv_p, kv_s, ix_p, ix_s = entry.split([d2, d16, i2, i32], dim=-1)
+        kv_e4m3 = kv_s.contiguous().view(torch.float8_e4m3fn)
+        kv = dequantize_fp4_e4m3(kv_p.contiguous(), kv_e4m3, torch.bfloat16)
+        ix = dequantize_mxfp4(ix_p.contiguous(), ix_s.contiguous(), torch.bfloat16)
+        updates[layer] = SourceCache(
+            ratio=m,
+            kv=torch.cat([src.kv, kv], 1),
+            index_k=torch.cat([src.index_k, ix], 1),
+            kv_packed=torch.cat([src.kv_packed, kv_p], 1),
+            kv_scales=torch.cat([src.kv_scales, kv_s], 1),
+            index_packed=torch.cat([src.index_packed, ix_p], 1),
+            index_scales=torch.cat([src.index_scales, ix_s], 1),
+            carry_kv=src.carry_kv,
+            carry_score=src.carry_score,
+        )
+    if offset != len(payload):
+        raise CacheFormatError(f"chunk payload has {len(payload) - offset} trailing bytes")
+    state.sources.update(updates)
+    return end
+
+
+def state_from_global(
+    model: Transformer, tokens: torch.Tensor, blobs: list[bytes], *, fingerprint: bytes
+) -> ModelState:
+    """A batch-1 state holding the global KV of `tokens` from consecutive chunks, windows absent.
+
+    The next `prefill` then replays the encoder over the last W stored tokens (bounded replay).
+
+    Args:
+        tokens: [1, P] int64 token history the chunks were computed from.
+
+    Raises:
+        CacheFormatError: a corrupt or foreign chunk, a gap, or chunks that do not end at P.
+    """
+    state = model.new_state(1, device=tokens.device)
+    end = 0
+    for blob in blobs:
+        end = import_global(state, blob, fingerprint=fingerprint)
+    if end != tokens.size(1):
+        raise CacheFormatError(f"chunks end at position {end} but the history has {tokens.size(1)} tokens")
+    state.tokens = tokens.clone()
+    layers = range(model.cfg.n_layers)
+    state.drop_windows(layers)
+    state.drop_encoder_rows()
+    return state
+
+
+def _encoder_layers(model: Transformer) -> range:
+    return range(model.split if model.split is not None else model.cfg.n_layers)
+
+
+def export_windows(model: Transformer, state: ModelState, *, fingerprint: bytes, row: int = 0) -> bytes:
+    """The encoder pool entry of batch row `row`: encoder window rings (FP8 codes and scales as stored),
+    open-group carries of encoder kv sources, and the encoder-output rows of the last W positions."""
+    parts = []
+    for i in _encoder_layers(model):
+        parts.append(struct.pack("<Q", state.window_from[i]))
+        parts.append(_bytes(state.window_codes[i][row]) + _bytes(state.window_scales[i][row]))
+    for layer in sorted(state.sources):
+        src = state.sources[layer]
+        if layer in _encoder_layers(model) and src.carry_kv is not None and src.carry_score is not None:
+            parts.append(_bytes(src.carry_kv[row]) + _bytes(src.carry_score[row]))
+    assert state.enc_lanes is not None and state.enc_pre is not None
+    parts.append(struct.pack("<Q", state.enc_from))
+    parts.append(_bytes(state.enc_lanes[row]) + _bytes(state.enc_pre[row]))
+    return _pack(WINDOWS_MAGIC, fingerprint, state.n_tokens, 0, b"".join(parts))
+
+
+def import_windows(model: Transformer, state: ModelState, blob: bytes, *, fingerprint: bytes) -> None:
+    """Restore the encoder pool entry into a batch-1 state at the same position (after `state_from_global`).
+
+    Raises:
+        CacheFormatError: corrupt or foreign blob, or a pool entry for another position.
+    """
+    n_tokens, _, payload = _unpack(blob, WINDOWS_MAGIC, fingerprint)
+    if n_tokens != state.n_tokens:
+        raise CacheFormatError(f"window entry is for position {n_tokens}, the state is at {state.n_tokens}")
+    cfg = model.cfg
+    w, d, dev = cfg.window_size, cfg.head_dim, state.device
+    offset = 0
+    try:
+        for i in _encoder_layers(model):
+            (state.window_from[i],) = struct.unpack_from("<Q", payload, offset)
+            codes, offset = _take(payload, offset + 8, w * d, torch.float8_e4m3fn, (1, w, d))
+            scales, offset = _take(payload, offset, w * d // 32, torch.uint8, (1, w, d // 32))
+            state.window_codes[i], state.window_scales[i] = codes.to(dev), scales.to(dev)
+            state.windows[i] = dequantize_fp8_ue8m0(codes, scales, torch.bfloat16).to(dev)
+        for layer in sorted(state.sources):
+            src = state.sources[layer]
+            if layer in _encoder_layers(model) and src.carry_kv is not None:
+                shape = tuple(src.carry_kv.shape[1:])
+                n = 4 * shape[0] * shape[1]
+                kv, offset = _take(payload, offset, n, torch.float32, (1, *shape))
+                score, offset = _take(payload, offset, n, torch.float32, (1, *shape))
+                carry = {"carry_kv": kv.to(dev), "carry_score": score.to(dev)}
+                state.sources[layer] = dataclasses.replace(src, **carry)
+        (state.enc_from,) = struct.unpack_from("<Q", payload, offset)
+        hc, dim = cfg.hc_mult, cfg.dim
+        lanes, offset = _take(payload, offset + 8, 2 * w * hc * dim, torch.bfloat16, (1, w, hc, dim))
+        pre, offset = _take(payload, offset, 4 * w * hc, torch.float32, (1, w, hc))
+    except (struct.error, RuntimeError) as exc:
+        raise CacheFormatError(f"window entry payload does not fit this model: {exc}") from exc
+    if offset != len(payload):
+        raise CacheFormatError(f"window entry has {len(payload) - offset} trailing bytes")
+    state.enc_lanes, state.enc_pre = lanes.to(dev), pre.to(dev)
