@@ -34,6 +34,7 @@ __all__ = ["SessionsServicer", "servicer_class"]
 
 log = structlog.get_logger(__name__)
 _DEFAULT_PAGE = 50
+_NO_DEADLINE_S = 1e9
 _MAX_PAGE = 1000
 
 
@@ -203,7 +204,7 @@ class SessionsServicer:
         log.info("turn_abort_requested", session_id=request.session_id, aborted=aborted)
         return self._pb.AbortResponse(aborted=aborted)
 
-    def _turn_input(self, request: Any, tenant_id: str) -> TurnInput:
+    def _turn_input(self, request: Any, tenant_id: str, remaining_s: float | None = None) -> TurnInput:
         settings = self._ctx.settings
         which = request.WhichOneof("input")
         tokens = tuple(request.tokens.ids) if which == "tokens" else None
@@ -239,12 +240,15 @@ class SessionsServicer:
             text=text,
             generation=spec,
             model=request.model or None,
+            deadline_monotonic=None if remaining_s is None else time.monotonic() + remaining_s,
         )
 
     @stream_errors
     def Turn(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         caller = self._ctx.auth.tenant(context)
-        turn = self._turn_input(request, caller.tenant_id)
+        remaining = context.time_remaining()
+        # Without a client deadline gRPC reports a practically infinite remaining time.
+        turn = self._turn_input(request, caller.tenant_id, remaining if remaining < _NO_DEADLINE_S else None)
         with self._ctx.sessions() as s:
             row = self._get_owned(s, request.session_id, caller.tenant_id)
             if row.status != SessionStatus.OPEN:

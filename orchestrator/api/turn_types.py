@@ -59,6 +59,8 @@ class TurnInput:
     text: str | None
     generation: GenerationSpec
     model: str | None = None
+    # time.monotonic() value of the caller's deadline (None: none); past it the engine raises DeadlineError.
+    deadline_monotonic: float | None = None
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.text is None):

@@ -8,6 +8,7 @@ streaming, validation, cancellation, metrics and canonical log line, not the mod
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -43,6 +44,7 @@ class EchoTurnEngine:
         self.block = threading.Event()
 
     def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator:
+        self.last_turn = turn
         tokens = list(turn.tokens or turn.text.encode())
         with self._ctx.sessions() as s, s.begin():
             row = SessionRepository(s).get(turn.session_id, tenant_id=turn.tenant_id)
@@ -252,7 +254,9 @@ def test_turn_streams_plan_then_tokens_then_stats(service, engine) -> None:
         generation=pb.sessions.GenerationParams(max_new_tokens=3),
     )
     with capture_logs() as logs:
-        events = list(stub.Turn(req, metadata=bearer("tok-initech")))
+        events = list(stub.Turn(req, metadata=bearer("tok-initech"), timeout=60))
+    # The deadline travels as wall time; allow a second of skew against this process's clocks.
+    assert 0 < engine.last_turn.deadline_monotonic - time.monotonic() <= 61
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds == ["plan", "tokens", "tokens", "stats"]
     plan = events[0].plan
@@ -281,6 +285,7 @@ def test_turn_streams_plan_then_tokens_then_stats(service, engine) -> None:
     second = list(
         stub.Turn(pb.sessions.TurnRequest(session_id=sid, text="ab"), metadata=bearer("tok-initech"))
     )
+    assert engine.last_turn.deadline_monotonic is None and engine.last_turn.text == "ab"
     assert second[0].plan.reason == "nothing usable stored: store not wired in this test"
     assert second[0].plan.turn_index == 1 and second[0].plan.counts.prefilled == 8
 
