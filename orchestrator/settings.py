@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class Settings:
     metrics_port: int = 9090
     metrics_enabled: bool = True
     region: str = "local"
+    # This node's name in the registry (which store holds a session's cache); empty: the host name.
+    node_name: str = ""
     tenant_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     admin_token: str = field(default="", repr=False)
     tls_cert_file: Path | None = None
@@ -109,6 +112,10 @@ class Settings:
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'registry.sqlite3').resolve()}"
+
+    @property
+    def resolved_node_name(self) -> str:
+        return self.node_name or socket.gethostname()
 
     @property
     def tls_enabled(self) -> bool:

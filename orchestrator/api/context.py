@@ -5,7 +5,6 @@ Built once per server by `build_context`; knows nothing of gRPC's server object.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,7 +95,7 @@ def build_context(
         stubs=stubs,
         convert=Converter(stubs),
         purger=Purger(serializable, audit, store),
-        node=socket.gethostname(),
+        node=settings.resolved_node_name,
         turn_handler=turn_handler,
         pool_stats=pool_stats,
     )
