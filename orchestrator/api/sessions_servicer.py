@@ -266,6 +266,9 @@ class SessionsServicer:
         generated = 0
         try:
             for event in handler.run_turn(turn, handle):
+                # The stream contract (plan first, stats last) is what callers parse; enforce it here.
+                if (plan_event is None) != isinstance(event, PlanEvent) or stats is not None:
+                    raise RuntimeError(f"turn engine broke the event order with {type(event).__name__}")
                 if isinstance(event, PlanEvent):
                     plan_event = event
                     structlog.contextvars.bind_contextvars(turn_id=event.turn_index)
@@ -277,7 +280,8 @@ class SessionsServicer:
             if handle.cancelled:
                 raise CancelledError(f"turn aborted: {handle.reason}")
             outcome = "done"
-        except CancelledError:
+        except (CancelledError, GeneratorExit):
+            # GeneratorExit: the client went away mid-stream (gRPC closes the generator).
             outcome = "aborted"
             raise
         finally:

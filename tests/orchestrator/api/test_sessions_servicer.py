@@ -402,3 +402,23 @@ def test_sessions_lifecycle_on_postgres(tmp_path, postgres_url) -> None:
     finally:
         running.stop(grace_s=None)
         ctx.close()
+
+
+def test_turn_engine_that_skips_the_plan_is_an_internal_error(service) -> None:
+    class NoPlan:
+        def run_turn(self, turn, handle):
+            yield TokenChunkEvent(ids=(1,))
+
+    pb = service.pb
+    sid = _create(service, "tok-initech").session.session_id
+    service.ctx.turn_handler = NoPlan()
+    try:
+        code = _code(
+            service.sessions().Turn,
+            pb.sessions.TurnRequest(session_id=sid, text="x"),
+            metadata=bearer("tok-initech"),
+        )
+    finally:
+        service.ctx.turn_handler = None
+    assert code == grpc.StatusCode.INTERNAL
+    assert len(service.ctx.running) == 0
