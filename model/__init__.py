@@ -36,11 +36,14 @@ from model.kv_bytes import (
     window_kv_entry_bytes,
 )
 from model.presets import PRESET_NAMES, load_preset
+from model.rope import apply_rope, rope_table
 from model.state import ModelState, SourceCache
 from model.transformer import PassOutput, PassStats, Transformer
 from model.weights import init_random, load_model, save_plain
 
 __all__ = [
+    "apply_rope",
+    "rope_table",
     "CACHE_FORMAT_VERSION",
     "CacheFormatError",
     "export_global",
