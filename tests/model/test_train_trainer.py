@@ -1,0 +1,133 @@
+"""Training pass against the model's own forward (its slow twin); the trainer's steps, resume and export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from model import Transformer, init_random, load_model, prefill
+from model.train import TrainStream
+from model.train.family import SIBLING_NAMES, sibling_config
+from model.train.tokenizer import ByteTokenizer
+from model.train.train_pass import PassMode, head_logits, train_pass
+from model.train.trainer import Trainer, TrainSpec, default_mixture, export_checkpoint, phase_at
+
+
+def _capture(model: Transformer) -> tuple[dict[str, list[torch.Tensor]], list]:
+    """Record every layer's attention input (attn_norm output) and attention output (wo_b output)."""
+    rec: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for i, blk in enumerate(model.layers):
+        for name, mod in ((f"in{i}", blk.attn_norm), (f"out{i}", blk.attn.wo_b)):
+            handles.append(mod.register_forward_hook(
+                lambda _m, _i, out, name=name: rec.setdefault(name, []).append(out.detach().clone())
+            ))
+    return rec, handles
+
+
+@pytest.mark.parametrize("name", SIBLING_NAMES)
+@pytest.mark.parametrize("t", [13, 70])
+def test_train_pass_attention_matches_model_per_layer(name: str, t: int) -> None:
+    """Each layer's dense training attention, fed the model's own layer input, equals `Transformer.run`
+    (reference mode, sparse top-k, cache QDQ on) up to the sparse kernel's bf16 rounding."""
+    from model.train.train_pass import _attention
+
+    torch.manual_seed(t)
+    model = init_random(Transformer(sibling_config(name)), seed=t)
+    tokens = torch.randint(16, model.cfg.vocab_size, (2, t))
+    rec, handles = _capture(model)
+    model.run(tokens, model.new_state(2), start=0)
+    for h in handles:
+        h.remove()
+    shared: dict = {"sources": {}}
+    mode = PassMode(sparse=True, qdq=True, distill=False)
+    with torch.no_grad():
+        for i in range(model.cfg.n_layers):
+            got = _attention(model, i, rec[f"in{i}"][0], shared, mode, [], {})
+            want = rec[f"out{i}"][0]
+            diff = (got.float() - want.float()).abs().max().item()
+            scale = want.float().abs().max().item()
+            assert diff <= 0.03 * scale, f"layer {i}: max diff {diff} vs max {scale}"
+
+
+def test_train_pass_dense_equals_sparse_when_topk_covers_everything() -> None:
+    """With fewer entries than index_topk the top-k keeps every visible entry: dense == sparse exactly."""
+    model = init_random(Transformer(sibling_config("v41-sib-s")), seed=1).float()
+    tokens = torch.randint(16, 4096, (1, 15))
+    with torch.no_grad():
+        dense = train_pass(model, tokens, PassMode(sparse=False)).hidden
+        sparse = train_pass(model, tokens, PassMode(sparse=True)).hidden
+    torch.testing.assert_close(dense, sparse, rtol=0, atol=0)
+
+
+def test_train_pass_gradients_reach_every_trained_group() -> None:
+    """The LM loss reaches every main-path parameter; the distillation KL reaches the indexers only."""
+    model = init_random(Transformer(sibling_config("v41-sib-s")), seed=2).float()
+    tokens = torch.randint(16, 4096, (2, 48))
+    out = train_pass(model, tokens, PassMode(sparse=False, qdq=True))
+    ce = torch.nn.functional.cross_entropy(head_logits(model, out.hidden[:, :-1]).flatten(0, 1),
+                                           tokens[:, 1:].flatten())
+    ce.backward(retain_graph=True)
+    missing = [n for n, p in model.named_parameters() if p.grad is None and ".indexer." not in n
+               and not n.endswith("gate.bias")]
+    assert not missing, f"no LM gradient: {missing}"
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
+    model.zero_grad(set_to_none=True)
+    out.distill.backward()
+    got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got and all(".indexer." in n for n in got), sorted(got)
+    assert any("indexer.wk" in n for n in got) and any("weights_proj" in n for n in got)
+
+
+def _stream(spec: TrainSpec) -> TrainStream:
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(0)
+    corpus = rng.integers(tok.specials.count, 256, size=5000)
+    return TrainStream(spec.mixture, tok, corpus, [])
+
+
+def _spec(steps: int = 4) -> TrainSpec:
+    mix = default_mixture(batch_size=2, seq_len=96)
+    return TrainSpec(model="v41-sib-s", steps=steps, mixture=mix, warmup=1, sparse_from=0.5, qdq_from=0.75,
+                     log_every=1, save_every=2)
+
+
+def test_trainer_resume_continues_bit_identically(tmp_path) -> None:
+    """Two steps, save, resume in a fresh Trainer, two more == four steps in one go; export loads."""
+    spec = _spec()
+    torch.set_num_threads(2)
+    straight = Trainer(spec, tmp_path / "a", stream=_stream(spec))
+    straight.run()
+    first = Trainer(spec, tmp_path / "b", stream=_stream(spec))
+    first.run(until=2)
+    second = Trainer(spec, tmp_path / "b", stream=_stream(spec))
+    assert second.step == 2
+    second.run()
+    want, got = straight.model.state_dict(), second.model.state_dict()
+    for n, a in want.items():
+        torch.testing.assert_close(a, got[n], rtol=0, atol=0, msg=n)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    phases = [r["phase"] for r in lines if r["event"] == "train_step"]
+    assert phases == ["dense", "dense", "sparse", "sparse_qdq"]
+    out = export_checkpoint(second, tmp_path / "ckpt")
+    model = load_model(out)
+    assert next(model.embed.parameters()).dtype == torch.bfloat16
+    logits = prefill(model, torch.randint(16, 4096, (1, 40)), mode="ced").logits
+    assert logits is not None and torch.isfinite(logits).all()
+
+
+def test_train_spec_schedule() -> None:
+    spec = TrainSpec(model="v41-sib-s", steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    assert spec.lr_at(0) == pytest.approx(1e-4)
+    assert spec.lr_at(9) == pytest.approx(1e-3)
+    assert spec.lr_at(100) == pytest.approx(1e-4)
+    phases = [phase_at(spec, s)[0] for s in (0, 59, 60, 84, 85)]
+    assert phases == ["dense"] * 2 + ["sparse"] * 2 + ["sparse_qdq"]
+    assert TrainSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="sparse_from"):
+        TrainSpec(model="v41-sib-s", steps=10, sparse_from=0.9, qdq_from=0.5)
+    with pytest.raises(ValueError, match="unknown sibling"):
+        TrainSpec(model="nope", steps=10)
