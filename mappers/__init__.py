@@ -1,5 +1,41 @@
-"""Cross-model KV mappers: fit, evaluate and apply closed-form ridge maps between sibling models."""
+"""Cross-model KV mappers: fit, evaluate and apply closed-form ridge maps between sibling models.
 
-from mappers.errors import MapperError
+Knows nothing of storage, SQL or gRPC: it reads model caches (through model/'s public API) and writes
+artifacts (safetensors arrays + JSON). See mappers/README.md for the procedure and the ridge closed form.
+"""
 
-__all__ = ["MapperError"]
+from mappers.apply import Applicability, MappedGlobal, applicability, apply_mapper, map_sources
+from mappers.artifact import (
+    MAPPER_FORMAT,
+    GateSpec,
+    KVMapper,
+    LayerMap,
+    ModelRef,
+    PartMap,
+    load_mapper,
+    read_metadata,
+    save_mapper,
+)
+from mappers.errors import FitError, MapperError, MapperMismatch
+from mappers.identity import identity_mapper
+
+__all__ = [
+    "MAPPER_FORMAT",
+    "Applicability",
+    "FitError",
+    "GateSpec",
+    "KVMapper",
+    "LayerMap",
+    "MappedGlobal",
+    "MapperError",
+    "MapperMismatch",
+    "ModelRef",
+    "PartMap",
+    "applicability",
+    "apply_mapper",
+    "identity_mapper",
+    "load_mapper",
+    "map_sources",
+    "read_metadata",
+    "save_mapper",
+]

@@ -1,0 +1,258 @@
+"""Applying a mapper: the sender's stored global KV becomes the receiver's, in the receiver's packed format
+(FP4 E2M1 + E4M3/16 main KV, MXFP4 index K), as `model.import_global` chunks carrying the receiver's
+fingerprint. Knows nothing of storage or turn policy: windows and open compression groups are rebuilt
+by the receiver's bounded replay after `model.state_from_global`.
+
+Per receiver source r of ratio m and part (main KV, index K), for entries j in [0, P // m):
+    X = concat_s strip_rope_sender(dequant(sender_s[j]), j*m)      [n, k*D_in] fp32
+    Y = X @ coefᵀ + intercept                                        [n, D_out] fp32
+    receiver_r[j] = quantize(add_rope_receiver(Y, j*m))
+An identity part under equal RoPE tables is the exact composition strip∘id∘add = id, and FP4 re-quantization
+is not idempotent on codes (a dequantized group whose largest code is below 6 re-quantizes to another scale
+and other codes), so those parts copy the stored codes and scales instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import dequantize_fp4_e4m3, dequantize_mxfp4, quantize_fp4_e4m3, quantize_mxfp4
+from mappers.artifact import KVMapper, PartMap
+from mappers.errors import MapperMismatch
+from mappers.geometry import add_rope, entry_rotations, rope_spec, strip_rope
+from model import ModelConfig, ModelState, SourceCache, export_global, import_global
+
+
+@dataclass(frozen=True, kw_only=True)
+class Applicability:
+    """Whether a mapper may serve a swap from one checkpoint to another, and why not."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MappedGlobal:
+    """The receiver's global KV of positions [0, n_tokens).
+
+    Attributes:
+        blobs: consecutive `model.import_global` chunks with the receiver's fingerprint.
+        bounds: (start, end) positions of each blob.
+        copied_parts: (receiver layer, part) pairs whose codes were copied (exact identity).
+    """
+
+    blobs: tuple[bytes, ...]
+    bounds: tuple[tuple[int, int], ...]
+    n_tokens: int
+    copied_parts: tuple[tuple[int, str], ...]
+
+
+def applicability(
+    mapper: KVMapper, *, sender_fingerprint: bytes, receiver_fingerprint: bytes, require_gate: bool = True
+) -> Applicability:
+    """Whether `mapper` maps caches of `sender_fingerprint` into `receiver_fingerprint` (an expected miss
+    is a value, not an exception): fingerprints must match where the mapper records them, and the mapper
+    must have passed its gate unless `require_gate` is False."""
+    for side, fp in (("sender", sender_fingerprint), ("receiver", receiver_fingerprint)):
+        want = getattr(mapper, side).fingerprint
+        if want is not None and want != fp.hex():
+            return Applicability(ok=False, reason=f"{side}_fingerprint_mismatch")
+    if require_gate and not mapper.passed_gate:
+        return Applicability(ok=False, reason="gate_not_passed")
+    return Applicability(ok=True, reason="ok")
+
+
+_PART_FIELDS = {"kv": ("kv", "kv_packed", "kv_scales"), "index": ("index_k", "index_packed", "index_scales")}
+
+
+def _part_fields(src: SourceCache, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dequantized view, codes, scales) of one part."""
+    if part == "kv":
+        return src.kv, src.kv_packed, src.kv_scales
+    return src.index_k, src.index_packed, src.index_scales
+
+
+def _quantize(part: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [B, n, D] -> (bf16 dequantized view, packed codes uint8, scale bytes uint8)."""
+    if part == "kv":
+        packed, scales = quantize_fp4_e4m3(y)
+        return dequantize_fp4_e4m3(packed, scales, torch.bfloat16), packed, scales.view(torch.uint8)
+    packed, scales = quantize_mxfp4(y)
+    return dequantize_mxfp4(packed, scales, torch.bfloat16), packed, scales
+
+
+def map_part_content(
+    mapper: KVMapper, receiver_layer: int, part: str, content: list[torch.Tensor]
+) -> torch.Tensor:
+    """The linear step in content space.
+
+    Args:
+        content: per sender layer of the part's `sender_layers`, fp32 [..., D_in] RoPE-stripped entries.
+
+    Returns:
+        fp32 [..., D_out] predicted receiver content.
+    """
+    pm = mapper.layer(receiver_layer).part(part)
+    x = torch.cat(content, dim=-1)  # [..., k*D_in]
+    if pm.kind == "identity":
+        return x
+    coef, intercept = mapper.weights(receiver_layer, part)
+    return x @ coef.to(x.device).T + intercept.to(x.device)  # [..., D_out]
+
+
+def map_sources(
+    mapper: KVMapper, sender_sources: dict[int, SourceCache], n_tokens: int
+) -> tuple[dict[int, SourceCache], list[tuple[int, str]]]:
+    """Map the global KV of positions [0, n_tokens) for every receiver kv source (any batch size B).
+
+    Args:
+        sender_sources: sender layer -> SourceCache holding at least n_tokens // ratio entries.
+
+    Returns:
+        receiver layer -> SourceCache ([B, n_tokens // ratio, ...], no carries), and the parts copied.
+    """
+    s_rope, r_rope = rope_spec(mapper.sender.config), rope_spec(mapper.receiver.config)
+    out: dict[int, SourceCache] = {}
+    copied: list[tuple[int, str]] = []
+    for lm in mapper.layers:
+        m = lm.ratio
+        n = n_tokens // m
+        fields: dict[str, torch.Tensor] = {}
+        for part in ("kv", "index"):
+            pm: PartMap = lm.part(part)
+            names = _PART_FIELDS[part]
+            if pm.kind == "identity" and s_rope == r_rope:
+                view, codes, scales = _part_fields(sender_sources[pm.sender_layers[0]], part)
+                fields.update(zip(names, (view[:, :n], codes[:, :n], scales[:, :n]), strict=True))
+                copied.append((lm.receiver_layer, part))
+                continue
+            first = _part_fields(sender_sources[pm.sender_layers[0]], part)[0]
+            s_rot = entry_rotations(s_rope, m, n, first.device)
+            r_rot = entry_rotations(r_rope, m, n, first.device)
+            content = [
+                strip_rope(_part_fields(sender_sources[s], part)[0][:, :n], s_rot, s_rope.rope_dim)
+                for s in pm.sender_layers
+            ]
+            y = map_part_content(mapper, lm.receiver_layer, part, content)
+            y = add_rope(y, r_rot, r_rope.rope_dim)
+            fields.update(zip(names, _quantize(part, y), strict=True))
+        out[lm.receiver_layer] = SourceCache(ratio=m, **fields)
+    return out, copied
+
+
+def _empty_sources(cfg: ModelConfig, device: torch.device | str) -> dict[int, SourceCache]:
+    """Batch-1 empty global KV of every kv source of `cfg` (what `import_global` appends to)."""
+    d, di = cfg.head_dim, cfg.index_head_dim
+
+    def empty(width: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(1, 0, width, dtype=dtype, device=device)
+
+    return {
+        s: SourceCache(
+            ratio=cfg.compress_ratios[s],
+            kv=empty(d, torch.bfloat16),
+            index_k=empty(di, torch.bfloat16),
+            kv_packed=empty(d // 2, torch.uint8),
+            kv_scales=empty(d // 16, torch.uint8),
+            index_packed=empty(di // 2, torch.uint8),
+            index_scales=empty(di // 32, torch.uint8),
+        )
+        for s in cfg.kv_source_layers
+    }
+
+
+def _globals_only_state(
+    sources: dict[int, SourceCache], n_tokens: int, device: torch.device | str
+) -> ModelState:
+    # export_global / import_global read only `sources` and the history length
+    return ModelState(
+        tokens=torch.zeros(1, n_tokens, dtype=torch.int64, device=device),
+        sources=sources,
+        windows=[],
+        window_codes=[],
+        window_scales=[],
+        window_from=[],
+    )
+
+
+def _read_blobs(
+    cfg: ModelConfig, blobs: Sequence[bytes], fingerprint: bytes, device: torch.device | str
+) -> tuple[ModelState, list[tuple[int, int]]]:
+    state = _globals_only_state(_empty_sources(cfg, device), 0, device)
+    bounds, end = [], 0
+    for blob in blobs:
+        start = end
+        end = import_global(state, blob, fingerprint=fingerprint)
+        bounds.append((start, end))
+    state.tokens = torch.zeros(1, end, dtype=torch.int64, device=device)
+    return state, bounds
+
+
+def _chunk_bounds(n_tokens: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    if chunk_tokens is None:
+        return [(0, n_tokens)]
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    return [(a, min(a + chunk_tokens, n_tokens)) for a in range(0, max(n_tokens, 1), chunk_tokens)]
+
+
+@torch.no_grad()
+def apply_mapper(
+    mapper: KVMapper,
+    sender: ModelState | Sequence[bytes],
+    *,
+    sender_fingerprint: bytes,
+    receiver_fingerprint: bytes,
+    chunk_tokens: int | None = None,
+    row: int = 0,
+    device: torch.device | str = "cpu",
+) -> MappedGlobal:
+    """Map the sender's global KV of its whole history into receiver chunks.
+
+    Args:
+        sender: a sender `ModelState` (batch row `row` is mapped) or its consecutive `export_global`
+            chunks from position 0.
+        sender_fingerprint: the fingerprint the sender chunks were written with.
+        receiver_fingerprint: the fingerprint the receiver chunks get.
+        chunk_tokens: chunk size of the output for a state input (one chunk when None); chunk blobs keep
+            the input chunk bounds. Chunk starts must be multiples of every ratio.
+        device: where the sender blobs are decoded and the maps run.
+
+    Returns:
+        MappedGlobal; `model.state_from_global(receiver, tokens, list(m.blobs), fingerprint=...)` then
+        a receiver `prefill` continues from it (with encoder bounded replay).
+
+    Raises:
+        MapperMismatch: a fingerprint differs from the one the mapper records (see `applicability`).
+        model.CacheFormatError: a corrupt, foreign or non-contiguous sender chunk.
+        ValueError: a bad chunk size or chunk start, or a row outside the state's batch.
+    """
+    for side, fp in (("sender", sender_fingerprint), ("receiver", receiver_fingerprint)):
+        want = getattr(mapper, side).fingerprint
+        if want is not None and want != fp.hex():
+            raise MapperMismatch(f"{side} fingerprint {fp.hex()[:16]}.. is not the mapper's {want[:16]}..")
+    if isinstance(sender, ModelState):
+        if not 0 <= row < sender.batch:
+            raise ValueError(f"row {row} is outside the state's batch of {sender.batch}")
+        n_tokens = sender.n_tokens
+        sources = {
+            layer: SourceCache(
+                ratio=src.ratio,
+                **{
+                    f: getattr(src, f)[row : row + 1].to(device)
+                    for f in ("kv", "index_k", "kv_packed", "kv_scales", "index_packed", "index_scales")
+                },
+            )
+            for layer, src in sender.sources.items()
+        }
+        bounds = _chunk_bounds(n_tokens, chunk_tokens)
+    else:
+        state, bounds = _read_blobs(mapper.sender.config, sender, sender_fingerprint, device)
+        n_tokens, sources = state.n_tokens, state.sources
+    mapped, copied = map_sources(mapper, sources, n_tokens)
+    out = _globals_only_state(mapped, n_tokens, device)
+    blobs = tuple(export_global(out, a, b, fingerprint=receiver_fingerprint) for a, b in bounds)
+    return MappedGlobal(blobs=blobs, bounds=tuple(bounds), n_tokens=n_tokens, copied_parts=tuple(copied))
