@@ -43,6 +43,8 @@ class AttnIO:
             [compress_start, ...); x itself when None.
         topk_ids / candidates: per-pass slots published by index sources / the candidate source.
         tie_break: kernels top-k rule.
+        backend: kernels backend of this pass's attention, indexer scores and KV formats ("torch" or
+            "triton"; see `Transformer(kernel_backend=...)`).
         stale_slot: index keys of the layer that last published some (conformance mode only; see
             `Transformer.run(reference_slots=...)`), or None for the correct per-source keys.
         published: set True when this layer appended index keys in this pass.
@@ -60,6 +62,7 @@ class AttnIO:
     compress_start: int = 0
     shared: dict[str, torch.Tensor | None] = field(default_factory=dict)
     tie_break: str = "reference"
+    backend: str = "torch"
     stale_slot: torch.Tensor | None = None
     published: bool = False
     new_window: torch.Tensor | None = None
@@ -155,14 +158,14 @@ class Attention(nn.Module):
             latent = out.latent
             if self.indexer is not None and self.indexer.owns_k:
                 io.published = True
-                keys, packed, scales = self.indexer.keys(latent, freqs)
+                keys, packed, scales = self.indexer.keys(latent, freqs, backend=io.backend)
                 new["index_k"] = torch.cat([src.index_k, keys[:, skip:]], dim=1)
                 new["index_packed"] = torch.cat([src.index_packed, packed[:, skip:]], dim=1)
                 new["index_scales"] = torch.cat([src.index_scales, scales[:, skip:]], dim=1)
             latent = apply_rope(latent, freqs, self.rope_dim)
             with torch.no_grad():
-                packed, scales = quantize_fp4_e4m3(latent.detach())
-            new["kv"] = torch.cat([src.kv, qdq_fp4_e4m3(latent)[:, skip:]], dim=1)
+                packed, scales = quantize_fp4_e4m3(latent.detach(), backend=io.backend)
+            new["kv"] = torch.cat([src.kv, qdq_fp4_e4m3(latent, backend=io.backend)[:, skip:]], dim=1)
             new["kv_packed"] = torch.cat([src.kv_packed, packed[:, skip:]], dim=1)
             new["kv_scales"] = torch.cat([src.kv_scales, scales.view(torch.uint8)[:, skip:]], dim=1)
         io.source = SourceCache(ratio=src.ratio, carry_kv=out.carry_kv, carry_score=out.carry_score, **new)
@@ -182,8 +185,9 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         kv = apply_rope(kv, freqs, self.rope_dim)
         with torch.no_grad():
-            codes, scales = quantize_fp8_ue8m0(kv.detach())  # [B, T, D] e4m3, [B, T, D/32] uint8
-        kv = qdq_fp8_ue8m0(kv)  # [B, T, D]
+            # codes [B, T, D] e4m3, scales [B, T, D/32] uint8
+            codes, scales = quantize_fp8_ue8m0(kv.detach(), backend=io.backend)
+        kv = qdq_fp8_ue8m0(kv, backend=io.backend)  # [B, T, D]
         eff_floor = max(io.floor, io.window_from)
         ids, uses_ring = window_ids(start, t, w, eff_floor, x.device)
         kv_all = torch.cat([io.window, kv], dim=1) if uses_ring else kv
@@ -228,6 +232,7 @@ class Attention(nn.Module):
                         block_size=self.candidate_block_size,
                         topk_blocks=self.candidate_topk_blocks,
                         tie_break=io.tie_break,
+                        backend=io.backend,
                     )
                     comp = torch.where(comp >= 0, comp + offset, -1).int()
                     if pool is not None:
@@ -238,7 +243,9 @@ class Attention(nn.Module):
             kv_all = torch.cat([kv_all, io.source.kv[:, :n_visible]], dim=1)
             ids = torch.cat([ids, comp], dim=-1)
 
-        o = sparse_attn(q, kv_all, self.attn_sink, ids, self.softmax_scale)  # [B, T, H, D]
+        o = sparse_attn(
+            q, kv_all, self.attn_sink, ids, self.softmax_scale, backend=io.backend
+        )  # [B, T, H, D]
         o = apply_rope(o, freqs, self.rope_dim, inverse=True)
         o = o.view(b, t, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

@@ -49,13 +49,14 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(index_head_dim, norm_eps)
 
     def keys(
-        self, latent: torch.Tensor, freqs: torch.Tensor
+        self, latent: torch.Tensor, freqs: torch.Tensor, *, backend: str = "torch"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Index keys of new entries.
 
         Args:
             latent: [B, G, D] bf16 pre-RoPE compressed latents.
             freqs: [G, rope_dim/2] complex64 rotations at the entries' positions j*m.
+            backend: kernels backend of the MXFP4 quantization ("torch" or "triton").
 
         Returns:
             keys [B, G, D_I] bf16 (RoPE'd, MXFP4-QDQ'd), and their stored form: E2M1 codes uint8
@@ -64,8 +65,8 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(latent))
         k = apply_rope(k, freqs, self.rope_dim)
         with torch.no_grad():
-            packed, scales = quantize_mxfp4(k.detach())
-        return qdq_mxfp4(k), packed, scales
+            packed, scales = quantize_mxfp4(k.detach(), backend=backend)
+        return qdq_mxfp4(k, backend=backend), packed, scales
 
     def select(
         self,
@@ -80,6 +81,7 @@ class Indexer(nn.Module):
         block_size: int,
         topk_blocks: int,
         tie_break: str,
+        backend: str = "torch",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Select entries for each query row.
 
@@ -91,6 +93,8 @@ class Indexer(nn.Module):
             candidate_source: publish the candidate pool (level 1) from these scores.
             candidates: [B, T, N] bool pool to restrict to (Reindex layers), or None.
             tie_break: "reference" or "deterministic" (kernels.select_topk).
+            backend: kernels backend of the MXFP4 QDQ and the scores ("torch" or "triton"); top-k selection
+                has only a torch implementation.
 
         Returns:
             ids [B, T, K] int32 ascending entry ids, -1 unused; the candidate pool [B, T, N] bool
@@ -98,9 +102,9 @@ class Indexer(nn.Module):
         """
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.index_head_dim))  # [B, T, H_I, D_I]
         q = apply_rope(q, freqs, self.rope_dim)
-        q = qdq_mxfp4(q)
+        q = qdq_mxfp4(q, backend=backend)
         weights = self.weights_proj(x) * (self.index_head_dim**-0.5 * self.n_heads**-0.5)  # [B, T, H_I]
-        scores = index_score(q, index_k, weights, visible=visible)  # [B, T, N] bf16
+        scores = index_score(q, index_k, weights, visible=visible, backend=backend)  # [B, T, N] bf16
         pool = None
         if candidate_source:
             pool = candidate_blocks(scores, visible, block_size, topk_blocks, tie_break=tie_break)

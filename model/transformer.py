@@ -10,6 +10,7 @@ compressor and index keys always cover every new row, so decoder global KV exist
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from model.mhc import collapse, identity_pre
 from model.norm import RMSNorm
 from model.rope import rope_table
 from model.state import ModelState, SourceCache
+
+KERNEL_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +59,19 @@ class PassOutput:
 class Transformer(nn.Module):
     """Model built from a `model.ModelConfig`; parameter names and dtypes follow the reference state_dict.
 
+    Args:
+        cfg: the config.
+        kernel_backend: "torch" (default; the bitwise reference ops, any device) or "triton" (the Triton
+            kernels of sparse attention, indexer scores and the KV formats' quantization, for CUDA
+            tensors; equal to "torch" up to summation order). Top-k selection and the linears always run
+            in torch. Chosen here, never at import; the device comes with the tensors of each pass.
+
     Raises:
         UnsupportedConfigError: the config enables Engram, MTP/DSpark or vision (not in v1).
+        ValueError: an unknown kernel_backend.
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, *, kernel_backend: str = "torch") -> None:
         super().__init__()
         unsupported = cfg.unsupported_features()
         if unsupported:
@@ -68,12 +79,24 @@ class Transformer(nn.Module):
                 f"this model does not implement: {', '.join(unsupported)}; disable them in the config"
             )
         self.cfg = cfg
+        self.kernel_backend = kernel_backend
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(Block(i, cfg) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         self.split = cfg.ced_split if cfg.supports_ced else None
         self._tables: dict[tuple[str, str], torch.Tensor] = {}
+
+    @property
+    def kernel_backend(self) -> str:
+        """Kernels backend of every later pass; assignable (e.g. after `load_model`), validated."""
+        return self._kernel_backend
+
+    @kernel_backend.setter
+    def kernel_backend(self, backend: str) -> None:
+        if backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+        self._kernel_backend = backend
 
     def rope_for(self, layer: int, n_positions: int, device: torch.device) -> torch.Tensor:
         """Rotation table of `layer` covering at least n_positions: [P, rope/2] complex64.
@@ -178,6 +201,7 @@ class Transformer(nn.Module):
             compress_start=compress_start,
             shared=shared,
             tie_break=tie_break,
+            backend=self.kernel_backend,
             stale_slot=stale,
         )
         h, pre = self.layers[i](h, pre, io, self.rope_for(i, end, h.device))
@@ -203,6 +227,7 @@ class Transformer(nn.Module):
             source=state.sources[i],
             compress_x=x,
             compress_start=start,
+            backend=self.kernel_backend,
         )
         self.layers[i].attn._write_global(io, x, self.rope_for(i, start + x.size(1), x.device))
         state.sources[i] = io.source
@@ -244,11 +269,13 @@ class Transformer(nn.Module):
             PassOutput; state is updated in place (its tensors are replaced, never mutated).
 
         Raises:
-            ValueError: rows that do not continue the state, or a dec_from the encoder ring cannot serve.
+            ValueError: rows that do not continue the state, a dec_from the encoder ring cannot serve, or
+                kernel_backend "triton" on tensors it cannot run on (CPU without TRITON_INTERPRET=1).
         """
         cfg = self.cfg
         if tokens.dim() != 2 or tokens.size(0) != state.batch:
             raise ValueError(f"tokens must be [B={state.batch}, T], got {tuple(tokens.shape)}")
+        self._check_backend_device(tokens.device)
         b, t = tokens.shape
         end = start + t
         if not 0 <= start <= state.n_tokens:
@@ -330,6 +357,19 @@ class Transformer(nn.Module):
             compressed_rows=compressed,
         )
         return PassOutput(logits=logits, state=state, stats=stats)
+
+    def _check_backend_device(self, device: torch.device) -> None:
+        if self.kernel_backend != "triton":
+            return
+        # the interpreter flag only counts if it was set before triton was imported; checking the
+        # environment here is the same rule the kernels apply
+        interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpreted:
+            raise ValueError(
+                f'kernel_backend="triton" runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1 set '
+                f'before triton is imported), got tensors on {device}; build the model with '
+                f'kernel_backend="torch" for this device'
+            )
 
     def _save_encoder_rows(self, state: ModelState, h: torch.Tensor, pre: torch.Tensor, start: int) -> None:
         """Keep the encoder output (lanes and pending pre-mix) of the last W new rows in the state's ring."""
