@@ -67,6 +67,12 @@ class Settings:
     retention_ceiling_s: float = 30 * 24 * 3600.0
     calibration_file: Path | None = None
     grpc_workers: int = 8
+    # Served models: name -> "checkpoint:<dir>" or "random:<preset | config.json>[@seed]"; empty: the
+    # sibling family (shipped checkpoints when present, else labelled random-init stand-ins).
+    served_models: Mapping[str, str] = field(default_factory=dict)
+    # Tokens per stored global-KV chunk (a multiple of every served model's compression ratios).
+    kv_chunk_tokens: int = 256
+    kv_capacity_bytes: int = 100 * 1024 * _MIB
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -82,6 +88,8 @@ class Settings:
             "max_sessions_per_tenant",
             "pool_budget_bytes",
             "grpc_workers",
+            "kv_chunk_tokens",
+            "kv_capacity_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -105,6 +113,7 @@ class Settings:
             raise ValueError("the admin token must differ from every tenant token")
         # A frozen dataclass may still hold a caller's mutable dict; copy it so nobody mutates ours.
         object.__setattr__(self, "tenant_tokens", dict(self.tenant_tokens))
+        object.__setattr__(self, "served_models", dict(self.served_models))
 
     @property
     def resolved_database_url(self) -> str:
@@ -138,6 +147,8 @@ _INT_FIELDS = {
     "max_sessions_per_tenant",
     "pool_budget_bytes",
     "grpc_workers",
+    "kv_chunk_tokens",
+    "kv_capacity_bytes",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}
@@ -158,11 +169,11 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         raise ValueError(f"setting {name}={value!r} must be a boolean")
-    if name == "tenant_tokens":
+    if name in ("tenant_tokens", "served_models"):
         if isinstance(value, str):
             return _parse_token_list(value)
         if not isinstance(value, Mapping):
-            raise ValueError(f"setting tenant_tokens must be a table of tenant = token, got {value!r}")
+            raise ValueError(f"setting {name} must be a table of name = value, got {value!r}")
         return {str(k): str(v) for k, v in value.items()}
     if not isinstance(value, str):
         raise ValueError(f"setting {name}={value!r} must be a string")

@@ -1,0 +1,51 @@
+"""The turn engine and the assembly of a serving node: served models, text codecs, global KV persistence,
+pool entries, sampling, the model-swap plug point.
+
+Knows nothing of protobuf: it implements `orchestrator.api.TurnHandler` over domain types.
+"""
+
+from orchestrator.engine.global_kv import PersistOutcome, StoredPrefix, chunk_ranges, read_prefix
+from orchestrator.engine.pool_entry import PoolEntry, history_digest, pack_pool_entry, unpack_pool_entry
+from orchestrator.engine.sampler import Sampler
+from orchestrator.engine.served_models import (
+    DEFAULT_SIBLINGS,
+    ModelRegistry,
+    ServedModel,
+    ServedModelSpec,
+    default_model_specs,
+    load_served,
+)
+from orchestrator.engine.service import NodeService, PurgeFanout, build_node
+from orchestrator.engine.swap import KVMapperApplier, MapperArtifact, NoMappers
+from orchestrator.engine.text_codec import BpeCodec, ByteCodec, TextCodec, choose_codec
+from orchestrator.engine.turn_engine import TurnEngine, actual_counts
+
+__all__ = [
+    "DEFAULT_SIBLINGS",
+    "BpeCodec",
+    "ByteCodec",
+    "KVMapperApplier",
+    "MapperArtifact",
+    "ModelRegistry",
+    "NoMappers",
+    "NodeService",
+    "PersistOutcome",
+    "PoolEntry",
+    "PurgeFanout",
+    "Sampler",
+    "ServedModel",
+    "ServedModelSpec",
+    "StoredPrefix",
+    "TextCodec",
+    "TurnEngine",
+    "actual_counts",
+    "build_node",
+    "choose_codec",
+    "chunk_ranges",
+    "default_model_specs",
+    "history_digest",
+    "load_served",
+    "pack_pool_entry",
+    "read_prefix",
+    "unpack_pool_entry",
+]

@@ -1,0 +1,229 @@
+"""A served model's global KV in the store, for one session: read the longest usable prefix into a model
+state, export and persist the history's chunks at turn end, and the registry rows that name them.
+
+Knows nothing of plans or gRPC. A stored chunk counts only when the store verifies it (checksum, tenant,
+fingerprint, retention), the registry still names it (purges commit in SQL first), and the model's
+cache format accepts it; the first chunk failing any of these ends the prefix (a miss, never a hit).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from model import CacheFormatError, ModelState, export_global, import_global
+from orchestrator.db import DurableSegment, SegmentRepository
+from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.engine.served_models import ServedModel
+from orchestrator.planner import CacheInventory
+from storage import GlobalKVStore, MissReason
+
+__all__ = ["StoredPrefix", "PersistOutcome", "read_prefix", "persist_chunks", "link_segments", "chunk_ranges"]
+
+
+@dataclass(kw_only=True)
+class StoredPrefix:
+    """The usable stored prefix [0, n_tokens) of a history for one model.
+
+    Attributes:
+        state: a batch-1 state holding the prefix's global KV, windows absent (None when n_tokens is 0).
+        blobs: the verified chunk payloads in order (what a mapper reads on a model swap).
+        miss_reason: why the prefix stops before the end of the history (None when it covers it all).
+    """
+
+    model: str
+    n_tokens: int
+    state: ModelState | None
+    blobs: list[bytes] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    miss_reason: str | None = None
+    lookup_result: str = "miss"
+
+    def inventory(self) -> CacheInventory:
+        return CacheInventory(model=self.model, valid_prefix=self.n_tokens, miss_reason=self.miss_reason)
+
+
+def _miss_text(reason: MissReason, at: int, detail: str) -> str:
+    if reason == MissReason.CORRUPT:
+        return f"stored chunk at token {at} failed verification ({detail})"
+    if reason == MissReason.EXPIRED:
+        return f"stored chunk at token {at} is past its retention"
+    return f"nothing stored from token {at}"
+
+
+def read_prefix(
+    store: GlobalKVStore,
+    registry_session: Session,
+    *,
+    tenant: str,
+    served: ServedModel,
+    history: Sequence[int],
+) -> StoredPrefix:
+    """Read, verify and import the longest usable stored prefix of `history` for `served`.
+
+    Args:
+        registry_session: a read session of the registry (for the segment rows that name the chunks).
+    """
+    name, fp = served.name, served.fingerprint_hex
+    if not history:
+        return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
+    found = store.lookup(tenant, fp, list(history))
+    if not found.spans:
+        miss = found.miss
+        assert miss is not None
+        why = _miss_text(miss.reason, miss.at_token, miss.detail)
+        return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=why)
+    keys = [s.address for s in found.spans]
+    named = set(
+        registry_session.scalars(
+            select(CacheSegment.store_key).where(
+                CacheSegment.store_key.in_(keys),
+                CacheSegment.tenant_id == tenant,
+                CacheSegment.fingerprint == fp,
+            )
+        )
+    )
+    verified = store.longest_valid_prefix(tenant, fp, list(history))
+    miss_reason = None
+    if verified.miss is not None:
+        miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)
+    state = served.model.new_state(1)
+    blobs: list[bytes] = []
+    ranges: list[tuple[int, int]] = []
+    by_range = {(s.start, s.end): s.address for s in found.spans}
+    for (start, end), payload in zip(verified.ranges, verified.payloads, strict=True):
+        if by_range.get((start, end)) not in named:
+            miss_reason = f"stored chunk at token {start} is not in the registry (purged)"
+            break
+        try:
+            import_global(state, payload, fingerprint=served.fingerprint)
+        except CacheFormatError as exc:
+            miss_reason = f"stored chunk at token {start} failed the cache format check ({exc})"
+            break
+        blobs.append(payload)
+        ranges.append((start, end))
+    n = ranges[-1][1] if ranges else 0
+    if n == 0:
+        return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=miss_reason or "nothing stored")
+    state.tokens = torch.tensor([list(history[:n])], dtype=torch.int64)
+    layers = range(served.model.cfg.n_layers)
+    state.drop_windows(layers)
+    state.drop_encoder_rows()
+    if miss_reason is not None and "failed" in miss_reason:
+        result = "corrupt"
+    else:
+        result = "hit" if n == len(history) else "partial"
+    return StoredPrefix(
+        model=name,
+        n_tokens=n,
+        state=state,
+        blobs=blobs,
+        ranges=ranges,
+        miss_reason=miss_reason,
+        lookup_result=result,
+    )
+
+
+def chunk_ranges(n_tokens: int, chunk_tokens: int, *, from_pos: int = 0) -> list[tuple[int, int]]:
+    """Store ranges covering [first chunk holding from_pos, n_tokens): full chunks, then one partial tail."""
+    start = from_pos - from_pos % chunk_tokens
+    out = []
+    while start < n_tokens:
+        out.append((start, min(start + chunk_tokens, n_tokens)))
+        start += chunk_tokens
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistOutcome:
+    persisted: bool
+    note: str
+    segments: tuple[DurableSegment, ...]
+    new_bytes: int = 0
+
+
+def persist_chunks(
+    store: GlobalKVStore,
+    *,
+    tenant: str,
+    session_id: str,
+    served: ServedModel,
+    history: Sequence[int],
+    state: ModelState,
+    already_stored: int,
+    retention_s: float,
+    node: str,
+    clock: Callable[[], float],
+) -> PersistOutcome:
+    """Export the chunks of `history` not yet stored for this session and write them durably.
+
+    Args:
+        history: the whole history after the turn ([1, n] tokens the state covers exactly).
+        already_stored: this session's stored prefix before the turn (full chunks below it are kept).
+
+    Returns:
+        The durable segments of the whole history to link in the registry, or why nothing was persisted.
+    """
+    n = len(history)
+    if state.n_tokens != n:
+        raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
+    size = store.config.chunk_tokens
+    fp = served.fingerprint_hex
+    ranges = chunk_ranges(n, size, from_pos=already_stored)
+    payloads = {r: export_global(state, r[0], r[1], fingerprint=served.fingerprint) for r in ranges}
+    put = store.put_chunks(tenant, session_id, fp, list(history), payloads)
+    if put.refusal is not None:
+        return PersistOutcome(persisted=False, note=f"not persisted: {put.refusal.message}", segments=())
+    spans = store.lookup(tenant, fp, list(history)).spans
+    sizes = {r: len(p) for r, p in payloads.items()}
+    expires = dt.datetime.fromtimestamp(clock() + retention_s, dt.UTC)
+    segments = tuple(
+        DurableSegment(
+            store_key=s.address,
+            tenant_id=tenant,
+            model=served.name,
+            fingerprint=fp,
+            start_pos=s.start,
+            end_pos=s.end,
+            nbytes=sizes.get((s.start, s.end), 0),
+            expires_at=expires,
+            node=node,
+            region=store.config.region,
+        )
+        for s in spans
+    )
+    return PersistOutcome(persisted=True, note="", segments=segments, new_bytes=put.new_bytes)
+
+
+def link_segments(s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
+    """Link the session to its current chunks of `fingerprint` and unlink the ones the store superseded
+    (a shorter tail), deleting rows no session links any more."""
+    repo = SegmentRepository(s)
+    keep = {repo.link(session_id, seg).id for seg in segments}
+    stale = list(
+        s.scalars(
+            select(SessionSegment.segment_id)
+            .join(CacheSegment, SessionSegment.segment_id == CacheSegment.id)
+            .where(SessionSegment.session_id == session_id, CacheSegment.fingerprint == fingerprint)
+        )
+    )
+    stale = [i for i in stale if i not in keep]
+    if not stale:
+        return
+    s.execute(
+        delete(SessionSegment).where(
+            SessionSegment.session_id == session_id, SessionSegment.segment_id.in_(stale)
+        )
+    )
+    still = set(s.scalars(select(SessionSegment.segment_id).where(SessionSegment.segment_id.in_(stale))))
+    for seg_id in stale:
+        if seg_id not in still:
+            row = s.get(CacheSegment, seg_id)
+            if row is not None:
+                s.delete(row)
+    s.flush()

@@ -1,0 +1,47 @@
+"""Next-token choice from logits: greedy at temperature 0, else temperature / top-k / top-p sampling
+with a per-turn seeded generator (the same seed and logits give the same tokens).
+
+Knows nothing of the model or the session.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orchestrator.api import GenerationSpec
+
+__all__ = ["Sampler"]
+
+
+class Sampler:
+    """Samples one token per call for one turn."""
+
+    def __init__(self, spec: GenerationSpec) -> None:
+        self._spec = spec
+        self._gen: torch.Generator | None = None
+        if spec.temperature > 0:
+            self._gen = torch.Generator()
+            if spec.seed is not None:
+                self._gen.manual_seed(spec.seed)
+            else:
+                self._gen.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [1, vocab] (or [vocab]) fp32 -> the chosen token id."""
+        row = logits.reshape(-1).float()
+        spec = self._spec
+        if self._gen is None:
+            return int(row.argmax())
+        row = row / spec.temperature
+        if spec.top_k > 0 and spec.top_k < row.numel():
+            kth = torch.topk(row, spec.top_k).values[-1]
+            row = row.masked_fill(row < kth, -torch.inf)
+        probs = torch.softmax(row, dim=-1)
+        if spec.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = sorted_p.cumsum(0) - sorted_p >= spec.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self._gen))

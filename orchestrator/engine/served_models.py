@@ -1,0 +1,209 @@
+"""The models this node serves: a name -> source table (a checkpoint directory, or a seeded random-init
+stand-in of a config), loaded lazily, each with its fingerprint, replay geometry, tokenizer and lock.
+
+Knows nothing of sessions or storage. Source strings (settings `served_models`, TOML or env):
+`checkpoint:<dir>` (config.json + model.safetensors) or `random:<preset name | config.json path>[@seed]`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from model import ModelConfig, Transformer, init_random, load_model, load_preset, model_fingerprint
+from orchestrator.engine.text_codec import TextCodec, choose_codec
+from orchestrator.planner import ModelGeometry
+
+__all__ = [
+    "DEFAULT_SIBLINGS",
+    "ServedModel",
+    "ServedModelSpec",
+    "ModelRegistry",
+    "default_model_specs",
+    "repo_root",
+]
+
+# The sibling family the training helper ships under checkpoints/<name>/; until a checkpoint exists the
+# name is served by a seeded random-init stand-in of the v41-tiny preset (seed = position + 1).
+DEFAULT_SIBLINGS: tuple[str, ...] = ("v41-sib-s", "v41-sib-l")
+STAND_IN_PRESET = "v41-tiny"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedModelSpec:
+    """Where one served model's weights come from.
+
+    Attributes:
+        name: the model name callers use (CreateSession.model, TurnRequest.model).
+        checkpoint: a directory with config.json and model.safetensors (real weights).
+        config: for a random-init stand-in: a preset name or a config.json path.
+        seed: the stand-in's init seed.
+    """
+
+    name: str
+    checkpoint: Path | None = None
+    config: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("served model name must be non-empty")
+        if (self.checkpoint is None) == (self.config is None):
+            raise ValueError(f"served model {self.name!r} needs exactly one of checkpoint or config")
+
+    @classmethod
+    def parse(cls, name: str, source: str) -> ServedModelSpec:
+        """`checkpoint:<dir>` or `random:<preset | config.json>[@seed]`.
+
+        Raises:
+            ValueError: another form.
+        """
+        kind, sep, rest = source.partition(":")
+        if sep and kind == "checkpoint" and rest:
+            return cls(name=name, checkpoint=Path(rest))
+        if sep and kind == "random" and rest:
+            config, at, seed = rest.rpartition("@") if "@" in rest else (rest, "", "0")
+            try:
+                return cls(name=name, config=config, seed=int(seed))
+            except ValueError as exc:
+                raise ValueError(f"served model {name!r}: bad seed in {source!r}") from exc
+        raise ValueError(
+            f"served model {name!r}: source {source!r} must be checkpoint:<dir> or random:<config>[@seed]"
+        )
+
+    @property
+    def source(self) -> str:
+        if self.checkpoint is not None:
+            return f"checkpoint:{self.checkpoint}"
+        return f"random:{self.config}@{self.seed}"
+
+    @property
+    def is_stand_in(self) -> bool:
+        return self.checkpoint is None
+
+
+def default_model_specs(root: Path | None = None) -> dict[str, ServedModelSpec]:
+    """The family siblings: shipped checkpoints when present, else labelled random-init stand-ins."""
+    base = (root or repo_root()) / "checkpoints"
+    specs = {}
+    for i, name in enumerate(DEFAULT_SIBLINGS):
+        ckpt = base / name
+        if (ckpt / "config.json").is_file():
+            specs[name] = ServedModelSpec(name=name, checkpoint=ckpt)
+        else:
+            specs[name] = ServedModelSpec(name=name, config=STAND_IN_PRESET, seed=i + 1)
+    return specs
+
+
+def _config_of(spec: ServedModelSpec) -> ModelConfig:
+    assert spec.config is not None
+    if spec.config.endswith(".json"):
+        return ModelConfig.from_json(spec.config)
+    return load_preset(spec.config)
+
+
+def _group(cfg: ModelConfig) -> int:
+    return math.lcm(*[r for r in cfg.compress_ratios[: cfg.n_layers] if r > 0] or [1])
+
+
+@dataclass(kw_only=True, eq=False)
+class ServedModel:
+    """A loaded model. `lock` serialises its forward passes (one pass at a time per model; sessions
+    interleave between passes). `fingerprint_hex` is the store's model id."""
+
+    spec: ServedModelSpec
+    model: Transformer
+    fingerprint: bytes
+    codec: TextCodec
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def fingerprint_hex(self) -> str:
+        return self.fingerprint.hex()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        cfg = self.model.cfg
+        return ModelGeometry(window=cfg.window_size, group=_group(cfg))
+
+
+def load_served(
+    spec: ServedModelSpec, *, device: str = "cpu", numerics: str = "torch-cpu-bf16"
+) -> ServedModel:
+    """Load weights (or init the stand-in), fingerprint them, and pick the tokenizer.
+
+    Raises:
+        FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
+    """
+    root = repo_root()
+    if spec.checkpoint is not None:
+        model = load_model(spec.checkpoint, device=device)
+        candidates = [
+            spec.checkpoint / "tokenizer.json",
+            root / "checkpoints" / "tokenizer" / "tokenizer.json",
+        ]
+    else:
+        model = init_random(Transformer(_config_of(spec)), seed=spec.seed).to(device)
+        candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
+    model.eval()
+    with torch.inference_mode():
+        fingerprint = model_fingerprint(model, numerics=numerics)
+    return ServedModel(
+        spec=spec, model=model, fingerprint=fingerprint, codec=choose_codec(model.cfg.vocab_size, candidates)
+    )
+
+
+class ModelRegistry:
+    """Served models by name, loaded on first use (thread-safe)."""
+
+    def __init__(self, specs: Mapping[str, ServedModelSpec], *, device: str = "cpu") -> None:
+        for name, spec in specs.items():
+            if name != spec.name:
+                raise ValueError(f"served model key {name!r} differs from its spec name {spec.name!r}")
+        self._specs = dict(specs)
+        self._device = device
+        self._loaded: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_sources(cls, sources: Mapping[str, str], *, device: str = "cpu") -> ModelRegistry:
+        """From settings' name -> source strings; empty: `default_model_specs()`."""
+        if not sources:
+            return cls(default_model_specs(), device=device)
+        return cls({n: ServedModelSpec.parse(n, s) for n, s in sources.items()}, device=device)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._specs)
+
+    def spec(self, name: str) -> ServedModelSpec | None:
+        return self._specs.get(name)
+
+    def get(self, name: str) -> ServedModel | None:
+        """The loaded model, or None when `name` is not served here."""
+        spec = self._specs.get(name)
+        if spec is None:
+            return None
+        with self._lock:
+            served = self._loaded.get(name)
+            if served is None:
+                served = load_served(spec, device=self._device)
+                self._loaded[name] = served
+            return served

@@ -1,0 +1,166 @@
+"""Assembly of one serving node: registry (SQL), global KV store (RocksDB) mirroring its audit records
+into the SQL log, window pool, served models, turn engine, and the start-up reconciliation.
+
+Knows nothing of the gRPC server object (`orchestrator.api.build_server` takes the context this builds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from model import ModelConfig, load_preset
+from orchestrator.api import PoolStats, ServiceContext, build_context
+from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes
+from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
+from orchestrator.engine.swap import KVMapperApplier
+from orchestrator.engine.turn_engine import TurnEngine
+from orchestrator.planner import CostTable
+from orchestrator.settings import Settings
+from storage import GlobalKVStore, PoolConfig, PurgeResult, RetentionPolicy, StoreConfig, WindowPool
+
+__all__ = ["NodeService", "build_node", "PurgeFanout"]
+
+log = structlog.get_logger(__name__)
+
+
+class PurgeFanout:
+    """The purger's view of this node's bytes: the store, plus the pool entries a purge makes stale
+    (a purged session's or tenant's windows are derived bytes too)."""
+
+    def __init__(self, pool: WindowPool) -> None:
+        self._pool = pool
+        self.store: GlobalKVStore | None = None
+
+    def _store(self) -> GlobalKVStore:
+        assert self.store is not None, "PurgeFanout used before the store was attached"
+        return self.store
+
+    def purge_session(self, tenant: str, session: str, *, actor: str, reason: str = "request") -> PurgeResult:
+        self._pool.discard(tenant, session)
+        return self._store().purge_session(tenant, session, actor=actor, reason=reason)
+
+    def purge_tenant(self, tenant: str, *, actor: str, reason: str = "request") -> PurgeResult:
+        self._pool.discard_tenant(tenant)
+        return self._store().purge_tenant(tenant, actor=actor, reason=reason)
+
+    def purge_model(self, model_fingerprint: str, *, actor: str, reason: str = "request") -> PurgeResult:
+        return self._store().purge_model(model_fingerprint, actor=actor, reason=reason)
+
+
+def _spec_config(spec: ServedModelSpec) -> ModelConfig:
+    if spec.checkpoint is not None:
+        return ModelConfig.from_json(spec.checkpoint / "config.json")
+    assert spec.config is not None
+    return ModelConfig.from_json(spec.config) if spec.config.endswith(".json") else load_preset(spec.config)
+
+
+def _ratios(registry: ModelRegistry) -> tuple[int, ...]:
+    ratios: set[int] = set()
+    for name in registry.names:
+        spec = registry.spec(name)
+        assert spec is not None
+        cfg = _spec_config(spec)
+        ratios |= {r for r in cfg.compress_ratios[: cfg.n_layers] if r > 0}
+    return tuple(sorted(ratios)) or (1,)
+
+
+@dataclass(kw_only=True)
+class NodeService:
+    """Everything one node runs; `close` releases the store and the registry engine."""
+
+    ctx: ServiceContext
+    store: GlobalKVStore
+    pool: WindowPool
+    registry: ModelRegistry
+    engine: TurnEngine
+    reconcile: ReconcileReport
+
+    def close(self) -> None:
+        self.store.stop_maintenance()
+        self.store.close()
+        self.ctx.close()
+
+
+def build_node(
+    settings: Settings,
+    *,
+    registry: ModelRegistry | None = None,
+    mappers: KVMapperApplier | None = None,
+    clock: Callable[[], float] = time.time,
+    pool_clock: Callable[[], float] = time.monotonic,
+    maintenance: bool = False,
+    migrate: bool = True,
+) -> NodeService:
+    """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
+
+    Args:
+        registry: served models (default: from `settings.served_models`).
+        clock: wall clock of the store and registry stamps; pool_clock: the pool's TTL clock.
+        maintenance: start the store's background expiry/deletion thread.
+
+    Raises:
+        ValueError: a served-model source or a chunk size that does not fit the models' ratios.
+    """
+    registry = registry if registry is not None else ModelRegistry.from_sources(settings.served_models)
+    ratios = _ratios(registry)
+    if settings.kv_chunk_tokens % math.lcm(*ratios):
+        raise ValueError(
+            f"kv_chunk_tokens={settings.kv_chunk_tokens} is not a multiple of the ratios {ratios}"
+        )
+    pool = WindowPool(
+        PoolConfig(budget_bytes=settings.pool_budget_bytes, ttl_s=settings.pool_ttl_s), clock=pool_clock
+    )
+
+    def pool_stats() -> PoolStats:
+        p = pool.stats()
+        return PoolStats(bytes_used=p.bytes_used, budget_bytes=p.budget_bytes, entries=p.entries)
+
+    fanout = PurgeFanout(pool)
+    ctx = build_context(settings, migrate=migrate, store=fanout, pool_stats=pool_stats)
+    store_cfg = StoreConfig(
+        path=str(settings.data_dir / "kv"),
+        region=settings.region,
+        chunk_tokens=settings.kv_chunk_tokens,
+        compression_ratios=ratios,
+        capacity_bytes=settings.kv_capacity_bytes,
+    )
+    # The SQL audit log is authoritative while the service runs: every store record is mirrored there.
+    store = GlobalKVStore(store_cfg, clock=clock, on_audit=ctx.audit.mirror)
+    fanout.store = store
+
+    def on_policy_change(policy: EffectivePolicy, actor: str) -> None:
+        regions = tuple(policy.allowed_regions) if policy.allowed_regions else None
+        store.set_policy(
+            policy.tenant_id,
+            RetentionPolicy(floor_s=policy.floor_s, ceiling_s=policy.ceiling_s, allowed_regions=regions),
+            actor=actor,
+        )
+        if regions is not None and settings.region not in regions:
+            pool.discard_tenant(policy.tenant_id)
+
+    ctx.on_policy_change = on_policy_change
+    costs = (
+        CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
+    )
+    engine = TurnEngine(
+        ctx=ctx, registry=registry, store=store, pool=pool, costs=costs, mappers=mappers, clock=clock
+    )
+    ctx.turn_handler = engine
+    report = reconcile_with_prefixes(
+        ctx.serializable, node=ctx.node, stored_prefix=lambda t, fp, toks: store.lookup(t, fp, toks).n_tokens
+    )
+    if maintenance:
+        store.start_maintenance()
+    log.info(
+        "node_ready",
+        models={n: registry.spec(n).source for n in registry.names},  # type: ignore[union-attr]
+        region=settings.region,
+        chunk_tokens=settings.kv_chunk_tokens,
+        dangling_rows_deleted=report.dangling_rows_deleted,
+    )
+    return NodeService(ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report)

@@ -1,0 +1,519 @@
+"""The turn engine: plans a turn from the registry, the store and the pool, runs the plan on the model,
+streams tokens, and at turn end persists global KV chunks, the registry rows and the pool entry.
+
+Implements the API's `TurnHandler` (plan first, tokens, stats last). Knows nothing of protobuf. A turn
+that fails, is aborted or misses its deadline leaves the session at its last completed turn: its row is
+removed, nothing is linked in the registry and the pool keeps the previous entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+from sqlalchemy import delete
+
+from model import CacheFormatError, ModelState, PassStats, decode, export_windows, import_windows, prefill
+from orchestrator.api import (
+    CancelledError,
+    DeadlineError,
+    FinishReason,
+    InvalidRequestError,
+    NotFoundError,
+    PlanEvent,
+    PreconditionError,
+    ServiceContext,
+    TokenChunkEvent,
+    TurnEvent,
+    TurnHandle,
+    TurnInput,
+    TurnStatsEvent,
+)
+from orchestrator.db import (
+    MapperRepository,
+    PolicyRepository,
+    SegmentRepository,
+    SessionRepository,
+    TurnCounts,
+    TurnRepository,
+    TurnTimings,
+    run_serializable,
+    session_view,
+)
+from orchestrator.db.models import ResumePathName, SessionStatus, TurnRow, TurnStatus
+from orchestrator.engine.global_kv import StoredPrefix, link_segments, persist_chunks, read_prefix
+from orchestrator.engine.pool_entry import pack_pool_entry, unpack_pool_entry
+from orchestrator.engine.sampler import Sampler
+from orchestrator.engine.served_models import ModelRegistry, ServedModel
+from orchestrator.engine.swap import KVMapperApplier, MapperArtifact, NoMappers
+from orchestrator.planner import CostTable, MapperInfo, Plan, PoolState, ResumePath, TokenCounts, plan_turn
+from storage import GlobalKVStore, PoolMiss, WindowPool
+
+__all__ = ["TurnEngine", "actual_counts"]
+
+log = structlog.get_logger(__name__)
+
+
+def actual_counts(
+    path: ResumePath, *, loaded: int, history_len: int, prompt_len: int, passes: Sequence[PassStats]
+) -> TokenCounts:
+    """Token counts by kind of what the prefill passes actually ran (ARCHITECTURE §1).
+
+    Args:
+        loaded: tokens of the state before the prompt passes (stored or mapped global KV).
+        history_len: tokens before this turn's new ones (decoder rows below it are replayed history).
+        passes: the prefill passes' stats, in order.
+    """
+    first = passes[0]
+    decoder_history = sum(max(0, min(p.end, history_len) - p.decoder_from) for p in passes)
+    stored = {"mapped": loaded} if path == ResumePath.MODEL_SWAP else {"cached": loaded}
+    return TokenCounts(
+        **stored,
+        replayed_encoder=loaded - first.start,
+        replayed_decoder=decoder_history,
+        prefilled=prompt_len - loaded,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Facts:
+    """The session as read before planning (plain values; the ORM row stays inside its session)."""
+
+    session_id: str
+    tenant_id: str
+    turn_count: int
+    retention_s: float
+    history: list[int]
+    plan: Plan
+    served: ServedModel
+    new_tokens: list[int]
+    prefix: StoredPrefix
+    own_stored: int
+    sender_prefix: StoredPrefix | None
+    sender: ServedModel | None
+    full_hit_state: ModelState | None
+    artifacts: dict[str, MapperArtifact]
+
+
+class TurnEngine:
+    """Runs turns for the Sessions servicer (many sessions at once; one turn per session is enforced by
+    the servicer's RunningTurns and by the registry's unique turn index).
+
+    Args:
+        ctx: the service context (registry sessions, settings, metrics).
+        registry: the served models.
+        store, pool: this node's global KV store and window pool.
+        costs: the planner's per-token costs.
+        mappers: applies mapper artifacts on a model switch (NoMappers: every switch is a cold prefill).
+        clock: wall seconds for registry expiry stamps.
+        prefill_chunk_tokens: longest prompt slice run in one forward pass (bounds activation memory).
+    """
+
+    def __init__(
+        self,
+        *,
+        ctx: ServiceContext,
+        registry: ModelRegistry,
+        store: GlobalKVStore,
+        pool: WindowPool,
+        costs: CostTable | None = None,
+        mappers: KVMapperApplier | None = None,
+        clock: Callable[[], float] = time.time,
+        prefill_chunk_tokens: int = 1024,
+    ) -> None:
+        if prefill_chunk_tokens <= 0:
+            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
+        self._ctx = ctx
+        self.registry = registry
+        self.store = store
+        self.pool = pool
+        self.costs = costs if costs is not None else CostTable()
+        self.mappers = mappers if mappers is not None else NoMappers()
+        self._clock = clock
+        self._chunk = prefill_chunk_tokens
+
+    @staticmethod
+    def _check(turn: TurnInput, handle: TurnHandle) -> None:
+        if handle.cancelled:
+            raise CancelledError(f"turn aborted: {handle.reason}")
+        if turn.deadline_monotonic is not None and time.monotonic() > turn.deadline_monotonic:
+            raise DeadlineError(f"turn of session {turn.session_id} passed its deadline")
+
+    def _served(self, name: str) -> ServedModel:
+        served = self.registry.get(name)
+        if served is None:
+            raise NotFoundError(
+                f"model {name!r} is not served here (served: {', '.join(self.registry.names)})"
+            )
+        return served
+
+    def _new_tokens(self, turn: TurnInput, served: ServedModel) -> list[int]:
+        if turn.tokens is not None:
+            tokens = list(turn.tokens)
+        else:
+            assert turn.text is not None
+            tokens = served.codec.encode(turn.text)
+            if not tokens:
+                raise InvalidRequestError(f"text of turn for session {turn.session_id} encodes to no tokens")
+        bad = [t for t in tokens if not 0 <= t < served.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary of {served.name} (size {served.vocab_size})"
+            )
+        return tokens
+
+    def _pool_state(
+        self,
+        turn: TurnInput,
+        served: ServedModel,
+        prefix: StoredPrefix,
+        history: list[int],
+        last_model: str | None,
+    ) -> tuple[PoolState, ModelState | None]:
+        """The pool entry as the planner sees it, and a full-hit state when the entry continues the
+        whole stored history and imports cleanly (validated before planning, so a plan never promises
+        windows that are not there)."""
+        got = self.pool.get(turn.tenant_id, turn.session_id)
+        if isinstance(got, PoolMiss):
+            return PoolState.absent(), None
+        entry = unpack_pool_entry(got)
+        if entry is None:
+            return PoolState.absent(), None
+        if entry.fingerprint != served.fingerprint:
+            # Written by another model (the previous one on a switch) or by older weights of this one.
+            other = last_model if last_model not in (None, served.name) else f"{served.name} (other weights)"
+            return PoolState(model=other, windows_end=entry.n_tokens), None
+        if entry.continues(served.fingerprint, history) is not None:
+            if entry.n_tokens == len(history):
+                return PoolState.absent(), None
+            return PoolState(model=served.name, windows_end=entry.n_tokens), None
+        if prefix.state is None or prefix.n_tokens != len(history):
+            return PoolState(model=served.name, windows_end=entry.n_tokens), None
+        trial = prefix.state.clone()
+        try:
+            import_windows(served.model, trial, entry.windows, fingerprint=served.fingerprint)
+        except CacheFormatError:
+            return PoolState.absent(), None
+        return PoolState(model=served.name, windows_end=entry.n_tokens), trial
+
+    def _gather(self, turn: TurnInput) -> _Facts:
+        ctx = self._ctx
+        settings = ctx.settings
+        with ctx.sessions() as s:
+            row = SessionRepository(s).get(turn.session_id, tenant_id=turn.tenant_id)
+            if row is None:
+                raise NotFoundError(f"session {turn.session_id} not found")
+            if row.status != SessionStatus.OPEN:
+                raise PreconditionError(f"session {row.id} is closed")
+            name = turn.model or row.model
+            served = self._served(name)
+            new_tokens = self._new_tokens(turn, served)
+            history = SessionRepository(s).history(row.id)
+            if len(history) != row.history_tokens:
+                raise PreconditionError(
+                    f"session {row.id}: its turns hold {len(history)} history tokens, "
+                    f"the row says {row.history_tokens}"
+                )
+            view = session_view(row, new_tokens=len(new_tokens))
+            policy = PolicyRepository(s).effective(
+                row.tenant_id,
+                default_floor_s=settings.retention_floor_s,
+                default_ceiling_s=settings.retention_ceiling_s,
+            )
+            prefix = read_prefix(self.store, s, tenant=row.tenant_id, served=served, history=history)
+            own = SegmentRepository(s).for_session(row.id)
+            own_stored = 0
+            for seg in own:
+                if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
+                    own_stored = seg.end_pos
+            sender = sender_prefix = None
+            infos: list[MapperInfo] = []
+            artifacts: dict[str, MapperArtifact] = {}
+            last = view.last_model
+            if last is not None and last != name:
+                sender = self.registry.get(last)
+                if sender is not None:
+                    sender_prefix = read_prefix(
+                        self.store, s, tenant=row.tenant_id, served=sender, history=history
+                    )
+                    for m in MapperRepository(s).list(sender_model=last, receiver_model=name):
+                        art = MapperArtifact(
+                            mapper_id=m.id,
+                            sender_model=m.sender_model,
+                            receiver_model=m.receiver_model,
+                            artifact_uri=m.artifact_uri,
+                            artifact_sha256=m.artifact_sha256,
+                            kind=m.kind,
+                        )
+                        # A mapper that cannot run on this node is as good as none: plan without it.
+                        if m.passed_gate and self.mappers.usable(art, sender, served):
+                            artifacts[m.id] = art
+                            infos.append(
+                                MapperInfo(
+                                    mapper_id=m.id,
+                                    sender_model=m.sender_model,
+                                    receiver_model=m.receiver_model,
+                                    passed_gate=True,
+                                    score=float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0,
+                                )
+                            )
+            facts = dict(
+                session_id=row.id,
+                tenant_id=row.tenant_id,
+                turn_count=row.turn_count,
+                retention_s=min(row.retention_s, policy.ceiling_s),
+            )
+        ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
+        region = self.store.config.region
+        may_persist = policy.may_store_in(region)
+        note = (
+            ""
+            if may_persist
+            else f"residency: tenant {turn.tenant_id} allows regions {list(policy.allowed_regions)}, "
+            f"this node is in {region!r}; served without persisting"
+        )
+        pool, full_state = self._pool_state(turn, served, prefix, history, view.last_model)
+        plan = plan_turn(
+            view,
+            model=name,
+            geometry=served.geometry,
+            cache=prefix.inventory(),
+            sender_cache=sender_prefix.inventory() if sender_prefix is not None else None,
+            pool=pool,
+            mappers=infos,
+            costs=self.costs.for_model(name),
+            may_persist=may_persist,
+            persist_note=note,
+        )
+        if not may_persist:
+            plan = _with_reason(plan, f"{plan.reason}; {note}")
+        return _Facts(
+            **facts,
+            history=history,
+            plan=plan,
+            served=served,
+            new_tokens=new_tokens,
+            prefix=prefix,
+            own_stored=min(own_stored, prefix.n_tokens),
+            sender_prefix=sender_prefix,
+            sender=sender,
+            full_hit_state=full_state,
+            artifacts=artifacts,
+        )
+
+    def _reserve(self, f: _Facts) -> tuple[int, int]:
+        """Insert the RUNNING turn row with its plan; returns (row id, turn index)."""
+        plan = f.plan
+
+        def work(s):
+            repo = SessionRepository(s)
+            row = repo.get_for_update(f.session_id, tenant_id=f.tenant_id)
+            if row is None:
+                raise NotFoundError(f"session {f.session_id} not found")
+            if row.status != SessionStatus.OPEN:
+                raise PreconditionError(f"session {row.id} is closed")
+            if row.turn_count != f.turn_count:
+                raise PreconditionError(f"session {row.id} advanced to turn {row.turn_count} meanwhile")
+            # A RUNNING row at or past the next index is a leftover of a process that died mid-turn
+            # (this process's running turns are exclusive per session): it never became history.
+            s.execute(
+                delete(TurnRow).where(
+                    TurnRow.session_id == row.id,
+                    TurnRow.index >= row.turn_count,
+                    TurnRow.status == TurnStatus.RUNNING,
+                )
+            )
+            turns = TurnRepository(s)
+            t = turns.begin(row, model=plan.model, input_tokens=f.new_tokens)
+            c = plan.counts
+            turns.record_plan(
+                t,
+                path=ResumePathName(str(plan.path)),
+                reason=plan.reason,
+                counts=TurnCounts(
+                    cached=c.cached,
+                    replayed_encoder=c.replayed_encoder,
+                    replayed_decoder=c.replayed_decoder,
+                    prefilled=c.prefilled,
+                    mapped=c.mapped,
+                ),
+            )
+            return t.id, t.index
+
+        return run_serializable(self._ctx.serializable, work)
+
+    def _abandon(self, f: _Facts, turn_id: int, status: TurnStatus) -> None:
+        def work(s):
+            t = s.get(TurnRow, turn_id)
+            row = SessionRepository(s).get(f.session_id, tenant_id=f.tenant_id)
+            if t is not None and row is not None and t.status == TurnStatus.RUNNING:
+                TurnRepository(s).finish(t, row, output_tokens=[], timings=TurnTimings(), status=status)
+
+        try:
+            run_serializable(self._ctx.serializable, work)
+        except Exception as exc:  # noqa: BLE001 - the turn's own error is the one to report
+            log.warning("turn_row_cleanup_failed", session_id=f.session_id, error=str(exc))
+
+    def _start_state(self, f: _Facts) -> ModelState | None:
+        plan = f.plan
+        if plan.path == ResumePath.FULL_HIT:
+            assert f.full_hit_state is not None
+            return f.full_hit_state
+        if plan.path == ResumePath.GLOBAL_REPLAY:
+            assert f.prefix.state is not None and f.prefix.n_tokens == plan.resume_from
+            return f.prefix.state
+        if plan.path == ResumePath.MODEL_SWAP:
+            assert f.sender is not None and f.sender_prefix is not None and plan.mapper_id is not None
+            return self.mappers.apply(
+                f.artifacts[plan.mapper_id],
+                sender=f.sender,
+                receiver=f.served,
+                history=f.history,
+                sender_blobs=f.sender_prefix.blobs,
+                n_tokens=plan.resume_from,
+            )
+        return None
+
+    def _prefill(
+        self,
+        served: ServedModel,
+        prompt: list[int],
+        state: ModelState | None,
+        turn: TurnInput,
+        handle: TurnHandle,
+    ) -> tuple[torch.Tensor, ModelState, list[PassStats]]:
+        start = state.n_tokens if state is not None else 0
+        passes: list[PassStats] = []
+        logits = None
+        pos = start
+        while pos < len(prompt):
+            self._check(turn, handle)
+            end = min(pos + self._chunk, len(prompt))
+            toks = torch.tensor([prompt[pos:end]], dtype=torch.int64, device=served.model.head.weight.device)
+            with served.lock, torch.inference_mode():
+                out = prefill(served.model, toks, state, mode="ced", prompt_end=len(prompt))
+            state, logits = out.state, out.logits
+            passes.append(out.stats)
+            pos = end
+        assert logits is not None and state is not None
+        return logits, state, passes
+
+    def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent]:
+        started = time.perf_counter()
+        self._check(turn, handle)
+        f = self._gather(turn)
+        self._check(turn, handle)
+        turn_id, index = self._reserve(f)
+        status = TurnStatus.FAILED
+        try:
+            yield PlanEvent(plan=f.plan, turn_index=index)
+            plan, served = f.plan, f.served
+            state = self._start_state(f)
+            loaded = state.n_tokens if state is not None else 0
+            prompt = f.history + f.new_tokens
+            logits, state, passes = self._prefill(served, prompt, state, turn, handle)
+            counts = actual_counts(
+                plan.path, loaded=loaded, history_len=len(f.history), prompt_len=len(prompt), passes=passes
+            )
+            if counts != plan.counts:
+                log.warning("turn_counts_differ_from_plan", planned=str(plan.counts), actual=str(counts))
+            sampler = Sampler(turn.generation)
+            stops = set(turn.generation.stop_token_ids)
+            output: list[int] = []
+            token = sampler(logits)
+            ttft = time.perf_counter() - started
+            finish = FinishReason.LENGTH
+            decode_started = time.perf_counter()
+            while True:
+                output.append(token)
+                yield TokenChunkEvent(ids=(token,), text=served.codec.decode([token]))
+                if token in stops:
+                    finish = FinishReason.STOP
+                    break
+                if len(output) >= turn.generation.max_new_tokens:
+                    break
+                self._check(turn, handle)
+                with served.lock, torch.inference_mode():
+                    out = decode(served.model, torch.tensor([token], device=state.device), state)
+                state = out.state
+                token = sampler(out.logits)
+            decode_s = time.perf_counter() - decode_started
+            full = prompt + output
+            persisted = False
+            outcome = None
+            self._check(turn, handle)
+            if plan.persist:
+                # The last sampled token has not run through the model yet; run it so the stored
+                # global KV covers the whole history the next turn resumes.
+                with served.lock, torch.inference_mode():
+                    state = decode(served.model, torch.tensor([output[-1]], device=state.device), state).state
+                self._check(turn, handle)
+                outcome = persist_chunks(
+                    self.store,
+                    tenant=f.tenant_id,
+                    session_id=f.session_id,
+                    served=served,
+                    history=full,
+                    state=state,
+                    already_stored=f.own_stored if plan.path != ResumePath.MODEL_SWAP else 0,
+                    retention_s=f.retention_s,
+                    node=self._ctx.node,
+                    clock=self._clock,
+                )
+                persisted = outcome.persisted
+            self._check(turn, handle)
+            total = time.perf_counter() - started
+            rate = (len(output) - 1) / decode_s if len(output) > 1 and decode_s > 0 else 0.0
+            self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
+            status = TurnStatus.DONE
+            if persisted:
+                windows = export_windows(served.model, state, fingerprint=served.fingerprint)
+                entry = pack_pool_entry(fingerprint=served.fingerprint, history=full, windows=windows)
+                self.pool.put(f.tenant_id, f.session_id, entry)
+            yield TurnStatsEvent(
+                turn_index=index,
+                ttft_s=ttft,
+                decode_tokens_per_s=rate,
+                counts=counts,
+                generated_tokens=len(output),
+                finish_reason=finish,
+                total_s=total,
+                persisted=persisted,
+            )
+        except (CancelledError, GeneratorExit):
+            if status != TurnStatus.DONE:
+                self._abandon(f, turn_id, TurnStatus.ABORTED)
+            raise
+        except BaseException:
+            if status != TurnStatus.DONE:
+                self._abandon(f, turn_id, TurnStatus.FAILED)
+            raise
+
+    def _finish(
+        self, f: _Facts, turn_id: int, output: list[int], persisted: bool, outcome, **t: float
+    ) -> None:
+        def work(s):
+            turn = s.get(TurnRow, turn_id)
+            row = SessionRepository(s).get_for_update(f.session_id, tenant_id=f.tenant_id)
+            if turn is None or row is None:
+                raise PreconditionError(f"session {f.session_id} was deleted during its turn")
+            TurnRepository(s).finish(
+                turn,
+                row,
+                output_tokens=output,
+                timings=TurnTimings(ttft_s=t["ttft"], decode_tokens_per_s=t["rate"], total_s=t["total"]),
+                status=TurnStatus.DONE,
+                persisted=persisted,
+            )
+            if outcome is not None and outcome.persisted:
+                link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
+
+        run_serializable(self._ctx.serializable, work)
+
+
+def _with_reason(plan: Plan, reason: str) -> Plan:
+    return dataclasses.replace(plan, reason=reason)
