@@ -18,6 +18,7 @@ from mappers.artifact import (
 )
 from mappers.errors import FitError, MapperError, MapperMismatch
 from mappers.identity import identity_mapper
+from mappers.ridge import LinearMap, MomentStats, RidgeMapper, SklearnRidgeMapper, r2_from_stats, solve_ridge
 
 __all__ = [
     "MAPPER_FORMAT",
@@ -25,6 +26,12 @@ __all__ = [
     "FitError",
     "GateSpec",
     "KVMapper",
+    "LinearMap",
+    "MomentStats",
+    "RidgeMapper",
+    "SklearnRidgeMapper",
+    "r2_from_stats",
+    "solve_ridge",
     "LayerMap",
     "MappedGlobal",
     "MapperError",
