@@ -106,6 +106,9 @@ class Attention(nn.Module):
         self.ratio = cfg.compress_ratios[layer]
         self.softmax_scale = cfg.head_dim**-0.5
         self.is_kv_source = layer in cfg.kv_source_layers
+        # False attends the global KV (main KV and index keys) unquantized: a measurement switch of the
+        # quality harness (FP4 cache vs unquantized); serving and conformance keep True
+        self.quantize_global = True
         self.is_index_source = layer in cfg.index_source_layers
         self.is_candidate_source = cfg.is_candidate_source(layer)
         self.uses_candidates = cfg.uses_candidates(layer)
@@ -158,14 +161,19 @@ class Attention(nn.Module):
             latent = out.latent
             if self.indexer is not None and self.indexer.owns_k:
                 io.published = True
-                keys, packed, scales = self.indexer.keys(latent, freqs, backend=io.backend)
+                keys, packed, scales = self.indexer.keys(
+                    latent, freqs, backend=io.backend, quantize=self.quantize_global
+                )
                 new["index_k"] = torch.cat([src.index_k, keys[:, skip:]], dim=1)
                 new["index_packed"] = torch.cat([src.index_packed, packed[:, skip:]], dim=1)
                 new["index_scales"] = torch.cat([src.index_scales, scales[:, skip:]], dim=1)
             latent = apply_rope(latent, freqs, self.rope_dim)
             with torch.no_grad():
                 packed, scales = quantize_fp4_e4m3(latent.detach(), backend=io.backend)
-            new["kv"] = torch.cat([src.kv, qdq_fp4_e4m3(latent, backend=io.backend)[:, skip:]], dim=1)
+            # quantize_global False (quality harness only) keeps the exact latents as the attended view;
+            # the stored codes are FP4 either way
+            view = qdq_fp4_e4m3(latent, backend=io.backend) if self.quantize_global else latent
+            new["kv"] = torch.cat([src.kv, view[:, skip:]], dim=1)
             new["kv_packed"] = torch.cat([src.kv_packed, packed[:, skip:]], dim=1)
             new["kv_scales"] = torch.cat([src.kv_scales, scales.view(torch.uint8)[:, skip:]], dim=1)
         io.source = SourceCache(ratio=src.ratio, carry_kv=out.carry_kv, carry_score=out.carry_score, **new)

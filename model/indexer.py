@@ -49,7 +49,7 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(index_head_dim, norm_eps)
 
     def keys(
-        self, latent: torch.Tensor, freqs: torch.Tensor, *, backend: str = "torch"
+        self, latent: torch.Tensor, freqs: torch.Tensor, *, backend: str = "torch", quantize: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Index keys of new entries.
 
@@ -57,6 +57,8 @@ class Indexer(nn.Module):
             latent: [B, G, D] bf16 pre-RoPE compressed latents.
             freqs: [G, rope_dim/2] complex64 rotations at the entries' positions j*m.
             backend: kernels backend of the MXFP4 quantization ("torch" or "triton").
+            quantize: False returns the unquantized keys as the first output (quality harness's
+                unquantized-cache baseline); the stored form is MXFP4 either way.
 
         Returns:
             keys [B, G, D_I] bf16 (RoPE'd, MXFP4-QDQ'd), and their stored form: E2M1 codes uint8
@@ -66,7 +68,7 @@ class Indexer(nn.Module):
         k = apply_rope(k, freqs, self.rope_dim)
         with torch.no_grad():
             packed, scales = quantize_mxfp4(k.detach(), backend=backend)
-        return qdq_mxfp4(k, backend=backend), packed, scales
+        return (qdq_mxfp4(k, backend=backend) if quantize else k), packed, scales
 
     def select(
         self,
