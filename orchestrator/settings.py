@@ -73,6 +73,8 @@ class Settings:
     # Tokens per stored global-KV chunk (a multiple of every served model's compression ratios).
     kv_chunk_tokens: int = 256
     kv_capacity_bytes: int = 100 * 1024 * _MIB
+    # Intra-op threads for model compute (0: torch's default); set by the entry point, once per process.
+    torch_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -93,6 +95,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads={self.torch_threads} must be >= 0")
         if self.pool_ttl_s <= 0:
             raise ValueError(f"pool_ttl_s={self.pool_ttl_s} must be positive")
         if self.retention_floor_s < 0 or self.retention_ceiling_s <= 0:
@@ -149,6 +153,7 @@ _INT_FIELDS = {
     "grpc_workers",
     "kv_chunk_tokens",
     "kv_capacity_bytes",
+    "torch_threads",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}

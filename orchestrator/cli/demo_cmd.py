@@ -1,16 +1,267 @@
-"""`kvresume demo`: the main job on embedded defaults."""
+"""`kvresume demo`: an embedded server and one scripted agent session driven over gRPC on loopback.
+
+The script: a long first prompt, tool-result turns, an idle gap that expires the window pool (simulated
+with the pool's injected clock, so the demo does not sleep ten minutes), an admin purge of the model's
+stored KV, a switch to a sibling model, and a turn on the sibling. It prints one row per turn (path,
+model, reason, tokens by kind, time to first token) or, with --json, a list of turns.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from orchestrator.api import build_server, configure_logging
+from orchestrator.engine import DEFAULT_SIBLINGS, KVMapperApplier, ModelRegistry, build_node
+from orchestrator.settings import Settings
+
+__all__ = ["DemoTurn", "run_demo", "DEMO_SCRIPT"]
+
+_TENANT, _TOKEN, _ADMIN = "demo-tenant", "demo-token", "demo-admin-token"
+_POOL_TTL_S = 600.0
+
+_SYSTEM = (
+    "You are a coding agent working in a Python repository. Tools: read_file(path), run_tests(), "
+    "edit(path, diff). Keep answers short. The user reports that the session store loses turns after "
+    "a restart, and the failing test is tests/test_resume.py::test_restart_keeps_history. "
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Step:
+    label: str
+    text: str
+    model: str = ""
+    before: str = ""
+
+
+def _script(first: str, second: str) -> tuple[_Step, ...]:
+    return (
+        _Step(label="user: task", text=_SYSTEM + "Please find the bug and fix it. " * 3),
+        _Step(
+            label="tool: read_file", text="<result> def resume(self, sid):  return self.rows.get(sid) </end> "
+        ),
+        _Step(label="tool: run_tests", text="<result> 1 failed: KeyError 'sid-42' in resume() </end>"),
+        _Step(label="user: after idle", text="I am back. What did you find?", before="idle"),
+        _Step(label="user: after purge", text="Summarise the fix in one line.", before="purge"),
+        _Step(label="user: on sibling", text="Now write the commit message.", model=second),
+        _Step(label="tool: run_tests", text="<result> all 12 passed </end>", model=second),
+    )
+
+
+DEMO_SCRIPT = _script(*DEFAULT_SIBLINGS)
+EXPECTED_PATHS = (
+    "COLD_PREFILL",
+    "FULL_HIT",
+    "FULL_HIT",
+    "GLOBAL_REPLAY",
+    "COLD_PREFILL",
+    "COLD_PREFILL",
+    "FULL_HIT",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoTurn:
+    turn: int
+    step: str
+    path: str
+    model: str
+    reason: str
+    new_tokens: int
+    cached: int
+    replayed_encoder: int
+    replayed_decoder: int
+    prefilled: int
+    mapped: int
+    generated: int
+    ttft_ms: float
+    persisted: bool
+
+
+def run_demo(
+    data_dir: Path,
+    *,
+    registry: ModelRegistry | None = None,
+    mappers: KVMapperApplier | None = None,
+    max_new_tokens: int = 8,
+    on_turn: Callable[[DemoTurn], None] | None = None,
+) -> list[DemoTurn]:
+    """Run the scripted session against an embedded server whose state lives under `data_dir`."""
+    pool_now = [0.0]
+    settings = Settings(
+        data_dir=data_dir,
+        tenant_tokens={_TENANT: _TOKEN},
+        admin_token=_ADMIN,
+        grpc_port=0,
+        metrics_enabled=False,
+        kv_chunk_tokens=64,
+        pool_ttl_s=_POOL_TTL_S,
+        pool_budget_bytes=256 * 1024 * 1024,
+    )
+    node = build_node(settings, registry=registry, mappers=mappers, pool_clock=lambda: pool_now[0])
+    names = node.registry.names
+    first, second = names[0], names[1] if len(names) > 1 else names[0]
+    script = _script(first, second)
+    server = build_server(node.ctx, host="127.0.0.1", port=0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    pb = node.ctx.stubs
+    sessions = pb.sessions_grpc.SessionsStub(channel)
+    admin = pb.admin_grpc.AdminStub(channel)
+    md = (("authorization", f"Bearer {_TOKEN}"),)
+    admin_md = (("authorization", f"Bearer {_ADMIN}"),)
+    turns: list[DemoTurn] = []
+    try:
+        session = sessions.CreateSession(pb.sessions.CreateSessionRequest(model=first), metadata=md).session
+        current = first
+        for i, step in enumerate(script):
+            if step.before == "idle":
+                # An idle gap longer than the pool's TTL: the windows expire, the stored global KV stays.
+                pool_now[0] += _POOL_TTL_S + 60.0
+            elif step.before == "purge":
+                admin.Purge(pb.admin.PurgeRequest(model=current), metadata=admin_md)
+            current = step.model or current
+            request = pb.sessions.TurnRequest(
+                session_id=session.session_id,
+                text=step.text,
+                model=step.model,
+                generation=pb.sessions.GenerationParams(max_new_tokens=max_new_tokens),
+            )
+            plan = stats = None
+            for event in sessions.Turn(request, metadata=md):
+                which = event.WhichOneof("event")
+                if which == "plan":
+                    plan = event.plan
+                elif which == "stats":
+                    stats = event.stats
+            assert plan is not None and stats is not None
+            c = stats.counts
+            row = DemoTurn(
+                turn=i,
+                step=step.label,
+                path=pb.common.ResumePath.Name(plan.path),
+                model=plan.model,
+                reason=plan.reason,
+                new_tokens=int(c.cached + c.mapped + c.prefilled) - _history(turns),
+                cached=c.cached,
+                replayed_encoder=c.replayed_encoder,
+                replayed_decoder=c.replayed_decoder,
+                prefilled=c.prefilled,
+                mapped=c.mapped,
+                generated=stats.generated_tokens,
+                ttft_ms=round(stats.ttft_s * 1000.0, 1),
+                persisted=stats.persisted,
+            )
+            turns.append(row)
+            if on_turn is not None:
+                on_turn(row)
+    finally:
+        channel.close()
+        server.stop(grace_s=None)
+        node.close()
+    return turns
+
+
+def _history(turns: Sequence[DemoTurn]) -> int:
+    if not turns:
+        return 0
+    last = turns[-1]
+    return last.cached + last.mapped + last.prefilled + last.generated
+
+
+_COLUMNS = (
+    ("turn", 4),
+    ("step", 17),
+    ("path", 13),
+    ("model", 10),
+    ("new", 5),
+    ("cached", 6),
+    ("rep_enc", 7),
+    ("rep_dec", 7),
+    ("prefill", 7),
+    ("mapped", 6),
+    ("gen", 4),
+    ("ttft_ms", 8),
+)
+
+
+def _row_text(t: DemoTurn) -> str:
+    values = (
+        t.turn,
+        t.step,
+        t.path,
+        t.model,
+        t.new_tokens,
+        t.cached,
+        t.replayed_encoder,
+        t.replayed_decoder,
+        t.prefilled,
+        t.mapped,
+        t.generated,
+        f"{t.ttft_ms:.1f}",
+    )
+    cells = " ".join(f"{str(v):<{w}}" for v, (_, w) in zip(values, _COLUMNS, strict=True))
+    return f"{cells}  {t.reason}"
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("kvresume demo: the service is not built yet; nothing to run.")
+    configure_logging(level=40 if not args.verbose else 20)
+    # One intra-op thread: small passes on a few shared cores run far faster without oversubscription.
+    torch.set_num_threads(args.threads)
+    own_dir = args.data_dir is None
+    data_dir = Path(tempfile.mkdtemp(prefix="kvresume-demo-")) if own_dir else Path(args.data_dir)
+    registry = ModelRegistry.from_sources({})
+    if not args.json:
+        print("kvresume demo: one agent session over gRPC on loopback; models:")
+        for name in registry.names:
+            spec = registry.spec(name)
+            assert spec is not None
+            label = " (random-init stand-in: no trained checkpoint yet)" if spec.is_stand_in else ""
+            print(f"  {name}: {spec.source}{label}")
+        print(" ".join(f"{name:<{w}}" for name, w in _COLUMNS) + "  reason")
+    started = time.perf_counter()
+    lock = threading.Lock()
+
+    def show(t: DemoTurn) -> None:
+        if not args.json:
+            with lock:
+                print(_row_text(t), flush=True)
+
+    try:
+        turns = run_demo(data_dir, registry=registry, max_new_tokens=args.max_new_tokens, on_turn=show)
+    finally:
+        if own_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
+    paths = tuple(t.path for t in turns)
+    if args.json:
+        print(json.dumps([asdict(t) for t in turns], indent=2))
+    else:
+        print(f"{len(turns)} turns in {time.perf_counter() - started:.1f} s")
+    if paths != EXPECTED_PATHS:
+        print(
+            f"kvresume demo: paths {list(paths)} differ from the script's {list(EXPECTED_PATHS)}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="run the scripted end-to-end demo")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--data-dir", help="keep the demo's registry and store here (default: a temp dir)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per turn")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--verbose", action="store_true", help="service log lines on stderr")
     parser.set_defaults(handler=_run)

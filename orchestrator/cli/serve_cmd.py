@@ -8,8 +8,10 @@ import threading
 from collections.abc import Callable
 
 import structlog
+import torch
 
-from orchestrator.api import RunningServer, ServiceContext, build_context, build_server, configure_logging
+from orchestrator.api import RunningServer, ServiceContext, build_server, configure_logging
+from orchestrator.engine import build_node
 from orchestrator.settings import Settings, load_settings
 
 log = structlog.get_logger(__name__)
@@ -26,6 +28,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "grpc_port": getattr(args, "port", None),
             "metrics_port": getattr(args, "metrics_port", None),
             "region": getattr(args, "region", None),
+            "served_models": getattr(args, "models", None),
         },
     )
 
@@ -42,12 +45,14 @@ def serve(
     *,
     on_ready: Callable[[ServiceContext, RunningServer, int | None], None] | None = None,
 ) -> None:
-    """Run the service until `stop` is set: registry migrated, gRPC server, metrics endpoint.
+    """Run the service until `stop` is set: registry migrated, store and pool opened, models registered
+    (loaded on first use), the turn engine wired, gRPC server, metrics endpoint.
 
     Args:
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
     """
-    ctx = build_context(settings)
+    node = build_node(settings, maintenance=True)
+    ctx = node.ctx
     running = build_server(ctx)
     metrics_server = None
     metrics_port: int | None = None
@@ -72,7 +77,7 @@ def serve(
         if metrics_server is not None:
             metrics_server.shutdown()  # type: ignore[attr-defined]
             metrics_server.server_close()  # type: ignore[attr-defined]
-        ctx.close()
+        node.close()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -80,7 +85,10 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve(settings_from_args(args), stop)
+    settings = settings_from_args(args)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    serve(settings, stop)
     return 0
 
 
@@ -91,5 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, help="gRPC listen port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port)")
     parser.add_argument("--region", help="this node's region label")
+    parser.add_argument(
+        "--models",
+        help="served models as name=checkpoint:<dir> or name=random:<preset>[@seed], comma-separated "
+        "(default: the sibling family; env KVRESUME_SERVED_MODELS)",
+    )
     parser.add_argument("--json-logs", action="store_true", help="JSON log lines even on a TTY")
     parser.set_defaults(handler=_run)

@@ -129,12 +129,18 @@ def read_prefix(
     )
 
 
-def chunk_ranges(n_tokens: int, chunk_tokens: int, *, from_pos: int = 0) -> list[tuple[int, int]]:
-    """Store ranges covering [first chunk holding from_pos, n_tokens): full chunks, then one partial tail."""
+def chunk_ranges(
+    n_tokens: int, chunk_tokens: int, *, from_pos: int = 0, min_tail: int = 1
+) -> list[tuple[int, int]]:
+    """Store ranges covering [first chunk holding from_pos, n_tokens): full chunks, then one partial tail
+    of at least `min_tail` tokens (a shorter one is left out: the prefix then ends at the last chunk)."""
     start = from_pos - from_pos % chunk_tokens
     out = []
     while start < n_tokens:
-        out.append((start, min(start + chunk_tokens, n_tokens)))
+        end = min(start + chunk_tokens, n_tokens)
+        if end - start < chunk_tokens and end - start < min_tail:
+            break
+        out.append((start, end))
         start += chunk_tokens
     return out
 
@@ -174,11 +180,19 @@ def persist_chunks(
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
     size = store.config.chunk_tokens
     fp = served.fingerprint_hex
-    ranges = chunk_ranges(n, size, from_pos=already_stored)
+    cfg = served.model.cfg
+    # model.import_global cannot read a chunk holding no entry of some kv source (a tail shorter than
+    # that source's ratio), so such a tail is not written; the next turn then replays from the chunk
+    # boundary instead of a full hit.
+    ratios = [cfg.compress_ratios[i] for i in cfg.kv_source_layers]
+    ranges = chunk_ranges(n, size, from_pos=already_stored, min_tail=max(ratios, default=1))
     payloads = {r: export_global(state, r[0], r[1], fingerprint=served.fingerprint) for r in ranges}
-    put = store.put_chunks(tenant, session_id, fp, list(history), payloads)
-    if put.refusal is not None:
-        return PersistOutcome(persisted=False, note=f"not persisted: {put.refusal.message}", segments=())
+    new_bytes = 0
+    if payloads:
+        put = store.put_chunks(tenant, session_id, fp, list(history), payloads)
+        if put.refusal is not None:
+            return PersistOutcome(persisted=False, note=f"not persisted: {put.refusal.message}", segments=())
+        new_bytes = put.new_bytes
     spans = store.lookup(tenant, fp, list(history)).spans
     sizes = {r: len(p) for r, p in payloads.items()}
     expires = dt.datetime.fromtimestamp(clock() + retention_s, dt.UTC)
@@ -197,7 +211,7 @@ def persist_chunks(
         )
         for s in spans
     )
-    return PersistOutcome(persisted=True, note="", segments=segments, new_bytes=put.new_bytes)
+    return PersistOutcome(persisted=True, note="", segments=segments, new_bytes=new_bytes)
 
 
 def link_segments(s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
