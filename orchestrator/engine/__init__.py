@@ -16,12 +16,13 @@ from orchestrator.engine.served_models import (
     load_served,
 )
 from orchestrator.engine.service import NodeService, PurgeFanout, build_node
-from orchestrator.engine.swap import KVMapperApplier, MapperArtifact, NoMappers
+from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier, MapperArtifact, NoMappers
 from orchestrator.engine.text_codec import BpeCodec, ByteCodec, TextCodec, choose_codec
 from orchestrator.engine.turn_engine import TurnEngine, actual_counts
 
 __all__ = [
     "DEFAULT_SIBLINGS",
+    "ArtifactMappers",
     "BpeCodec",
     "ByteCodec",
     "KVMapperApplier",

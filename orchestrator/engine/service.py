@@ -17,7 +17,7 @@ from model import ModelConfig, load_preset
 from orchestrator.api import PoolStats, ServiceContext, build_context
 from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
-from orchestrator.engine.swap import KVMapperApplier
+from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
 from orchestrator.engine.turn_engine import TurnEngine
 from orchestrator.planner import CostTable
 from orchestrator.settings import Settings
@@ -100,6 +100,7 @@ def build_node(
 
     Args:
         registry: served models (default: from `settings.served_models`).
+        mappers: applies registered mapper artifacts on a model switch (default: `ArtifactMappers`).
         clock: wall clock of the store and registry stamps; pool_clock: the pool's TTL clock.
         maintenance: start the store's background expiry/deletion thread.
 
@@ -148,7 +149,13 @@ def build_node(
         CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
     )
     engine = TurnEngine(
-        ctx=ctx, registry=registry, store=store, pool=pool, costs=costs, mappers=mappers, clock=clock
+        ctx=ctx,
+        registry=registry,
+        store=store,
+        pool=pool,
+        costs=costs,
+        mappers=mappers if mappers is not None else ArtifactMappers(),
+        clock=clock,
     )
     ctx.turn_handler = engine
     report = reconcile_with_prefixes(

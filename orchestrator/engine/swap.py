@@ -5,14 +5,22 @@ planning (so a plan never names a mapper that cannot run here) and `apply` after
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from model import ModelState
+import structlog
+import torch
+
+from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_metadata
+from model import ModelState, state_from_global
 from orchestrator.engine.served_models import ServedModel
 
-__all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers"]
+__all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers"]
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +68,77 @@ class NoMappers:
 
     def apply(self, artifact: MapperArtifact, **_: object) -> ModelState:
         raise AssertionError(f"NoMappers.apply called for {artifact.mapper_id}: usable() said no")
+
+
+def _artifact_dir(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
+
+
+class ArtifactMappers:
+    """Applies registered mapper artifacts (`mappers.save_mapper` directories) with `mappers.apply_mapper`.
+
+    An artifact is usable for a loaded pair when its directory loads and validates, its recorded weights
+    digest equals the registered `artifact_sha256` (when one was registered), both configs equal the
+    loaded models' configs, and `mappers.applicability` accepts the two fingerprints and its gate.
+    Loaded artifacts are cached by (uri, digest).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[str, str], KVMapper | None] = {}
+
+    def _load(self, artifact: MapperArtifact) -> KVMapper | None:
+        key = (artifact.artifact_uri, artifact.artifact_sha256)
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        directory = _artifact_dir(artifact.artifact_uri)
+        try:
+            doc = read_metadata(directory)
+            if artifact.artifact_sha256 and doc.get("weights_sha256") != artifact.artifact_sha256:
+                raise ValueError(f"registered digest {artifact.artifact_sha256} differs from the artifact's")
+            mapper: KVMapper | None = load_mapper(directory)
+        except (OSError, ValueError) as exc:
+            log.warning("mapper_artifact_unusable", mapper_id=artifact.mapper_id, error=str(exc))
+            mapper = None
+        with self._lock:
+            self._cache[key] = mapper
+        return mapper
+
+    def usable(self, artifact: MapperArtifact, sender: ServedModel, receiver: ServedModel) -> bool:
+        mapper = self._load(artifact)
+        if mapper is None:
+            return False
+        if mapper.sender.config.to_dict() != sender.model.cfg.to_dict():
+            return False
+        if mapper.receiver.config.to_dict() != receiver.model.cfg.to_dict():
+            return False
+        verdict = applicability(
+            mapper, sender_fingerprint=sender.fingerprint, receiver_fingerprint=receiver.fingerprint
+        )
+        return verdict.ok
+
+    def apply(
+        self,
+        artifact: MapperArtifact,
+        *,
+        sender: ServedModel,
+        receiver: ServedModel,
+        history: Sequence[int],
+        sender_blobs: Sequence[bytes],
+        n_tokens: int,
+    ) -> ModelState:
+        mapper = self._load(artifact)
+        assert mapper is not None, "apply() without a usable() artifact"
+        mapped = apply_mapper(
+            mapper,
+            list(sender_blobs),
+            sender_fingerprint=sender.fingerprint,
+            receiver_fingerprint=receiver.fingerprint,
+        )
+        if mapped.n_tokens != n_tokens:
+            raise ValueError(
+                f"mapper produced {mapped.n_tokens} tokens of global KV, the plan needs {n_tokens}"
+            )
+        tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64)
+        return state_from_global(receiver.model, tokens, list(mapped.blobs), fingerprint=receiver.fingerprint)
