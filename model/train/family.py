@@ -41,7 +41,7 @@ _COMMON = dict(
 _SIBLINGS: dict[str, dict] = {
     # 6 layers: 0,1 SWA; 2 Full(m=2); 3 Reuse(2); 4 decoder Full(m=1) + candidate source; 5 Reindex
     "v41-sib-s": dict(
-        dim=128,
+        dim=96,
         n_layers=6,
         compress_ratios=[0, 0, 2, 2, 1, 1],
         kv_source_layers=[2, 4],
@@ -55,14 +55,14 @@ _SIBLINGS: dict[str, dict] = {
         o_groups=1,
         o_lora_rank=64,
         index_n_heads=2,
-        moe_inter_dim=128,
+        moe_inter_dim=96,
         n_routed_experts=2,
         n_activated_experts=1,
     ),
     # 8 layers: 0,1 SWA; 2 Full(m=2); 3 Reuse(2); 4 Full(m=2); 5 decoder Full(m=1) + candidates;
     # 6 Reuse(5); 7 Reindex
     "v41-sib-l": dict(
-        dim=192,
+        dim=128,
         n_layers=8,
         compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1],
         kv_source_layers=[2, 4, 5],
@@ -72,11 +72,11 @@ _SIBLINGS: dict[str, dict] = {
         candidate_topk_blocks=8,
         index_topk=16,
         n_heads=4,
-        q_lora_rank=96,
+        q_lora_rank=64,
         o_groups=2,
-        o_lora_rank=96,
+        o_lora_rank=64,
         index_n_heads=4,
-        moe_inter_dim=192,
+        moe_inter_dim=128,
         n_routed_experts=4,
         n_activated_experts=1,
     ),

@@ -53,6 +53,8 @@ __all__ = [
     "heldout_loss",
     "recall_episodes",
     "recall_slice",
+    "record_slice",
+    "slice_heldout_loss",
 ]
 
 PATHS: tuple[str, ...] = ("cold", "full_hit", "replay", "unquantized", "reference")
@@ -227,6 +229,36 @@ def recall_slice(model: Transformer, episodes: EpisodeSet, path: str = "cold") -
 
 
 @torch.no_grad()
+def slice_heldout_loss(model: Transformer, tokens: torch.Tensor) -> float:
+    """Mean next-token cross-entropy of one [1, T] window in `reference` mode (the recorded slice)."""
+    logits = prefill(model, tokens[:, :-1], mode="reference", all_logits=True).logits
+    assert logits is not None
+    return float(F.cross_entropy(logits[0].float(), tokens[0, 1:]))
+
+
+def record_slice(
+    model: Transformer, tok: TextTokenizer, filler: Filler, corpus_ids: np.ndarray, spec: QualitySpec
+) -> dict[str, Any]:
+    """A small, self-contained re-checkable piece of the evaluation: 8 episodes of the 8W bucket (their
+    ids and answer spans) with the cold path's per-episode correctness, and one 128-token test window with
+    its loss. A test reloads the checkpoint and recomputes both without the corpus."""
+    k = min(8, spec.episodes)
+    eps = recall_episodes(tok, filler, bucket_distances(model.cfg.window_size)["8W"], k, seed=spec.seed,
+                          kv=spec.kv)
+    start = int(np.random.default_rng([spec.seed, 11]).integers(0, corpus_ids.size - 130))
+    window = torch.from_numpy(corpus_ids[start : start + 129].astype(np.int64)).unsqueeze(0)
+    return {
+        "bucket": "8W",
+        "path": "cold",
+        "tokens": eps.tokens.tolist(),
+        "answers": [[a.start, a.end] for a in eps.answers],
+        "correct": recall_slice(model, eps, "cold"),
+        "heldout_tokens": window[0].tolist(),
+        "heldout_loss": slice_heldout_loss(model, window),
+    }
+
+
+@torch.no_grad()
 def evaluate_quality(
     model: Transformer,
     tok: TextTokenizer,
@@ -247,7 +279,7 @@ def evaluate_quality(
 
     Returns:
         A JSON-able dict: heldout loss, per path and bucket {recall, correct, n, kl}, full-hit identity, the
-        four `recall_*_8w` keys, and a recorded slice (8W, cold, first min(8, episodes) episodes).
+        four `recall_*_8w` keys, and a recorded slice (`record_slice`).
     """
     t0 = time.perf_counter()
     w = model.cfg.window_size
@@ -303,9 +335,6 @@ def evaluate_quality(
         # the serving cache is FP4: the cold path is the FP4 figure, `unquantized` its baseline
         result["recall_fp4_8w"] = paths["cold"]["8W"]["recall"]
         result["recall_unquantized_8w"] = paths["unquantized"]["8W"]["recall"]
-        k = min(8, spec.episodes)
-        eps = recall_episodes(tok, filler, distances["8W"], k, seed=spec.seed, kv=spec.kv)
-        result["slice"] = {"bucket": "8W", "path": "cold", "episodes": k,
-                           "correct": recall_slice(model, eps, "cold")}
+        result["slice"] = record_slice(model, tok, filler, corpus_ids, spec)
     result["seconds"] = time.perf_counter() - t0
     return result

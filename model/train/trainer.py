@@ -30,7 +30,7 @@ from model.train.train_pass import PassMode, head_logits, train_pass
 from model.transformer import Transformer
 from model.weights import init_random, save_plain
 
-__all__ = ["TrainSpec", "Trainer", "default_mixture", "export_checkpoint", "phase_at"]
+__all__ = ["TrainSpec", "Trainer", "default_mixture", "export_checkpoint", "phase_at", "run_model"]
 
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
@@ -322,14 +322,23 @@ def _summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return last
 
 
+def run_model(run_dir: str | Path) -> Transformer:
+    """The fp32 model saved in a run directory's resume state (for export or evaluation mid-run)."""
+    state = torch.load(Path(run_dir) / STATE_FILE, map_location="cpu", weights_only=False)
+    spec = TrainSpec.from_dict(state["spec"])
+    model = Transformer(sibling_config(spec.model)).float()
+    model.load_state_dict(state["model"])
+    return model
+
+
 def export_checkpoint(
-    trainer: Trainer, directory: str | Path, metadata: dict[str, str] | None = None
+    model: Transformer, directory: str | Path, metadata: dict[str, str] | None = None
 ) -> Path:
-    """Write config.json and model.safetensors in the checkpoint dtypes (bf16 / fp32 as declared by a fresh
-    `Transformer` of the config), loadable with `model.load_model`. Returns the directory."""
-    cfg = trainer.model.cfg
-    target = Transformer(cfg)
-    trained = trainer.model.state_dict()
+    """Write config.json and model.safetensors of a trained (fp32) model in the checkpoint dtypes (bf16 /
+    fp32 as a fresh `Transformer` of the config declares them), loadable with `model.load_model`.
+    Returns the directory."""
+    target = Transformer(model.cfg)
+    trained = model.state_dict()
     with torch.no_grad():
         for name, p in target.state_dict().items():
             p.copy_(trained[name].to(p.dtype).cpu())

@@ -112,7 +112,7 @@ def test_trainer_resume_continues_bit_identically(tmp_path) -> None:
     lines = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
     phases = [r["phase"] for r in lines if r["event"] == "train_step"]
     assert phases == ["dense", "dense", "sparse", "sparse_qdq"]
-    out = export_checkpoint(second, tmp_path / "ckpt")
+    out = export_checkpoint(second.model, tmp_path / "ckpt")
     model = load_model(out)
     assert next(model.embed.parameters()).dtype == torch.bfloat16
     logits = prefill(model, torch.randint(16, 4096, (1, 40)), mode="ced").logits
