@@ -17,6 +17,8 @@ from mappers.artifact import (
     save_mapper,
 )
 from mappers.errors import FitError, MapperError, MapperMismatch
+from mappers.evaluate import MapperEval, evaluate_mapper, gate_failures, gate_mapper
+from mappers.fit import FitSpec, fit_mapper
 from mappers.identity import identity_mapper
 from mappers.ridge import LinearMap, MomentStats, RidgeMapper, SklearnRidgeMapper, r2_from_stats, solve_ridge
 
@@ -24,6 +26,7 @@ __all__ = [
     "MAPPER_FORMAT",
     "Applicability",
     "FitError",
+    "FitSpec",
     "GateSpec",
     "KVMapper",
     "LinearMap",
@@ -34,12 +37,17 @@ __all__ = [
     "solve_ridge",
     "LayerMap",
     "MappedGlobal",
+    "MapperEval",
     "MapperError",
     "MapperMismatch",
     "ModelRef",
     "PartMap",
     "applicability",
     "apply_mapper",
+    "evaluate_mapper",
+    "fit_mapper",
+    "gate_failures",
+    "gate_mapper",
     "identity_mapper",
     "load_mapper",
     "map_sources",

@@ -159,9 +159,11 @@ class LayerMap:
 class GateSpec:
     """Thresholds a mapper must meet on held-out text to be used (None: not gated on that figure).
 
-    min_attn_cosine applies to the mean over layers, max_next_token_kl to the mean next-token KL against
-    the receiver's own cold cache, min_index_recall to the mean index top-k recall, min_retention to the
-    measured task retention (mapped accuracy / own accuracy) when an evaluation supplies one.
+    min_attn_cosine applies to the mean over layers of the attention-output cosine against the receiver's
+    own global KV after the same bounded replay (the mapping's error alone), max_next_token_kl to the mean
+    next-token KL against the receiver's own cold cache (replay and mapping together), min_index_recall
+    to the mean index top-k recall, min_retention to the measured task retention (mapped accuracy / own
+    accuracy) when an evaluation supplies one.
     """
 
     min_attn_cosine: float | None = 0.9
