@@ -1,0 +1,169 @@
+"""A real serving node for tests: SQLite file (or a PostgreSQL schema) migrated to head, RocksDB store and
+window pool under tmp_path, the turn engine over seeded random-init models, gRPC on loopback port 0.
+
+The pool's clock is a manual one the test advances (pool expiry without sleeping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from model import decode, prefill
+from orchestrator.api import RunningServer, build_server
+from orchestrator.engine import ModelRegistry, NodeService, ServedModelSpec, build_node
+from orchestrator.settings import Settings
+
+TOKENS = {"acme": "tok-acme", "globex": "tok-globex"}
+ADMIN = "tok-admin"
+WINDOW = 32
+POOL_TTL_S = 600.0
+
+
+def registry() -> ModelRegistry:
+    """Two seeded random-init models of one geometry (v41-tiny: W=32, ratios 2 and 1, vocab 512)."""
+    return ModelRegistry(
+        {
+            "a": ServedModelSpec(name="a", config="v41-tiny", seed=1),
+            "b": ServedModelSpec(name="b", config="v41-tiny", seed=2),
+        }
+    )
+
+
+@dataclass
+class ManualClock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Node:
+    service: NodeService
+    server: RunningServer
+    channel: grpc.Channel
+    pool_clock: ManualClock
+    pb: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pb = self.service.ctx.stubs
+
+    @property
+    def sessions(self) -> Any:
+        return self.pb.sessions_grpc.SessionsStub(self.channel)
+
+    @property
+    def admin(self) -> Any:
+        return self.pb.admin_grpc.AdminStub(self.channel)
+
+    @property
+    def mappers(self) -> Any:
+        return self.pb.mappers_grpc.MappersStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.server.stop(grace_s=None)
+        self.service.close()
+
+
+def start_node(
+    data_dir: Path,
+    models: ModelRegistry,
+    *,
+    database_url: str | None = None,
+    region: str = "eu-1",
+    **settings: Any,
+) -> Node:
+    s = Settings(
+        data_dir=data_dir,
+        database_url=database_url or f"sqlite:///{data_dir / 'registry.sqlite3'}",
+        tenant_tokens=TOKENS,
+        admin_token=ADMIN,
+        grpc_port=0,
+        metrics_enabled=False,
+        region=region,
+        kv_chunk_tokens=32,
+        pool_ttl_s=POOL_TTL_S,
+        pool_budget_bytes=64 << 20,
+        max_turn_tokens=512,
+        max_new_tokens=64,
+        **settings,
+    )
+    clock = ManualClock()
+    service = build_node(s, registry=models, pool_clock=clock)
+    server = build_server(service.ctx, host="127.0.0.1", port=0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    return Node(service=service, server=server, channel=channel, pool_clock=clock)
+
+
+def md(tenant: str = "acme") -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[tenant]}"),)
+
+
+def admin_md() -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {ADMIN}"),)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    path: str
+    plan: Any
+    stats: Any
+    tokens: list[int]
+
+
+def run_turn(
+    node: Node, session_id: str, ids: list[int], *, model: str = "", tenant: str = "acme", max_new: int = 3
+) -> TurnResult:
+    pb = node.pb
+    request = pb.sessions.TurnRequest(
+        session_id=session_id,
+        tokens=pb.sessions.TokenIds(ids=ids),
+        model=model,
+        generation=pb.sessions.GenerationParams(max_new_tokens=max_new),
+    )
+    plan = stats = None
+    out: list[int] = []
+    for event in node.sessions.Turn(request, metadata=md(tenant)):
+        which = event.WhichOneof("event")
+        if which == "plan":
+            plan = event.plan
+        elif which == "tokens":
+            out += list(event.tokens.ids)
+        else:
+            stats = event.stats
+    assert plan is not None and stats is not None
+    return TurnResult(path=pb.common.ResumePath.Name(plan.path), plan=plan, stats=stats, tokens=out)
+
+
+def counts(msg: Any) -> dict[str, int]:
+    return {
+        k: int(getattr(msg, k))
+        for k in ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped")
+    }
+
+
+@torch.inference_mode()
+def uninterrupted_greedy(models: ModelRegistry, name: str, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of a cold `ced` prefill of the whole prompt followed by decode steps (the reference a
+    full hit must equal bit for bit)."""
+    served = models.get(name)
+    assert served is not None
+    out = prefill(served.model, torch.tensor([prompt]), mode="ced")
+    state, token = out.state, int(out.logits.argmax(-1))
+    tokens = [token]
+    while len(tokens) < n:
+        step = decode(served.model, torch.tensor([token]), state)
+        state, token = step.state, int(step.logits.argmax(-1))
+        tokens.append(token)
+    return tokens
+
+
+def replay_start(stored: int, window: int = WINDOW, group: int = 2) -> int:
+    start = max(0, stored - window)
+    return start - start % group

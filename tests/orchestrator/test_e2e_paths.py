@@ -1,0 +1,162 @@
+"""One session through all four resume paths over real gRPC on loopback, with a real registry database
+(SQLite file; the same scenario on PostgreSQL when configured) and a RocksDB store in tmp_path.
+
+Narration (models "a" and "b": seeded random-init v41-tiny, W = 32, ratios 2/1, chunks of 32 tokens):
+turn 0 cold prefill of 80 tokens -> turn 1 full hit (equal to the uninterrupted computation) -> the
+pool clock passes the TTL -> turn 2 global replay -> turn 3 switch to "b" without a mapper: cold prefill
+on "b" -> an identity mapper b -> a is built and registered through the Mappers API, and an admin purges
+model "a" -> turn 4 model swap back to "a" -> turn 5 full hit on "a". Every turn's streamed counts equal
+its plan's and the formula of its path, and the registry's turn rows hold the same.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from mappers import identity_mapper, read_metadata, save_mapper
+from orchestrator.db import SessionRepository, TurnRepository
+from tests.orchestrator.engine.node_harness import (
+    POOL_TTL_S,
+    WINDOW,
+    admin_md,
+    counts,
+    md,
+    registry,
+    replay_start,
+    run_turn,
+    start_node,
+    uninterrupted_greedy,
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return registry()
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
+    rng = random.Random(7)
+    node = start_node(tmp_path, models, database_url=database_url)
+    try:
+        pb = node.pb
+        created = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="a"), metadata=md())
+        sid = created.session.session_id
+        history: list[int] = []
+
+        # turn 0: nothing stored yet
+        new = _ids(rng, 80)
+        t = run_turn(node, sid, new)
+        assert t.path == "COLD_PREFILL" and t.plan.model == "a"
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": 0, "replayed_decoder": 0, "prefilled": 80, "mapped": 0,
+        }
+        assert t.tokens == uninterrupted_greedy(models, "a", new, 3)
+        assert t.stats.persisted
+        history += new + t.tokens
+
+        # turn 1: stored global KV + pool windows: a full hit, equal to the uninterrupted run
+        new = _ids(rng, 20)
+        t = run_turn(node, sid, new)
+        assert t.path == "FULL_HIT", t.plan.reason
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": len(history), "replayed_encoder": 0, "replayed_decoder": WINDOW - 20, "prefilled": 20,
+            "mapped": 0,
+        }
+        assert t.tokens == uninterrupted_greedy(models, "a", history + new, 3)
+        history += new + t.tokens
+
+        # the pool's TTL passes: windows gone, global KV stays -> bounded replay of the last W stored tokens
+        node.pool_clock.now += POOL_TTL_S + 1.0
+        new = _ids(rng, 40)
+        t = run_turn(node, sid, new)
+        assert t.path == "GLOBAL_REPLAY", t.plan.reason
+        assert "not in the pool" in t.plan.reason
+        n = len(history)
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": n, "replayed_encoder": n - replay_start(n), "replayed_decoder": 0, "prefilled": 40,
+            "mapped": 0,
+        }
+        history += new + t.tokens
+
+        # switch to the sibling "b" with no mapper registered: an honest cold prefill on the receiver
+        new = _ids(rng, 10)
+        t = run_turn(node, sid, new, model="b")
+        assert t.path == "COLD_PREFILL" and t.plan.model == "b"
+        assert t.plan.reason == "no validated mapper for a -> b"
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": 0, "replayed_decoder": WINDOW - 10,
+            "prefilled": len(history) + 10, "mapped": 0,
+        }
+        assert t.tokens == uninterrupted_greedy(models, "b", history + new, 3)
+        history += new + t.tokens
+
+        # an identity mapper b -> a (same geometry: codes are copied), registered through the Mappers API
+        a, b = models.get("a"), models.get("b")
+        artifact = save_mapper(
+            identity_mapper(
+                b.model.cfg, a.model.cfg, sender_name="b", receiver_name="a",
+                sender_fingerprint=b.fingerprint, receiver_fingerprint=a.fingerprint,
+            ),
+            tmp_path / "mapper-b-a",
+        )
+        node.mappers.RegisterMapper(
+            pb.mappers.RegisterMapperRequest(
+                mapper=pb.mappers.Mapper(
+                    mapper_id="id-b-a", sender_model="b", receiver_model="a", artifact_uri=str(artifact),
+                    artifact_sha256=read_metadata(artifact)["weights_sha256"], kind="identity",
+                    metrics={"attn_cosine_mean": 1.0}, gate_metric="attn_cosine_mean", gate_threshold=0.99,
+                    passed_gate=True,
+                )
+            ),
+            metadata=admin_md(),
+        )
+        # "a" still holds its own chunks of the older history (a bounded replay would beat mapping), so the
+        # admin purges model "a" first: the swap must map from "b".
+        node.admin.Purge(pb.admin.PurgeRequest(model="a"), metadata=admin_md())
+        new = _ids(rng, 12)
+        t = run_turn(node, sid, new, model="a")
+        assert t.path == "MODEL_SWAP", t.plan.reason
+        assert t.plan.mapper_id == "id-b-a" and t.plan.source_model == "b" and t.plan.model == "a"
+        n = len(history)
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": n - replay_start(n), "replayed_decoder": WINDOW - 12,
+            "prefilled": 12, "mapped": n,
+        }
+        history += new + t.tokens
+
+        # back on "a" with its own stored chunks (written after the swap) and pool windows
+        new = _ids(rng, 5)
+        t = run_turn(node, sid, new)
+        assert t.path == "FULL_HIT", t.plan.reason
+        assert counts(t.stats.counts)["cached"] == len(history)
+        history += new + t.tokens
+
+        with node.service.ctx.sessions() as s:
+            assert SessionRepository(s).history(sid) == history
+            rows = TurnRepository(s).list(sid)
+            assert [str(r.path) for r in rows] == [
+                "COLD_PREFILL", "FULL_HIT", "GLOBAL_REPLAY", "COLD_PREFILL", "MODEL_SWAP", "FULL_HIT",
+            ]
+            assert [r.model for r in rows] == ["a", "a", "a", "b", "a", "a"]
+            assert all(r.persisted for r in rows)
+        got = node.sessions.GetSession(pb.sessions.GetSessionRequest(session_id=sid), metadata=md())
+        assert got.turn_count == 6 and got.history_tokens == len(history) and got.model == "a"
+    finally:
+        node.stop()
+
+
+def test_turn_paths_over_grpc_sqlite(tmp_path: Path, models) -> None:
+    _scenario(tmp_path, models, None)
+
+
+def test_turn_paths_over_grpc_postgres(tmp_path: Path, models, postgres_url: str) -> None:
+    _scenario(tmp_path, models, postgres_url)
