@@ -72,13 +72,28 @@ class AttnIO:
 
 
 def window_ids(
-    start: int, rows: int, width_w: int, eff_floor: int, device: torch.device
+    start: int, rows: int, width_w: int, eff_floor: int, device: torch.device, *, canonical: bool = False
 ) -> tuple[torch.Tensor, bool]:
     """Window index rows and whether the ring is part of the KV buffer.
 
+    Args:
+        canonical: the layout of `tie_break="deterministic"`: width W, a row's visible positions ascending
+            first, then -1s, whatever the pass's start and length. The sparse attention sums a row in
+            column order, so only a layout that puts a position's keys in the same columns in every pass
+            makes chunked prefill, decode and replays equal one-shot prefill bit for bit. False: the
+            reference's prefill / decode layouts (module docstring), which conformance needs.
+
     Returns:
-        ids [T, width] int64 into [ring ; rows] (ring layout) or into rows (prefill layout); uses_ring.
+        ids [T, width] int64 into [ring ; rows] (when uses_ring) or into rows; uses_ring.
     """
+    if canonical:
+        uses_ring = eff_floor < start
+        # rows of this pass are all visible to later rows; the ring only from the effective floor
+        lowest = max(eff_floor, 0) if uses_ring else start
+        pos = start + torch.arange(rows, device=device).unsqueeze(1)  # [T, 1]
+        keys = (pos - width_w + 1).clamp(min=lowest) + torch.arange(width_w, device=device)  # [T, W]
+        ids = torch.where(keys >= start, keys - start + (width_w if uses_ring else 0), keys % width_w)
+        return torch.where(keys > pos, -1, ids), uses_ring
     if eff_floor >= start:
         r = torch.arange(rows, device=device).unsqueeze(1)  # [T, 1]
         ids = (r - width_w + 1).clamp(0) + torch.arange(min(rows, width_w), device=device)
@@ -197,7 +212,8 @@ class Attention(nn.Module):
             codes, scales = quantize_fp8_ue8m0(kv.detach(), backend=io.backend)
         kv = qdq_fp8_ue8m0(kv, backend=io.backend)  # [B, T, D]
         eff_floor = max(io.floor, io.window_from)
-        ids, uses_ring = window_ids(start, t, w, eff_floor, x.device)
+        canonical = io.tie_break == "deterministic"
+        ids, uses_ring = window_ids(start, t, w, eff_floor, x.device, canonical=canonical)
         kv_all = torch.cat([io.window, kv], dim=1) if uses_ring else kv
         keep = min(t, w)
         slots = torch.arange(end - keep, end, device=x.device) % w

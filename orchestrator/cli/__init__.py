@@ -13,7 +13,9 @@ __all__ = ["main", "build_parser"]
 
 # Each command-group module exposes `register(subparsers)`; a registered sub-command sets
 # `handler(args) -> int` through `set_defaults`.
-_GROUPS: tuple[str, ...] = ("model_cmd", "demo_cmd", "serve_cmd", "admin_cmd", "session_cmd")
+_GROUPS: tuple[str, ...] = (
+    "model_cmd", "demo_cmd", "serve_cmd", "admin_cmd", "session_cmd", "train_cmd", "eval_cmd"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
