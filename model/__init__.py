@@ -93,3 +93,10 @@ __all__ = [
     "window_kv_entry_bytes",
     "WINDOW_KV_SCALE_GROUP",
 ]
+
+# The training and quality-harness command lines (kvresume train / eval); imported last because
+# model.train builds on the modules above.
+from model.train.quality_report import add_eval_arguments, eval_from_args  # noqa: E402
+from model.train.trainer import add_train_arguments, train_from_args  # noqa: E402
+
+__all__ += ["add_eval_arguments", "add_train_arguments", "eval_from_args", "train_from_args"]

@@ -9,6 +9,7 @@ torch RNG, so a resumed run continues the same schedule from the saved step.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from model.train.corpus import CorpusManifest
 from model.train.dataset import Batch, MixtureSpec, TrainStream
-from model.train.family import sibling_config
+from model.train.family import SIBLING_NAMES, sibling_config
 from model.train.kv_recall import KvRecallSpec
 from model.train.score import recall_by_bucket, score_batch
 from model.train.tokenizer import load_tokenizer
@@ -30,16 +31,26 @@ from model.train.train_pass import PassMode, head_logits, train_pass
 from model.transformer import Transformer
 from model.weights import init_random, save_plain
 
-__all__ = ["TrainSpec", "Trainer", "default_mixture", "export_checkpoint", "phase_at", "run_model"]
+__all__ = [
+    "TrainSpec",
+    "Trainer",
+    "add_train_arguments",
+    "default_mixture",
+    "export_checkpoint",
+    "phase_at",
+    "run_model",
+    "train_from_args",
+]
 
 STATE_FILE = "state.pt"
 LOG_FILE = "train_log.jsonl"
 _STATE_VERSION = 1
 
 
-def default_mixture(seed: int = 0, batch_size: int = 8, seq_len: int = 320) -> MixtureSpec:
-    """Mostly key-value recall (4 facts per episode, episodes packed), some corpus LM; short distances
-    first."""
+def default_mixture(seed: int = 0, batch_size: int = 6, seq_len: int = 256) -> MixtureSpec:
+    """The shipped recipe's data: 85% key-value recall rows (4 facts per episode, episodes packed, so about
+    a dozen questions per row), 15% corpus LM rows; the question distance cap grows 32 -> 64 -> 128 -> 256
+    tokens at steps 100, 250 and 450 (short distances first: the recall plateau is long otherwise)."""
     return MixtureSpec(
         batch_size=batch_size,
         seq_len=seq_len,
@@ -47,7 +58,7 @@ def default_mixture(seed: int = 0, batch_size: int = 8, seq_len: int = 320) -> M
         lm_weight=0.15,
         kv_weight=0.85,
         agent_weight=0.0,
-        curriculum=((0, 24), (150, 64), (400, 160), (800, 256)),
+        curriculum=((0, 32), (100, 64), (250, 128), (450, 256)),
         kv=KvRecallSpec(n_pairs=4, n_queries=4, max_distance=256),
         filler="corpus",
     )
@@ -65,7 +76,7 @@ class TrainSpec:
     """
 
     model: str
-    steps: int
+    steps: int = 1200
     mixture: MixtureSpec = field(default_factory=default_mixture)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -344,3 +355,45 @@ def export_checkpoint(
             p.copy_(trained[name].to(p.dtype).cpu())
     save_plain(target, directory, metadata)
     return Path(directory)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The training command's options (shared by `kvresume train` and `python -m model.train train`)."""
+    p.add_argument("--model", required=True, choices=SIBLING_NAMES)
+    p.add_argument("--run-dir", type=Path, default=None, help="resume state and log (default runs/<model>)")
+    p.add_argument("--steps", type=int, default=TrainSpec.steps)
+    p.add_argument("--batch-size", type=int, default=default_mixture().batch_size)
+    p.add_argument("--seq-len", type=int, default=default_mixture().seq_len)
+    p.add_argument("--lr", type=float, default=TrainSpec.lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if present")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop (resumably) after this long")
+    p.add_argument("--export", type=Path, default=None, help="write a bf16 checkpoint here at the end")
+    p.add_argument("--fresh", action="store_true", help="ignore an existing resume state")
+
+
+def train_from_args(args: argparse.Namespace) -> int:
+    """Run (or resume) a training run from parsed options; prints one JSON summary line. Returns 0."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = TrainSpec(
+        model=args.model,
+        steps=args.steps,
+        mixture=default_mixture(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len),
+        lr=args.lr,
+        seed=args.seed,
+    )
+    run_dir = args.run_dir or Path("runs") / args.model
+    trainer = Trainer(spec, run_dir, device=device, resume=not args.fresh)
+    step = trainer.run(max_seconds=args.max_seconds)
+    summary = {"event": "train_done", "model": args.model, "step": step, "steps": spec.steps,
+               "seconds": round(trainer.elapsed, 1), "run_dir": str(run_dir)}
+    if args.export is not None and step >= spec.steps:
+        export_checkpoint(trainer.model, args.export)
+        summary["exported"] = str(args.export)
+    print(json.dumps(summary))
+    return 0
