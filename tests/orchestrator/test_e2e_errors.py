@@ -1,0 +1,217 @@
+"""The service's failure behaviour over real gRPC: every status of the error table triggered by a real bad
+request, Abort and a concurrent second turn, deadlines (each leaves the session at its last completed
+turn), two tenants isolated, residency (served without persisting), sessions served in parallel.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.db import SessionRepository
+from tests.orchestrator.engine.node_harness import admin_md, md, registry, run_turn, start_node
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory):
+    torch.set_num_threads(1)
+    n = start_node(tmp_path_factory.mktemp("errors"), registry(), max_sessions_per_tenant=50)
+    yield n
+    n.stop()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def _session(node, tenant: str = "acme", model: str = "a") -> str:
+    pb = node.pb
+    return node.sessions.CreateSession(
+        pb.sessions.CreateSessionRequest(model=model), metadata=md(tenant)
+    ).session.session_id
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not hasattr(result, "ListFields"):
+            list(result)
+    return info.value.code()
+
+
+def _turn_request(node, sid: str, ids: list[int], *, model: str = "", max_new: int = 2):
+    pb = node.pb
+    return pb.sessions.TurnRequest(
+        session_id=sid,
+        tokens=pb.sessions.TokenIds(ids=ids),
+        model=model,
+        generation=pb.sessions.GenerationParams(max_new_tokens=max_new),
+    )
+
+
+def _state(node, sid: str) -> tuple[int, list[int]]:
+    with node.service.ctx.sessions() as s:
+        row = SessionRepository(s).get(sid, tenant_id=None)
+        return row.turn_count, SessionRepository(s).history(sid)
+
+
+def test_turn_errors_map_to_status_codes(node) -> None:
+    pb, st = node.pb, node.sessions
+    sid = _session(node)
+    ok = _ids(1, 10)
+    assert _code(lambda: st.Turn(_turn_request(node, sid, ok))) == grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        _code(lambda: node.admin.Purge(pb.admin.PurgeRequest(model="a"), metadata=md()))
+        == grpc.StatusCode.PERMISSION_DENIED
+    )
+    # token 512 is one past v41-tiny's vocabulary
+    assert _code(lambda: st.Turn(_turn_request(node, sid, [20, 512]), metadata=md())) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert _code(lambda: st.Turn(_turn_request(node, "no-such-session", ok), metadata=md())) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert _code(lambda: st.Turn(_turn_request(node, sid, ok, model="not-served"), metadata=md())) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert _code(lambda: st.Turn(_turn_request(node, sid, _ids(2, 513)), metadata=md())) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    # none of the refused turns touched the session
+    assert _state(node, sid) == (0, [])
+    closed = _session(node)
+    st.CloseSession(pb.sessions.CloseSessionRequest(session_id=closed), metadata=md())
+    assert _code(lambda: st.Turn(_turn_request(node, closed, ok), metadata=md())) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    t = run_turn(node, sid, ok, max_new=2)
+    assert t.path == "COLD_PREFILL"
+    assert _state(node, sid)[0] == 1
+
+
+def test_abort_and_a_concurrent_turn_leave_the_session_at_its_last_turn(node) -> None:
+    pb, st = node.pb, node.sessions
+    sid = _session(node)
+    first = run_turn(node, sid, _ids(3, 40))
+    before = _state(node, sid)
+    assert before == (1, _ids(3, 40) + first.tokens)
+    stream = st.Turn(_turn_request(node, sid, _ids(4, 8), max_new=60), metadata=md())
+    events = iter(stream)
+    assert next(events).WhichOneof("event") == "plan"
+    assert next(events).WhichOneof("event") == "tokens"
+    # the same session cannot run a second turn meanwhile
+    assert _code(lambda: st.Turn(_turn_request(node, sid, _ids(5, 4)), metadata=md())) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    aborted = st.Abort(pb.sessions.AbortRequest(session_id=sid, reason="user pressed stop"), metadata=md())
+    assert aborted.aborted
+    with pytest.raises(grpc.RpcError) as info:
+        list(events)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert _state(node, sid) == before
+    # the next turn resumes from the last completed one: its stored KV and pool entry are intact
+    t = run_turn(node, sid, _ids(6, 5))
+    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(before[1])
+
+
+def test_deadline_leaves_the_session_at_its_last_turn(node) -> None:
+    st = node.sessions
+    sid = _session(node)
+    first = run_turn(node, sid, _ids(7, 45))
+    before = _state(node, sid)
+    with pytest.raises(grpc.RpcError) as info:
+        list(st.Turn(_turn_request(node, sid, _ids(8, 6), max_new=60), metadata=md(), timeout=1.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # the server notices at its next step; wait for the turn to be released (bounded)
+    done = threading.Event()
+    for _ in range(200):
+        if not node.service.ctx.running.running(sid):
+            break
+        done.wait(0.05)
+    assert not node.service.ctx.running.running(sid)
+    assert _state(node, sid) == before
+    assert run_turn(node, sid, _ids(9, 4)).stats.counts.cached == len(_ids(7, 45) + first.tokens)
+
+
+def test_two_tenants_are_isolated(node) -> None:
+    pb, st = node.pb, node.sessions
+    prompt = _ids(10, 50)
+    mine = _session(node, "acme")
+    t = run_turn(node, mine, prompt)
+    history = prompt + t.tokens
+    theirs = _session(node, "globex")
+    # another tenant sees none of acme's sessions
+    assert _code(
+        lambda: st.GetSession(pb.sessions.GetSessionRequest(session_id=mine), metadata=md("globex"))
+    ) == (grpc.StatusCode.NOT_FOUND)
+    assert _code(lambda: st.Turn(_turn_request(node, mine, prompt), metadata=md("globex"))) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert (
+        _code(
+            lambda: st.DeleteSession(pb.sessions.DeleteSessionRequest(session_id=mine), metadata=md("globex"))
+        )
+        == grpc.StatusCode.NOT_FOUND
+    )
+    # nor any of its stored KV: the same tokens under globex are a miss at token 0
+    fp = node.service.registry.get("a").fingerprint_hex
+    assert node.service.store.lookup("acme", fp, history).n_tokens == len(history)
+    assert node.service.store.lookup("globex", fp, history).n_tokens == 0
+    t2 = run_turn(node, theirs, prompt, tenant="globex")
+    assert t2.path == "COLD_PREFILL" and t2.tokens == t.tokens
+    # inside one tenant a fork shares the parent's stored chunks (no pool entry of its own yet)
+    child = st.ForkSession(pb.sessions.ForkSessionRequest(session_id=mine, at_turn=1), metadata=md()).session
+    t3 = run_turn(node, child.session_id, _ids(11, 5))
+    assert t3.path == "GLOBAL_REPLAY" and t3.stats.counts.cached == len(history)
+
+
+def test_residency_serves_without_persisting(node) -> None:
+    pb = node.pb
+    node.admin.SetResidencyPolicy(
+        pb.admin.ResidencyPolicy(tenant_id="globex", allowed_regions=["us-9"]), metadata=admin_md()
+    )
+    try:
+        sid = _session(node, "globex")
+        t = run_turn(node, sid, _ids(12, 40), tenant="globex")
+        assert not t.plan.persist and "residency" in t.plan.persist_note and "residency" in t.plan.reason
+        assert not t.stats.persisted
+        t = run_turn(node, sid, _ids(13, 5), tenant="globex")
+        assert t.path == "COLD_PREFILL" and t.stats.counts.prefilled == 40 + 3 + 5
+        assert node.service.store.tenant_stats("globex").chunks == 0
+    finally:
+        node.admin.SetResidencyPolicy(pb.admin.ResidencyPolicy(tenant_id="globex"), metadata=admin_md())
+
+
+def test_sessions_run_turns_in_parallel(node) -> None:
+    sids = [_session(node) for _ in range(3)]
+    results: dict[str, str] = {}
+
+    def work(i: int, sid: str) -> None:
+        results[sid] = run_turn(node, sid, _ids(20 + i, 30)).path
+
+    threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate(sids)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert results == {s: "COLD_PREFILL" for s in sids}
+
+
+def test_a_closed_store_is_unavailable(tmp_path: Path) -> None:
+    n = start_node(tmp_path, registry())
+    try:
+        sid = _session(n)
+        n.service.store.close()
+        assert _code(lambda: n.sessions.Turn(_turn_request(n, sid, [20, 21]), metadata=md())) == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+    finally:
+        n.channel.close()
+        n.server.stop(grace_s=None)
+        n.service.ctx.close()
