@@ -14,7 +14,7 @@ __all__ = ["main", "build_parser"]
 # Each command-group module exposes `register(subparsers)`; a registered sub-command sets
 # `handler(args) -> int` through `set_defaults`.
 _GROUPS: tuple[str, ...] = (
-    "model_cmd", "demo_cmd", "serve_cmd", "admin_cmd", "session_cmd", "train_cmd", "eval_cmd"
+    "model_cmd", "demo_cmd", "serve_cmd", "admin_cmd", "session_cmd", "train_cmd", "eval_cmd", "mapper_cmd"
 )
 
 

@@ -1,0 +1,286 @@
+"""`kvresume mapper ...`: fit, evaluate and list cross-model KV mapper artifacts.
+
+Models come from a shipped preset or a config.json (seeded random weights) or a checkpoint folder; each
+side may override config keys (`--receiver-set dim=128`) to make a sibling of another width. Calibration
+and evaluation tokens are seeded random ids unless `--tokens-file` gives real sequences (a JSON list of
+token-id lists). Default sizes fit v41-tiny pairs in well under a minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _add_model_args(parser: argparse.ArgumentParser, side: str) -> None:
+    from model import PRESET_NAMES
+
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument(f"--{side}-preset", help=f"shipped config, random weights: {', '.join(PRESET_NAMES)}")
+    group.add_argument(f"--{side}-config", help="config.json path, random weights")
+    group.add_argument(f"--{side}-checkpoint", help="checkpoint folder (config.json + model.safetensors)")
+    parser.add_argument(f"--{side}-seed", type=int, default=0 if side == "sender" else 1,
+                        help="seed of the random weights (preset/config only)")
+    parser.add_argument(f"--{side}-set", action="append", default=[], metavar="KEY=JSON",
+                        help="override a config key (repeatable), e.g. dim=128")
+    parser.add_argument(f"--{side}-name", help="display name recorded in the artifact")
+
+
+def _load_model(args: argparse.Namespace, side: str):
+    """(name, model) for one side. Raises ValueError / OSError."""
+    import torch
+
+    from model import ModelConfig, Transformer, init_random, load_model, load_preset
+
+    def get(key: str):
+        return getattr(args, f"{side}_{key}")
+
+    overrides: dict[str, Any] = {}
+    for item in get("set"):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--{side}-set expects KEY=JSON, got {item!r}")
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--{side}-set {key}: not JSON: {raw!r}") from exc
+    if get("checkpoint"):
+        if overrides:
+            raise ValueError(f"--{side}-set cannot change a checkpoint's config")
+        name = get("name") or Path(get("checkpoint")).name
+        return name, load_model(get("checkpoint"), device=args.device).eval()
+    if get("preset"):
+        cfg, name = load_preset(get("preset")), get("preset")
+    else:
+        cfg, name = ModelConfig.from_json(get("config")), Path(get("config")).stem
+    if overrides:
+        cfg = ModelConfig.from_dict(cfg.to_dict() | overrides)
+        name += "+" + ",".join(f"{k}={v}" for k, v in overrides.items())
+    name = get("name") or f"{name}@seed{get('seed')}"
+    with torch.device(args.device):
+        model = Transformer(cfg)
+    return name, init_random(model, seed=get("seed")).eval()
+
+
+def _token_batches(args: argparse.Namespace, vocab: int, seed: int, n: int, b: int, t: int):
+    """n batches [b, t] int64: slices of --tokens-file sequences, or seeded random ids."""
+    import torch
+
+    if args.tokens_file:
+        seqs = json.loads(Path(args.tokens_file).read_text())
+        rows = [torch.tensor(s[i : i + t]) for s in seqs for i in range(0, len(s) - t + 1, t)]
+        if len(rows) < n * b:
+            raise ValueError(f"--tokens-file holds {len(rows)} windows of {t} tokens, {n * b} needed")
+        start = seed % max(1, len(rows) - n * b + 1)
+        rows = rows[start : start + n * b]
+        return [torch.stack(rows[i * b : (i + 1) * b]).to(args.device) for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (b, t), generator=g).to(args.device) for _ in range(n)]
+
+
+def _gate(args: argparse.Namespace):
+    """GateSpec defaults, with the thresholds given on the command line."""
+    from mappers import GateSpec
+
+    given = {
+        "min_attn_cosine": args.gate_attn_cosine,
+        "max_next_token_kl": args.gate_next_token_kl,
+        "min_index_recall": args.gate_index_recall,
+    }
+    return GateSpec(**{k: v for k, v in given.items() if v is not None})
+
+
+def _summary(mapper, failed: list[str] | None, directory: Path | None) -> dict[str, Any]:
+    return {
+        "dir": str(directory) if directory else None,
+        "sender": mapper.sender.name,
+        "receiver": mapper.receiver.name,
+        "layers": [
+            {
+                "receiver_layer": lm.receiver_layer,
+                "ratio": lm.ratio,
+                "kv_from": list(lm.kv.sender_layers),
+                "index_from": list(lm.index.sender_layers),
+                "quality": dict(lm.quality),
+            }
+            for lm in mapper.layers
+        ],
+        "quality": dict(mapper.quality),
+        "passed_gate": mapper.passed_gate,
+        "gate_failures": failed,
+        "digest": mapper.digest(),
+    }
+
+
+def _print(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    where = f" at {summary['dir']}" if summary["dir"] else ""
+    print(f"mapper {summary['sender']} -> {summary['receiver']}{where}")
+    for lm in summary["layers"]:
+        q = lm["quality"]
+        figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(q.items()) if k.startswith(("r2_", "eval_")))
+        print(f"  layer {lm['receiver_layer']} (ratio {lm['ratio']}): kv<-{lm['kv_from']} "
+              f"index<-{lm['index_from']}  {figures}")
+    print("  " + " ".join(f"{k}={v:.4g}" for k, v in sorted(summary["quality"].items())))
+    verdict = "PASSED" if summary["passed_gate"] else "NOT PASSED"
+    why = f" ({'; '.join(summary['gate_failures'])})" if summary["gate_failures"] else ""
+    print(f"  gate: {verdict}{why}")
+
+
+def _evaluate(args, mapper, sender, receiver):
+    from mappers import evaluate_mapper, gate_mapper
+
+    prompts = _token_batches(args, receiver.cfg.vocab_size, args.seed + 1000, 1, args.eval_prompts,
+                             args.eval_prefix + args.eval_suffix)[0]
+    evaluation = evaluate_mapper(mapper, sender, receiver, prompts, suffix_tokens=args.eval_suffix)
+    return gate_mapper(mapper, evaluation, gate=_gate(args))
+
+
+def _run_fit(args: argparse.Namespace) -> int:
+    import torch
+
+    from mappers import FitSpec, fit_mapper, save_mapper
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s_name, sender = _load_model(args, "sender")
+    r_name, receiver = _load_model(args, "receiver")
+    if sender.cfg.vocab_size != receiver.cfg.vocab_size:
+        raise ValueError(f"sender and receiver vocabularies differ: {sender.cfg.vocab_size} vs "
+                         f"{receiver.cfg.vocab_size} (siblings share a tokenizer)")
+    vocab = sender.cfg.vocab_size
+    train = _token_batches(args, vocab, args.seed, args.batches, args.batch_size, args.tokens)
+    held = _token_batches(args, vocab, args.seed + 1, args.heldout, args.batch_size, args.tokens)
+    spec = FitSpec(k=args.k, alphas=tuple(args.alphas))
+    with torch.inference_mode():
+        mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
+                            receiver_name=r_name, gate=_gate(args))
+        failed = None
+        if args.eval_prompts:
+            mapper, failed = _evaluate(args, mapper, sender, receiver)
+    out = save_mapper(mapper, args.out)
+    _print(_summary(mapper, failed, out), args.json)
+    return 1 if args.require_gate and not mapper.passed_gate else 0
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from mappers import applicability, load_mapper, save_mapper
+    from model import model_fingerprint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mapper = load_mapper(args.dir)
+    _, sender = _load_model(args, "sender")
+    _, receiver = _load_model(args, "receiver")
+    verdict = applicability(mapper, sender_fingerprint=model_fingerprint(sender),
+                            receiver_fingerprint=model_fingerprint(receiver), require_gate=False)
+    if not verdict.ok:
+        raise ValueError(f"the mapper at {args.dir} does not fit these models: {verdict.reason}")
+    with torch.inference_mode():
+        mapper, failed = _evaluate(args, mapper, sender, receiver)
+    if args.write:
+        save_mapper(mapper, args.dir)
+    _print(_summary(mapper, failed, Path(args.dir)), args.json)
+    return 1 if args.require_gate and not mapper.passed_gate else 0
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    from mappers import read_metadata
+
+    found = []
+    for root in args.roots:
+        base = Path(root)
+        if not base.exists():
+            raise ValueError(f"{root} does not exist")
+        direct = base / "mapper.json"
+        for doc_path in [direct] if direct.is_file() else sorted(base.rglob("mapper.json")):
+            doc = read_metadata(doc_path.parent)
+            found.append({
+                "dir": str(doc_path.parent),
+                "sender": doc["sender"]["name"],
+                "receiver": doc["receiver"]["name"],
+                "sender_fingerprint": doc["sender"]["fingerprint"],
+                "receiver_fingerprint": doc["receiver"]["fingerprint"],
+                "layers": len(doc["layers"]),
+                "passed_gate": doc["passed_gate"],
+                "quality": doc["quality"],
+            })
+    if args.json:
+        print(json.dumps(found, indent=2, sort_keys=True))
+        return 0
+    for f in found:
+        q = f["quality"]
+        keys = ("attn_cosine_mean", "next_token_kl", "index_recall")
+        figures = " ".join(f"{k}={q[k]:.4g}" for k in keys if k in q)
+        print(f"{f['dir']}: {f['sender']} -> {f['receiver']}, {f['layers']} layers, "
+              f"gate {'passed' if f['passed_gate'] else 'not passed'} {figures}".rstrip())
+    if not found:
+        print("no mappers found")
+    return 0
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random calibration/eval tokens")
+    parser.add_argument("--tokens-file", help="JSON list of token-id lists to calibrate and evaluate on")
+    parser.add_argument("--eval-prompts", type=int, default=2, help="held-out prompts to evaluate (0: skip)")
+    parser.add_argument("--eval-prefix", type=int, default=64, help="mapped prefix tokens per prompt")
+    parser.add_argument("--eval-suffix", type=int, default=8, help="receiver tokens after the prefix")
+    parser.add_argument("--gate-attn-cosine", type=float, help="gate: min mean attention cosine (0.9)")
+    parser.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL vs cold (0.2)")
+    parser.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall (0.5)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--require-gate", action="store_true", help="exit 1 when the mapper fails its gate")
+    _add_model_args(parser, "sender")
+    _add_model_args(parser, "receiver")
+
+
+def _mapper_errors_exit_1(handler):
+    """MapperError (e.g. a fit without usable rows) becomes a message and exit code 1, as ValueError does."""
+
+    def run(args: argparse.Namespace) -> int:
+        from mappers import MapperError
+
+        try:
+            return handler(args)
+        except MapperError as exc:
+            print(f"kvresume mapper {args.mapper_command}: error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("mapper", help="cross-model KV mappers (fit, eval, list)")
+    sub = parser.add_subparsers(dest="mapper_command", required=True)
+
+    fit = sub.add_parser("fit", help="fit a ridge mapper between two models, evaluate, gate and save it")
+    fit.add_argument("--out", required=True, help="artifact folder to write")
+    fit.add_argument("--batches", type=int, default=3, help="calibration batches")
+    fit.add_argument("--heldout", type=int, default=1, help="held-out batches (layer ranking, alpha)")
+    fit.add_argument("--batch-size", type=int, default=2, help="sequences per batch")
+    fit.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
+    fit.add_argument("--k", type=int, default=None, help="sender layers stacked per receiver layer (all)")
+    fit.add_argument("--alphas", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0],
+                     help="relative ridge penalties to choose from")
+    _add_common(fit)
+    fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
+
+    ev = sub.add_parser("eval", help="evaluate a saved mapper on held-out prompts and apply the gate")
+    ev.add_argument("dir", help="artifact folder")
+    ev.add_argument("--write", action="store_true", help="record the figures and gate in the artifact")
+    _add_common(ev)
+    ev.set_defaults(handler=_mapper_errors_exit_1(_run_eval))
+
+    ls = sub.add_parser("list", help="list mapper artifacts under folders")
+    ls.add_argument("roots", nargs="+", help="artifact folders or folders holding them")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ls.set_defaults(handler=_run_list)

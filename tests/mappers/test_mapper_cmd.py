@@ -1,0 +1,53 @@
+"""`kvresume mapper fit|eval|list` in-process on tiny random-init models (the mapper command group alone,
+so the test does not depend on other command groups)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mappers import load_mapper
+from orchestrator.cli import mapper_cmd
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvresume")
+    mapper_cmd.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+MODELS = ["--sender-preset", "v41-tiny", "--receiver-preset", "v41-tiny", "--receiver-set", "dim=128",
+          "--threads", "1"]  # fmt: skip
+
+
+def test_mapper_fit_eval_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "maps" / "a"
+    fit = ["mapper", "fit", "--out", str(out), "--batches", "1", "--tokens", "64", "--eval-prompts", "1",
+           "--eval-prefix", "32", "--gate-attn-cosine", "0.0", "--gate-next-token-kl", "100",
+           "--gate-index-recall", "0", "--json", *MODELS]  # fmt: skip
+    assert _run(fit) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["passed_gate"] is True and summary["gate_failures"] == []
+    assert [lm["receiver_layer"] for lm in summary["layers"]] == [2, 4, 6]
+    mapper = load_mapper(out)
+    assert mapper.passed_gate and "attn_cosine_mean" in mapper.quality
+    assert mapper.receiver.config.dim == 128
+
+    assert _run(["mapper", "list", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [row["dir"] for row in listed] == [str(out)] and listed[0]["passed_gate"] is True
+
+    # the default gate is far above what two unrelated random models reach: eval says so and exits 1
+    strict = ["mapper", "eval", str(out), "--eval-prompts", "1", "--eval-prefix", "32", "--require-gate",
+              "--write", *MODELS]  # fmt: skip
+    assert _run(strict) == 1
+    assert "gate: NOT PASSED" in capsys.readouterr().out
+    assert not load_mapper(out).passed_gate
+
+    # another receiver than the one the mapper was fitted for is refused
+    with pytest.raises(ValueError, match="receiver_fingerprint_mismatch"):
+        _run(["mapper", "eval", str(out), *MODELS[:4], "--receiver-seed", "7", "--receiver-set", "dim=128"])
