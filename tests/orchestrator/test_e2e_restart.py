@@ -1,0 +1,67 @@
+"""The server restarted between turns: the session resumes from disk (registry file + RocksDB store), the
+RAM pool is gone so the first turn after the restart is a bounded replay, the next a full hit; chunks the
+registry no longer names (a purge that committed in SQL) are a miss, never a hit.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from sqlalchemy import delete
+
+from orchestrator.db.models import CacheSegment
+from tests.orchestrator.engine.node_harness import counts, md, registry, replay_start, run_turn, start_node
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def test_session_resumes_from_disk_after_restart(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    first = start_node(tmp_path, registry())
+    try:
+        pb = first.pb
+        sid = first.sessions.CreateSession(
+            pb.sessions.CreateSessionRequest(model="a"), metadata=md()
+        ).session.session_id
+        t0 = run_turn(first, sid, _ids(1, 60))
+        t1 = run_turn(first, sid, _ids(2, 10))
+        assert (t0.path, t1.path) == ("COLD_PREFILL", "FULL_HIT")
+        history = _ids(1, 60) + t0.tokens + _ids(2, 10) + t1.tokens
+    finally:
+        first.stop()
+
+    second = start_node(tmp_path, registry())
+    try:
+        assert second.service.reconcile.dangling_rows_deleted == 0
+        assert second.service.store.recovery.chunks > 0
+        t2 = run_turn(second, sid, _ids(3, 8))
+        n = len(history)
+        assert t2.path == "GLOBAL_REPLAY" and "not in the pool" in t2.plan.reason
+        assert (
+            counts(t2.stats.counts)
+            == counts(t2.plan.counts)
+            == {
+                "cached": n,
+                "replayed_encoder": n - replay_start(n),
+                "replayed_decoder": 32 - 8,
+                "prefilled": 8,
+                "mapped": 0,
+            }
+        )
+        history += _ids(3, 8) + t2.tokens
+        t3 = run_turn(second, sid, _ids(4, 6))
+        assert t3.path == "FULL_HIT" and t3.stats.counts.cached == len(history)
+        history += _ids(4, 6) + t3.tokens
+        # the registry forgets the chunks (as a purge committed in SQL does): stored bytes no longer count
+        with second.service.ctx.serializable.begin() as s:
+            s.execute(delete(CacheSegment))
+        t4 = run_turn(second, sid, _ids(5, 4))
+        assert t4.path == "COLD_PREFILL" and "not in the registry" in t4.plan.reason
+        assert t4.stats.counts.prefilled == len(history) + 4
+    finally:
+        second.stop()
