@@ -16,6 +16,7 @@ from mappers.artifact import (
     read_metadata,
     save_mapper,
 )
+from mappers.capture import ContentKV, capture_content, content_of
 from mappers.errors import FitError, MapperError, MapperMismatch
 from mappers.evaluate import MapperEval, evaluate_mapper, gate_failures, gate_mapper
 from mappers.fit import FitSpec, fit_mapper
@@ -25,6 +26,7 @@ from mappers.ridge import LinearMap, MomentStats, RidgeMapper, SklearnRidgeMappe
 __all__ = [
     "MAPPER_FORMAT",
     "Applicability",
+    "ContentKV",
     "FitError",
     "FitSpec",
     "GateSpec",
@@ -44,6 +46,8 @@ __all__ = [
     "PartMap",
     "applicability",
     "apply_mapper",
+    "capture_content",
+    "content_of",
     "evaluate_mapper",
     "fit_mapper",
     "gate_failures",

@@ -101,7 +101,7 @@ def test_fit_mapper_finds_the_same_layer_in_content_space(sender: Transformer) -
     receiver = Transformer(r_cfg)
     receiver.load_state_dict(sender.state_dict())
     receiver.eval()
-    train, held = _batches(3, 2, 128, seed=5), _batches(1, 2, 128, seed=6)
+    train, held = _batches(2, 2, 112, seed=5), _batches(1, 2, 96, seed=6)
     mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=FitSpec(k=1, alphas=(1e-4,)))
     assert [lm.kv.sender_layers for lm in mapper.layers] == [(2,), (4,), (6,)]
     r2 = mapper.layer(2).quality["r2_kv_heldout"]
