@@ -1,0 +1,546 @@
+"""Model-level costs of the resume paths: prefill throughput vs context, the CED saving, decode speed, a
+global-only resume against a cold prefill, and peak memory, on one preset with random weights.
+
+Arms, per history length N (one process; every repeat runs every arm, in an order rotated per repeat):
+- cold_ced: `prefill(mode="ced")` of the N history tokens plus the new tokens from an empty state (encoder
+  over every row, decoder over the last W rows: the service's prefill).
+- cold_reference: the same tokens with `mode="reference"`: every layer over every row (full depth).
+  CED ratio = cold_reference / cold_ced.
+- resume: the GLOBAL_REPLAY path end to end: `state_from_global` over the history's global KV bytes
+  (`export_global` of positions [0, N), exported once per length and timed on its own), then
+  `prefill(mode="ced")` of the new tokens, which replays the encoder over the last W stored tokens and the
+  decoder over the last W prompt rows. Timed: import + prefill.
+- decode: greedy `decode` steps after cold_ced; tokens/s = 1 / median step time.
+The history's bytes are cut from cold_ced's state with the torch backend: global entries are causal, and
+the correctness gate checks that they equal the bytes of a cold prefill of the history alone. With the
+triton backend the history is prefilled on its own instead.
+
+FLOP model (analytic, per pass, from `PassStats.rows_per_layer`; counts multiply-adds as 2 FLOPs):
+- every row of layer i: 2 x the layer's active weights (attention, compressor, indexer, mHC mixers, shared
+  expert, gate, and n_activated / n_routed of the routed experts);
+- attention: 4·H·D per (row, key) over min(W, p + 1) window keys plus min(topk, (p + 1) // m) compressed
+  entries on a ratio-m layer (m = 1 on the decoder's layers);
+- indexer scores on an index-source layer: 2·H_I·D_I·((p + 1) // m) per row;
+- rows of the CED split layer that only feed its compressor: 2 x (compressor + index-key weights) per row;
+- the head: 2·dim·vocab per logits row.
+Selection (top-k), quantization and normalisation are not counted. GFLOP/s = model FLOPs / median time.
+
+Peak memory per arm: on CUDA `torch.cuda.max_memory_allocated` above the memory held before the arm; on
+CPU the resident-set high-water above the arm's start, sampled every 5 ms from /proc/self/statm; plus the
+process's `ru_maxrss` at the end.
+
+Refuses to run (exit 1) when the correctness gate fails: chunked `ced` prefill equals one-shot (bitwise
+with the torch backend, relative L2 <= TRITON_REL_TOL with triton), `ced` equals `reference` for N <= W,
+prefix bytes of a longer prefill equal the prefix's own, and (triton) the triton backend matches torch.
+
+Run: python -m benchmarks.bench_model [--preset v41-tiny] [--device cpu|cuda] [--kernel-backend torch|triton]
+     [--lengths 1024,2048,4096,8192,16384] [--repeats 3] [--new-tokens 256] [--decode-steps 8]
+     [--threads 1] [--json PATH|-]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from model import (
+    PassStats,
+    Transformer,
+    decode,
+    export_global,
+    init_random,
+    load_preset,
+    model_fingerprint,
+    prefill,
+    state_from_global,
+)
+
+# relative L2 between triton- and torch-backend logits the gate accepts (rounding differences flip FP4/FP8
+# codes and top-k picks of a random-weight model; see tests/model/test_kernel_backend.py)
+TRITON_REL_TOL = 0.1
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+ARMS = ("cold_ced", "cold_reference", "resume")
+
+
+
+
+def _routed_fraction(name: str, cfg) -> float:
+    return cfg.n_activated_experts / cfg.n_routed_experts if ".ffn.experts." in name else 1.0
+
+
+def _weight_count(p: torch.Tensor) -> int:
+    # packed FP4 weights hold two values per element
+    return p.numel() * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1)
+
+
+def layer_weights(model: Transformer) -> tuple[list[float], list[float]]:
+    """Active weights per row of each layer, and of the compressor + index-key path of each layer.
+
+    Returns:
+        (per-layer active weights, per-layer compressor and index-key weights), floats (routed experts
+        count n_activated / n_routed of their size).
+    """
+    cfg = model.cfg
+    active = [0.0] * cfg.n_layers
+    compress = [0.0] * cfg.n_layers
+    for name, p in model.named_parameters():
+        if not name.startswith("layers.") or name.endswith(".scale") or p.dim() < 2:
+            continue
+        i = int(name.split(".")[1])
+        n = _weight_count(p) * _routed_fraction(name, cfg)
+        active[i] += n
+        if ".attn.compressor." in name or ".attn.indexer.wk." in name:
+            compress[i] += n
+    return active, compress
+
+
+def _sum_floor_div(lo: int, hi: int, m: int) -> int:
+    """sum of (p + 1) // m over p in [lo, hi)."""
+
+    def prefix(n: int) -> int:  # sum of q // m over q in [1, n]
+        k = n // m
+        return m * k * (k - 1) // 2 + k * (n - m * k + 1)
+
+    return prefix(hi) - prefix(lo)
+
+
+def _sum_min(lo: int, hi: int, cap: int, m: int) -> int:
+    """sum of min(cap, (p + 1) // m) over p in [lo, hi)."""
+    # (p + 1) // m reaches cap at p = cap * m - 1
+    knee = min(max(cap * m - 1, lo), hi)
+    return _sum_floor_div(lo, knee, m) + cap * (hi - knee)
+
+
+def pass_flops(model: Transformer, stats: PassStats, logits_rows: int = 1) -> float:
+    """FLOPs of one pass under the module docstring's model."""
+    cfg = model.cfg
+    active, compress = layer_weights(model)
+    w = cfg.window_size
+    h, d, h_i, d_i = cfg.n_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
+    end = stats.end
+    total = 2.0 * cfg.dim * cfg.vocab_size * logits_rows
+    for i, rows in enumerate(stats.rows_per_layer):
+        if rows == 0:
+            continue
+        lo = end - rows
+        total += 2.0 * active[i] * rows
+        # window keys min(W, p + 1): the floor of a replay only lowers this
+        window_keys = _sum_min(lo, end, w, 1)
+        m = cfg.compress_ratios[i]
+        entries = _sum_min(lo, end, cfg.index_topk, m) if m else 0
+        total += 4.0 * h * d * (window_keys + entries)
+        if i in cfg.index_source_layers and m:
+            total += 2.0 * h_i * d_i * _sum_floor_div(lo, end, m)
+    split = model.split
+    if split is not None and split in stats.compressed_rows:
+        extra = stats.compressed_rows[split] - stats.rows_per_layer[split]
+        total += 2.0 * compress[split] * max(0, extra)
+    return total
+
+
+
+
+class PeakMemory:
+    """Peak memory above the level at entry, in bytes: CUDA allocator peak, or sampled CPU RSS."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._base = 0
+        self._max = 0
+
+    @staticmethod
+    def _rss() -> int | None:
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            rss = self._rss()
+            if rss is not None and rss > self._max:
+                self._max = rss
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self
+        rss = self._rss()
+        if rss is not None:
+            self._base = self._max = rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            return
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            rss = self._rss()
+            self._max = max(self._max, rss or 0)
+            self.peak_bytes = self._max - self._base
+
+
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, float]:
+    err = _rel_l2(got, want)
+    return (torch.equal(got, want) if exact else err <= TRITON_REL_TOL), err
+
+
+def check_correctness(model: Transformer, device: torch.device, fingerprint: bytes) -> dict[str, Any]:
+    """The gate: each check's outcome and relative L2; "ok" is False when any check failed."""
+    cfg = model.cfg
+    w = cfg.window_size
+    exact = model.kernel_backend == "torch"
+    g = torch.Generator().manual_seed(1234)
+    toks = torch.randint(0, cfg.vocab_size, (1, 3 * w + 5), generator=g).to(device)
+    checks: dict[str, Any] = {}
+    with torch.inference_mode():
+        whole = prefill(model, toks, mode="ced")
+        state = None
+        n = toks.size(1)
+        # odd boundaries against the 2:1 compressor and the decoder tail [N - W, N)
+        cuts = [0, 37, 38, n - w + 3, n]
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            out = prefill(model, toks[:, lo:hi], state, mode="ced", prompt_end=n)
+            state = out.state
+        ok, err = _same(out.logits, whole.logits, exact)
+        checks["chunked_ced_equals_one_shot"] = {"ok": ok, "rel_l2": err}
+
+        short = toks[:, : w - 3]
+        ced_short = prefill(model, short, mode="ced").logits
+        ok, err = _same(ced_short, prefill(model, short, mode="reference").logits, exact)
+        checks["ced_equals_reference_below_window"] = {"ok": ok, "rel_l2": err}
+
+        p = 2 * w
+        own = export_global(prefill(model, toks[:, :p], mode="ced").state, 0, p, fingerprint=fingerprint)
+        cut = export_global(whole.state, 0, p, fingerprint=fingerprint)
+        checks["prefix_bytes_equal_own_prefill"] = {"ok": own == cut or not exact, "checked": exact}
+
+        if not exact:
+            twin = Transformer(cfg, kernel_backend="torch").to(device).eval()
+            twin.load_state_dict(model.state_dict())
+            ok, err = _same(whole.logits, prefill(twin, toks, mode="ced").logits, exact=False)
+            checks["triton_matches_torch"] = {"ok": ok, "rel_l2": err}
+    checks["ok"] = all(c["ok"] for c in checks.values())
+    return checks
+
+
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float, int | None]:
+    """fn's result, its seconds, and its peak memory above the start (bytes)."""
+    with PeakMemory(device) as mem:
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        seconds = time.perf_counter() - start
+    return out, seconds, mem.peak_bytes
+
+
+def _export(state, n_history: int, fingerprint: bytes, device: torch.device) -> tuple[bytes, float]:
+    """The history's global KV bytes (positions [0, n_history)) and the export's seconds."""
+    blob, seconds, _ = _timed(lambda: export_global(state, 0, n_history, fingerprint=fingerprint), device)
+    return blob, seconds
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(softmax(p) || softmax(q)) in nats, over the last axis, mean over rows."""
+    lp = torch.log_softmax(p_logits.double(), -1)
+    lq = torch.log_softmax(q_logits.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean().item()
+
+
+def bench_length(
+    model: Transformer,
+    device: torch.device,
+    fingerprint: bytes,
+    n_history: int,
+    *,
+    new_tokens: int,
+    repeats: int,
+    decode_steps: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Every arm at one history length: medians, ratios, model FLOPs and peak memory."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed + n_history)
+    toks = torch.randint(0, cfg.vocab_size, (1, n_history + new_tokens), generator=g).to(device)
+    history, fresh = toks[:, :n_history], toks[:, n_history:]
+    times: dict[str, list[float]] = {a: [] for a in ARMS}
+    peaks: dict[str, list[int]] = {a: [] for a in ARMS}
+    stats: dict[str, PassStats] = {}
+    logits: dict[str, torch.Tensor] = {}
+    step_times: list[float] = []
+    blob: bytes | None = None
+    export_s: list[float] = []
+
+    with torch.inference_mode():
+        if model.kernel_backend != "torch":
+            blob, s = _export(prefill(model, history, mode="ced").state, n_history, fingerprint, device)
+            export_s.append(s)
+
+        def cold(mode: str):
+            return prefill(model, toks, mode=mode)
+
+        def resume():
+            assert blob is not None
+            state = state_from_global(model, history, [blob], fingerprint=fingerprint)
+            return prefill(model, fresh, state, mode="ced")
+
+        arms = {
+            "cold_ced": lambda: cold("ced"),
+            "cold_reference": lambda: cold("reference"),
+            "resume": resume,
+        }
+        for rep in range(repeats):
+            order = list(ARMS[rep % len(ARMS) :] + ARMS[: rep % len(ARMS)])
+            # the resume arm needs the history's bytes, which come from the first cold_ced
+            if blob is None:
+                order.remove("cold_ced")
+                order.insert(0, "cold_ced")
+            for arm in order:
+                out, seconds, peak = _timed(arms[arm], device)
+                times[arm].append(seconds)
+                if peak is not None:
+                    peaks[arm].append(peak)
+                stats[arm] = out.stats
+                logits[arm] = out.logits
+                if arm == "cold_ced":
+                    if blob is None:
+                        blob, s = _export(out.state, n_history, fingerprint, device)
+                        export_s.append(s)
+                    step_times += _decode_steps(model, out, decode_steps, device)
+                del out
+
+    med = {a: statistics.median(times[a]) for a in ARMS}
+    flops = {
+        "cold_ced": pass_flops(model, stats["cold_ced"]),
+        "cold_reference": pass_flops(model, stats["cold_reference"]),
+        "resume": pass_flops(model, stats["resume"]),
+    }
+    total = n_history + new_tokens
+    decode_s = statistics.median(step_times) if step_times else None
+    return {
+        "history_tokens": n_history,
+        "new_tokens": new_tokens,
+        "prompt_tokens": total,
+        "repeats": repeats,
+        "median_s": {a: round(med[a], 4) for a in ARMS},
+        "all_s": {a: [round(x, 4) for x in times[a]] for a in ARMS},
+        "prefill_tokens_per_s": {
+            "cold_ced": round(total / med["cold_ced"], 1),
+            "cold_reference": round(total / med["cold_reference"], 1),
+        },
+        "model_gflop": {a: round(flops[a] / 1e9, 3) for a in ARMS},
+        "gflop_per_s": {a: round(flops[a] / 1e9 / med[a], 3) for a in ARMS},
+        "ced_ratio": round(med["cold_reference"] / med["cold_ced"], 3),
+        "ced_flop_ratio": round(flops["cold_reference"] / flops["cold_ced"], 3),
+        "resume_over_cold_ced": round(med["resume"] / med["cold_ced"], 4),
+        "resume_over_cold_reference": round(med["resume"] / med["cold_reference"], 4),
+        "resume_kl_vs_cold_ced": round(_kl(logits["cold_ced"], logits["resume"]), 6),
+        "export_global_s": round(statistics.median(export_s), 4),
+        "global_bytes": len(blob) if blob is not None else None,
+        "rows_per_layer": {a: list(stats[a].rows_per_layer) for a in ARMS},
+        "decode_step_s": round(decode_s, 5) if decode_s is not None else None,
+        "decode_tokens_per_s": round(1.0 / decode_s, 2) if decode_s else None,
+        "peak_mb": {a: round(max(peaks[a]) / 2**20, 1) if peaks[a] else None for a in ARMS},
+    }
+
+
+def _decode_steps(model: Transformer, out, steps: int, device: torch.device) -> list[float]:
+    state, logits, times = out.state, out.logits, []
+    for _ in range(steps):
+        token = logits.argmax(-1)
+        _sync(device)
+        start = time.perf_counter()
+        step = decode(model, token, state)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        state, logits = step.state, step.logits
+    return times
+
+
+
+
+def build_model(
+    preset: str, device: torch.device, kernel_backend: str, max_len: int, seed: int
+) -> Transformer:
+    """A random-weight model of `preset` whose config covers max_len positions."""
+    cfg = load_preset(preset)
+    if cfg.max_seq_len < max_len:
+        cfg = dataclasses.replace(cfg, max_seq_len=max_len)
+    model = init_random(Transformer(cfg, kernel_backend=kernel_backend), seed=seed)
+    return model.to(device).eval()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(
+    *,
+    preset: str = "v41-tiny",
+    device: str = "cpu",
+    kernel_backend: str = "torch",
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+    repeats: int = 3,
+    new_tokens: int = 256,
+    decode_steps: int = 8,
+    seed: int = 0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The benchmark's JSON document; raises SystemExit(1) when the correctness gate fails.
+
+    Raises:
+        ValueError: a length that is not a positive multiple of every compression ratio, repeats < 1,
+            or new_tokens < 1.
+    """
+    dev = torch.device(device)
+    if repeats < 1 or new_tokens < 1 or decode_steps < 0:
+        raise ValueError(f"repeats {repeats} and new_tokens {new_tokens} must be >= 1, decode_steps >= 0")
+    model = build_model(preset, dev, kernel_backend, max(lengths) + new_tokens + decode_steps, seed)
+    ratios = [r for r in model.cfg.compress_ratios if r > 0] or [1]
+    bad = [n for n in lengths if n <= 0 or any(n % r for r in ratios)]
+    if bad:
+        raise ValueError(
+            f"history lengths must be positive multiples of every ratio {sorted(set(ratios))}: {bad}"
+        )
+    fingerprint = model_fingerprint(model, numerics=f"{kernel_backend}-{dev.type}-bf16")
+    gate = check_correctness(model, dev, fingerprint)
+    if not gate["ok"]:
+        failed = {k: v for k, v in gate.items() if k != "ok" and not v["ok"]}
+        sys.exit(f"bench_model: correctness gate failed, refusing to time: {json.dumps(failed)}")
+    doc: dict[str, Any] = {
+        "benchmark": "model",
+        "preset": preset,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "kernel_backend": kernel_backend,
+        "torch": torch.__version__,
+        "window": model.cfg.window_size,
+        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        "flop_model": __doc__.split("FLOP model")[1].split("Peak memory")[0].strip(),
+        "correctness": gate,
+        "rows": [],
+    }
+    for n in lengths:
+        row = bench_length(
+            model, dev, fingerprint, n, new_tokens=new_tokens, repeats=repeats, decode_steps=decode_steps,
+            seed=seed,
+        )
+        doc["rows"].append(row)
+        if progress is not None:
+            progress(row)
+    doc["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["ru_maxrss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return doc
+
+
+HEADER = (
+    f"{'history':>8} {'ced s':>8} {'ced tok/s':>9} {'ced GF/s':>8} {'ref s':>8} {'CED x':>6} "
+    f"{'resume s':>8} {'res/ced':>7} {'res/ref':>7} {'dec tok/s':>9} "
+    f"{'MB ced':>7} {'MB ref':>7} {'MB res':>7}"
+)
+
+
+def format_row(r: dict[str, Any]) -> str:
+    m, pk = r["median_s"], r["peak_mb"]
+
+    def mb(x: float | None) -> str:
+        return f"{x:7.0f}" if x is not None else f"{'-':>7}"
+
+    dec = r["decode_tokens_per_s"]
+    return (
+        f"{r['history_tokens']:>8} {m['cold_ced']:8.3f} {r['prefill_tokens_per_s']['cold_ced']:9.0f} "
+        f"{r['gflop_per_s']['cold_ced']:8.2f} {m['cold_reference']:8.3f} {r['ced_ratio']:6.2f} "
+        f"{m['resume']:8.3f} {r['resume_over_cold_ced']:7.3f} {r['resume_over_cold_reference']:7.3f} "
+        f"{(f'{dec:9.2f}' if dec else '-'.rjust(9))} {mb(pk['cold_ced'])} {mb(pk['cold_reference'])} "
+        f"{mb(pk['resume'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="v41-tiny")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]; chosen here, never detected")
+    parser.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+                        help="comma-separated history lengths (tokens)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per arm per length (median)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens appended by the resumed turn")
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the tiny model's small matmuls oversubscribe otherwise)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the JSON document to PATH, or '-' for stdout")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lengths = tuple(int(x) for x in args.lengths.split(",") if x)
+    to_stdout = args.json == "-"
+    out = sys.stderr if to_stdout else sys.stdout
+    print(f"bench_model: preset {args.preset}, device {args.device}, kernel backend {args.kernel_backend}, "
+          f"{args.threads} thread(s), {args.new_tokens} new tokens, median of {args.repeats}", file=out)
+    print(HEADER, file=out, flush=True)
+    doc = run(
+        preset=args.preset, device=args.device, kernel_backend=args.kernel_backend, lengths=lengths,
+        repeats=args.repeats, new_tokens=args.new_tokens, decode_steps=args.decode_steps, seed=args.seed,
+        progress=lambda r: print(format_row(r), file=out, flush=True),
+    )
+    print(
+        f"load average {doc['load_avg_start']} -> {doc['load_avg_end']}; ru_maxrss {doc['ru_maxrss_mb']} MB",
+        file=out,
+    )
+    text = json.dumps(doc, indent=1)
+    if to_stdout:
+        print(text)
+    elif args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
