@@ -7,10 +7,13 @@ official V4.1 `Attention` (V41_SPEC §5): low-rank Q with RoPE on the last chann
 FP8-QDQ(RoPE(kv_norm(wkv(x)))), compressed entries RoPE'd at j*m then FP4-QDQ'd, K = V, inverse RoPE on
 the output, grouped low-rank output projection.
 
-Window index layout (it decides the 64-wide softmax blocks, so it is part of bitwise parity): when no
-position before the rows is visible, the reference prefill layout (width min(T, W), row r lists the rows
-max(0, r-W+1)..r, then -1s); otherwise the ring layout of the reference decode (width W, positions p-W+1..p
-oldest first, -1 where absent), over [ring ; new rows].
+Window index layout (the column each key lands in decides the 64-wide softmax blocks and the order of the
+sums, so it is part of bitwise parity). With tie_break="reference" (conformance): when no position before
+the rows is visible, the reference prefill layout (width min(T, W), row r lists the rows max(0, r-W+1)..r,
+then -1s); otherwise the ring layout of the reference decode (width W, positions p-W+1..p oldest first, -1
+where absent), over [ring ; new rows]. With tie_break="deterministic" (service): one canonical layout for
+every pass (width W, the visible positions ascending first, then -1s), so a row's sums do not depend on
+how the prompt was chunked.
 """
 
 from __future__ import annotations
