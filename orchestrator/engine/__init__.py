@@ -5,6 +5,7 @@ Knows nothing of protobuf: it implements `orchestrator.api.TurnHandler` over dom
 """
 
 from orchestrator.engine.global_kv import PersistOutcome, StoredPrefix, chunk_ranges, read_prefix
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.pool_entry import PoolEntry, history_digest, pack_pool_entry, unpack_pool_entry
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import (
@@ -27,6 +28,7 @@ __all__ = [
     "ByteCodec",
     "KVMapperApplier",
     "MapperArtifact",
+    "ModelCompute",
     "ModelRegistry",
     "NoMappers",
     "NodeService",
@@ -38,6 +40,7 @@ __all__ = [
     "ServedModelSpec",
     "StoredPrefix",
     "TextCodec",
+    "TorchCompute",
     "TurnEngine",
     "actual_counts",
     "build_node",

@@ -11,14 +11,15 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from model import CacheFormatError, ModelState, export_global, import_global
+from model import CacheFormatError
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
 from storage import GlobalKVStore, MissReason
@@ -31,14 +32,15 @@ class StoredPrefix:
     """The usable stored prefix [0, n_tokens) of a history for one model.
 
     Attributes:
-        state: a batch-1 state holding the prefix's global KV, windows absent (None when n_tokens is 0).
+        state: a batch-1 state holding the prefix's global KV, windows absent (None when n_tokens is 0);
+            a `ModelState` under `TorchCompute`.
         blobs: the verified chunk payloads in order (what a mapper reads on a model swap).
         miss_reason: why the prefix stops before the end of the history (None when it covers it all).
     """
 
     model: str
     n_tokens: int
-    state: ModelState | None
+    state: Any | None
     blobs: list[bytes] = field(default_factory=list)
     ranges: list[tuple[int, int]] = field(default_factory=list)
     miss_reason: str | None = None
@@ -63,12 +65,15 @@ def read_prefix(
     tenant: str,
     served: ServedModel,
     history: Sequence[int],
+    compute: ModelCompute | None = None,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
     Args:
         registry_session: a read session of the registry (for the segment rows that name the chunks).
+        compute: the model operations (default: the real model).
     """
+    compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
     if not history:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
@@ -92,7 +97,7 @@ def read_prefix(
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)
-    state = served.model.new_state(1)
+    state = compute.new_state(served)
     blobs: list[bytes] = []
     ranges: list[tuple[int, int]] = []
     by_range = {(s.start, s.end): s.address for s in found.spans}
@@ -101,7 +106,7 @@ def read_prefix(
             miss_reason = f"stored chunk at token {start} is not in the registry (purged)"
             break
         try:
-            import_global(state, payload, fingerprint=served.fingerprint)
+            compute.import_chunk(served, state, payload)
         except CacheFormatError as exc:
             miss_reason = f"stored chunk at token {start} failed the cache format check ({exc})"
             break
@@ -110,10 +115,7 @@ def read_prefix(
     n = ranges[-1][1] if ranges else 0
     if n == 0:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=miss_reason or "nothing stored")
-    state.tokens = torch.tensor([list(history[:n])], dtype=torch.int64)
-    layers = range(served.model.cfg.n_layers)
-    state.drop_windows(layers)
-    state.drop_encoder_rows()
+    compute.seal_prefix(served, state, history[:n])
     if miss_reason is not None and "failed" in miss_reason:
         result = "corrupt"
     else:
@@ -160,11 +162,12 @@ def persist_chunks(
     session_id: str,
     served: ServedModel,
     history: Sequence[int],
-    state: ModelState,
+    state: Any,
     already_stored: int,
     retention_s: float,
     node: str,
     clock: Callable[[], float],
+    compute: ModelCompute | None = None,
 ) -> PersistOutcome:
     """Export the chunks of `history` not yet stored for this session and write them durably.
 
@@ -175,6 +178,7 @@ def persist_chunks(
     Returns:
         The durable segments of the whole history to link in the registry, or why nothing was persisted.
     """
+    compute = compute if compute is not None else TorchCompute()
     n = len(history)
     if state.n_tokens != n:
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
@@ -186,7 +190,7 @@ def persist_chunks(
     # boundary instead of a full hit.
     ratios = [cfg.compress_ratios[i] for i in cfg.kv_source_layers]
     ranges = chunk_ranges(n, size, from_pos=already_stored, min_tail=max(ratios, default=1))
-    payloads = {r: export_global(state, r[0], r[1], fingerprint=served.fingerprint) for r in ranges}
+    payloads = {r: compute.export_global(served, state, r[0], r[1]) for r in ranges}
     new_bytes = 0
     if payloads:
         put = store.put_chunks(tenant, session_id, fp, list(history), payloads)

@@ -16,6 +16,7 @@ import structlog
 from model import ModelConfig, load_preset
 from orchestrator.api import PoolStats, ServiceContext, build_context
 from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes
+from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
 from orchestrator.engine.turn_engine import TurnEngine
@@ -95,6 +96,7 @@ def build_node(
     pool_clock: Callable[[], float] = time.monotonic,
     maintenance: bool = False,
     migrate: bool = True,
+    compute: ModelCompute | None = None,
 ) -> NodeService:
     """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
 
@@ -103,6 +105,7 @@ def build_node(
         mappers: applies registered mapper artifacts on a model switch (default: `ArtifactMappers`).
         clock: wall clock of the store and registry stamps; pool_clock: the pool's TTL clock.
         maintenance: start the store's background expiry/deletion thread.
+        compute: the model operations (default: the real model; benchmarks pass a no-op stand-in).
 
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
@@ -156,6 +159,7 @@ def build_node(
         costs=costs,
         mappers=mappers if mappers is not None else ArtifactMappers(),
         clock=clock,
+        compute=compute,
     )
     ctx.turn_handler = engine
     report = reconcile_with_prefixes(

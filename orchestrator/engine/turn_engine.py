@@ -12,12 +12,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 from sqlalchemy import delete
 
-from model import CacheFormatError, ModelState, PassStats, decode, export_windows, import_windows, prefill
+from model import CacheFormatError, PassStats
 from orchestrator.api import (
     CancelledError,
     DeadlineError,
@@ -46,6 +47,7 @@ from orchestrator.db import (
 )
 from orchestrator.db.models import ResumePathName, SessionStatus, TurnRow, TurnStatus
 from orchestrator.engine.global_kv import StoredPrefix, link_segments, persist_chunks, read_prefix
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.pool_entry import pack_pool_entry, unpack_pool_entry
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
@@ -95,7 +97,7 @@ class _Facts:
     own_stored: int
     sender_prefix: StoredPrefix | None
     sender: ServedModel | None
-    full_hit_state: ModelState | None
+    full_hit_state: Any | None
     artifacts: dict[str, MapperArtifact]
 
 
@@ -111,6 +113,7 @@ class TurnEngine:
         mappers: applies mapper artifacts on a model switch (NoMappers: every switch is a cold prefill).
         clock: wall seconds for registry expiry stamps.
         prefill_chunk_tokens: longest prompt slice run in one forward pass (bounds activation memory).
+        compute: the model operations (default `TorchCompute`: the real model).
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class TurnEngine:
         mappers: KVMapperApplier | None = None,
         clock: Callable[[], float] = time.time,
         prefill_chunk_tokens: int = 1024,
+        compute: ModelCompute | None = None,
     ) -> None:
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
@@ -135,6 +139,7 @@ class TurnEngine:
         self.mappers = mappers if mappers is not None else NoMappers()
         self._clock = clock
         self._chunk = prefill_chunk_tokens
+        self.compute = compute if compute is not None else TorchCompute()
 
     @staticmethod
     def _check(turn: TurnInput, handle: TurnHandle) -> None:
@@ -173,7 +178,7 @@ class TurnEngine:
         prefix: StoredPrefix,
         history: list[int],
         last_model: str | None,
-    ) -> tuple[PoolState, ModelState | None]:
+    ) -> tuple[PoolState, Any | None]:
         """The pool entry as the planner sees it, and a full-hit state when the entry continues the
         whole stored history and imports cleanly (validated before planning, so a plan never promises
         windows that are not there)."""
@@ -195,7 +200,7 @@ class TurnEngine:
             return PoolState(model=served.name, windows_end=entry.n_tokens), None
         trial = prefix.state.clone()
         try:
-            import_windows(served.model, trial, entry.windows, fingerprint=served.fingerprint)
+            self.compute.import_windows(served, trial, entry.windows)
         except CacheFormatError:
             return PoolState.absent(), None
         return PoolState(model=served.name, windows_end=entry.n_tokens), trial
@@ -224,7 +229,9 @@ class TurnEngine:
                 default_floor_s=settings.retention_floor_s,
                 default_ceiling_s=settings.retention_ceiling_s,
             )
-            prefix = read_prefix(self.store, s, tenant=row.tenant_id, served=served, history=history)
+            prefix = read_prefix(
+                self.store, s, tenant=row.tenant_id, served=served, history=history, compute=self.compute
+            )
             own = SegmentRepository(s).for_session(row.id)
             own_stored = 0
             for seg in own:
@@ -358,7 +365,7 @@ class TurnEngine:
         except Exception as exc:  # noqa: BLE001 - the turn's own error is the one to report
             log.warning("turn_row_cleanup_failed", session_id=f.session_id, error=str(exc))
 
-    def _start_state(self, f: _Facts) -> ModelState | None:
+    def _start_state(self, f: _Facts) -> Any | None:
         plan = f.plan
         if plan.path == ResumePath.FULL_HIT:
             assert f.full_hit_state is not None
@@ -382,10 +389,10 @@ class TurnEngine:
         self,
         served: ServedModel,
         prompt: list[int],
-        state: ModelState | None,
+        state: Any | None,
         turn: TurnInput,
         handle: TurnHandle,
-    ) -> tuple[torch.Tensor, ModelState, list[PassStats]]:
+    ) -> tuple[torch.Tensor, Any, list[PassStats]]:
         start = state.n_tokens if state is not None else 0
         passes: list[PassStats] = []
         logits = None
@@ -393,9 +400,7 @@ class TurnEngine:
         while pos < len(prompt):
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
-            toks = torch.tensor([prompt[pos:end]], dtype=torch.int64, device=served.model.head.weight.device)
-            with served.lock, torch.inference_mode():
-                out = prefill(served.model, toks, state, mode="ced", prompt_end=len(prompt))
+            out = self.compute.prefill(served, prompt[pos:end], state, prompt_end=len(prompt))
             state, logits = out.state, out.logits
             passes.append(out.stats)
             pos = end
@@ -437,8 +442,7 @@ class TurnEngine:
                 if len(output) >= turn.generation.max_new_tokens:
                     break
                 self._check(turn, handle)
-                with served.lock, torch.inference_mode():
-                    out = decode(served.model, torch.tensor([token], device=state.device), state)
+                out = self.compute.decode(served, token, state)
                 state = out.state
                 token = sampler(out.logits)
             decode_s = time.perf_counter() - decode_started
@@ -449,8 +453,7 @@ class TurnEngine:
             if plan.persist:
                 # The last sampled token has not run through the model yet; run it so the stored
                 # global KV covers the whole history the next turn resumes.
-                with served.lock, torch.inference_mode():
-                    state = decode(served.model, torch.tensor([output[-1]], device=state.device), state).state
+                state = self.compute.decode(served, output[-1], state).state
                 self._check(turn, handle)
                 outcome = persist_chunks(
                     self.store,
@@ -463,6 +466,7 @@ class TurnEngine:
                     retention_s=f.retention_s,
                     node=self._ctx.node,
                     clock=self._clock,
+                    compute=self.compute,
                 )
                 persisted = outcome.persisted
             self._check(turn, handle)
@@ -471,7 +475,7 @@ class TurnEngine:
             self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
             status = TurnStatus.DONE
             if persisted:
-                windows = export_windows(served.model, state, fingerprint=served.fingerprint)
+                windows = self.compute.export_windows(served, state)
                 entry = pack_pool_entry(fingerprint=served.fingerprint, history=full, windows=windows)
                 self.pool.put(f.tenant_id, f.session_id, entry)
             yield TurnStatsEvent(

@@ -1,0 +1,93 @@
+"""Every operation the turn engine performs on a model and its cache state, behind one seam: the real
+torch model (`TorchCompute`), or a stand-in that skips the compute (benchmarks of service overhead).
+
+Knows nothing of sessions or storage. States are opaque to the engine except for `n_tokens` and `clone`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from model import (
+    PassOutput,
+    decode,
+    export_global,
+    export_windows,
+    import_global,
+    import_windows,
+    prefill,
+)
+from orchestrator.engine.served_models import ServedModel
+
+__all__ = ["ModelCompute", "TorchCompute"]
+
+
+class ModelCompute(Protocol):
+    """Model operations of a turn. `state` objects expose `n_tokens` and `clone()`.
+
+    Cache-format failures raise `model.CacheFormatError` (the engine treats them as a miss).
+    """
+
+    def new_state(self, served: ServedModel) -> Any: ...
+
+    def import_chunk(self, served: ServedModel, state: Any, blob: bytes) -> int:
+        """Append one global chunk; returns its end position."""
+        ...
+
+    def seal_prefix(self, served: ServedModel, state: Any, tokens: Sequence[int]) -> None:
+        """Mark the imported chunks as the history `tokens`, windows absent (a replay rebuilds them)."""
+        ...
+
+    def import_windows(self, served: ServedModel, state: Any, blob: bytes) -> None: ...
+
+    def export_global(self, served: ServedModel, state: Any, start: int, end: int) -> bytes: ...
+
+    def export_windows(self, served: ServedModel, state: Any) -> bytes: ...
+
+    def prefill(
+        self, served: ServedModel, tokens: Sequence[int], state: Any, *, prompt_end: int
+    ) -> PassOutput:
+        """`ced` prefill of new prompt tokens onto `state` (None: from position 0)."""
+        ...
+
+    def decode(self, served: ServedModel, token: int, state: Any) -> PassOutput: ...
+
+
+class TorchCompute:
+    """The real model: `model.prefill` in `ced` mode, `model.decode`, the cache format's exports/imports.
+    Forward passes hold the served model's lock (one pass at a time per model)."""
+
+    def new_state(self, served: ServedModel) -> Any:
+        return served.model.new_state(1)
+
+    def import_chunk(self, served: ServedModel, state: Any, blob: bytes) -> int:
+        return import_global(state, blob, fingerprint=served.fingerprint)
+
+    def seal_prefix(self, served: ServedModel, state: Any, tokens: Sequence[int]) -> None:
+        state.tokens = torch.tensor([list(tokens)], dtype=torch.int64, device=state.device)
+        state.drop_windows(range(served.model.cfg.n_layers))
+        state.drop_encoder_rows()
+
+    def import_windows(self, served: ServedModel, state: Any, blob: bytes) -> None:
+        import_windows(served.model, state, blob, fingerprint=served.fingerprint)
+
+    def export_global(self, served: ServedModel, state: Any, start: int, end: int) -> bytes:
+        return export_global(state, start, end, fingerprint=served.fingerprint)
+
+    def export_windows(self, served: ServedModel, state: Any) -> bytes:
+        return export_windows(served.model, state, fingerprint=served.fingerprint)
+
+    def prefill(
+        self, served: ServedModel, tokens: Sequence[int], state: Any, *, prompt_end: int
+    ) -> PassOutput:
+        device = served.model.head.weight.device
+        toks = torch.tensor([list(tokens)], dtype=torch.int64, device=device)
+        with served.lock, torch.inference_mode():
+            return prefill(served.model, toks, state, mode="ced", prompt_end=prompt_end)
+
+    def decode(self, served: ServedModel, token: int, state: Any) -> PassOutput:
+        with served.lock, torch.inference_mode():
+            return decode(served.model, torch.tensor([token], device=state.device), state)
