@@ -62,11 +62,11 @@ class _Blocks:
     """Train and held-out statistics of every (ratio, part): X = all sender sources of the ratio stacked,
     Y = all receiver sources of the ratio stacked."""
 
-    def __init__(self, s_cfg, r_cfg, senders: dict[int, list[int]], receivers: dict[int, list[int]]):
+    def __init__(self, s_cfg, r_cfg, senders: dict[int, list[int]], receivers: dict[int, list[int]], device):
         self.senders, self.receivers = senders, receivers
         self.stats = {
             (m, part, split): MomentStats(
-                len(senders[m]) * _width(s_cfg, part), len(receivers[m]) * _width(r_cfg, part)
+                len(senders[m]) * _width(s_cfg, part), len(receivers[m]) * _width(r_cfg, part), device
             )
             for m in receivers
             for part in _PARTS
@@ -131,7 +131,9 @@ def fit_mapper(
             raise ValueError(
                 f"receiver kv sources {receivers[m]} have ratio {m}; no sender kv source has that ratio"
             )
-    blocks = _Blocks(s_cfg, r_cfg, senders, receivers)
+    # statistics live where the captures are (the accumulation GEMMs run on the models' device)
+    device = next(sender_model.parameters()).device
+    blocks = _Blocks(s_cfg, r_cfg, senders, receivers, device)
     for split, batches in (("train", token_batches), ("heldout", heldout_batches)):
         for tokens in batches:
             cs, _ = capture_content(sender_model, tokens)
@@ -147,15 +149,15 @@ def fit_mapper(
             if train.n == 0:
                 raise FitError(f"no calibration rows for ratio {m}: use batches of at least {m} tokens")
             w_in, w_out = _width(s_cfg, part), _width(r_cfg, part)
-            yi = _cols(receivers[m].index(r), w_out)
+            yi = _cols(receivers[m].index(r), w_out).to(device)
             probe = {}
             for pos, s in enumerate(senders[m]):
-                xi = _cols(pos, w_in)
+                xi = _cols(pos, w_in).to(device)
                 fit = RidgeMapper(spec.selection_alpha).fit_stats(train, xi, yi)
                 probe[s] = _score(fit, train, held, xi, yi)
             ranked = sorted(senders[m], key=lambda s: -probe[s])
             chosen = sorted(ranked[: spec.k] if spec.k else ranked)
-            xi = torch.cat([_cols(senders[m].index(s), w_in) for s in chosen])
+            xi = torch.cat([_cols(senders[m].index(s), w_in) for s in chosen]).to(device)
             best: tuple[float, float, RidgeMapper] | None = None
             for alpha in spec.alphas:
                 fit = RidgeMapper(alpha).fit_stats(train, xi, yi)
@@ -167,8 +169,8 @@ def fit_mapper(
             score, alpha, fit = best
             if not bool(torch.isfinite(fit.coef_).all() and torch.isfinite(fit.intercept_).all()):
                 raise FitError(f"receiver layer {r} {part}: the ridge solve is not finite")
-            arrays[f"layers.{r}.{part}.coef"] = fit.coef_
-            arrays[f"layers.{r}.{part}.intercept"] = fit.intercept_
+            arrays[f"layers.{r}.{part}.coef"] = fit.coef_.cpu()
+            arrays[f"layers.{r}.{part}.intercept"] = fit.intercept_.cpu()
             parts[part] = PartMap(kind="linear", sender_layers=tuple(chosen), alpha=fit.alpha_)
             quality[f"r2_{part}_train"] = r2_from_stats(train, fit.coef_, fit.intercept_, xi, yi)[1]
             if held.n:

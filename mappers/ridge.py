@@ -131,9 +131,10 @@ def r2_from_stats(
     Returns:
         per-output R² fp64 [Q'], and the variance-weighted R² over all outputs (1 - ΣSSE / ΣSST).
     """
-    xi = torch.arange(stats.n_x) if x_index is None else x_index
-    yi = torch.arange(stats.n_y) if y_index is None else y_index
-    w = coef.double().T.to(stats.cxx.device)  # [P', Q']
+    dev = stats.cxx.device
+    xi = torch.arange(stats.n_x, device=dev) if x_index is None else x_index.to(dev)
+    yi = torch.arange(stats.n_y, device=dev) if y_index is None else y_index.to(dev)
+    w = coef.double().T.to(dev)  # [P', Q']
     cxx = stats.cxx[xi][:, xi].double()
     cxy = stats.cxy[xi][:, yi].double()
     syy = stats.syy[yi].double()
@@ -181,8 +182,9 @@ class RidgeMapper:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
         if stats.n == 0:
             raise ValueError("cannot fit ridge on zero rows")
-        xi = torch.arange(stats.n_x) if x_index is None else x_index
-        yi = torch.arange(stats.n_y) if y_index is None else y_index
+        dev = stats.cxx.device
+        xi = torch.arange(stats.n_x, device=dev) if x_index is None else x_index.to(dev)
+        yi = torch.arange(stats.n_y, device=dev) if y_index is None else y_index.to(dev)
         cxx = stats.cxx[xi][:, xi].double()
         cxy = stats.cxy[xi][:, yi].double()
         mx, my = stats.mean_x[xi], stats.mean_y[yi]
