@@ -10,7 +10,7 @@ import torch
 
 from model import Transformer, init_random, load_model, prefill
 from model.train import TrainStream
-from model.train.family import SIBLING_NAMES, sibling_config
+from model.train.family import sibling_config
 from model.train.tokenizer import ByteTokenizer
 from model.train.train_pass import PassMode, head_logits, train_pass
 from model.train.trainer import Trainer, TrainSpec, default_mixture, export_checkpoint, phase_at
@@ -28,8 +28,7 @@ def _capture(model: Transformer) -> tuple[dict[str, list[torch.Tensor]], list]:
     return rec, handles
 
 
-@pytest.mark.parametrize("name", SIBLING_NAMES)
-@pytest.mark.parametrize("t", [13, 70])
+@pytest.mark.parametrize(("name", "t"), [("v41-sib-s", 13), ("v41-sib-s", 70), ("v41-sib-l", 41)])
 def test_train_pass_attention_matches_model_per_layer(name: str, t: int) -> None:
     """Each layer's dense training attention, fed the model's own layer input, equals `Transformer.run`
     (reference mode, sparse top-k, cache QDQ on) up to the sparse kernel's bf16 rounding."""
@@ -89,29 +88,30 @@ def _stream(spec: TrainSpec) -> TrainStream:
     return TrainStream(spec.mixture, tok, corpus, [])
 
 
-def _spec(steps: int = 4) -> TrainSpec:
+def _spec(steps: int = 3) -> TrainSpec:
     mix = default_mixture(batch_size=2, seq_len=96)
-    return TrainSpec(model="v41-sib-s", steps=steps, mixture=mix, warmup=1, sparse_from=0.5, qdq_from=0.75,
+    return TrainSpec(model="v41-sib-s", steps=steps, mixture=mix, warmup=1, sparse_from=0.3, qdq_from=0.6,
                      log_every=1, save_every=2)
 
 
 def test_trainer_resume_continues_bit_identically(tmp_path) -> None:
-    """Two steps, save, resume in a fresh Trainer, two more == four steps in one go; export loads."""
+    """One step, save, resume in a fresh Trainer, two more == three steps in one go (one per phase); the
+    exported checkpoint loads through the normal path and runs."""
     spec = _spec()
     torch.set_num_threads(2)
     straight = Trainer(spec, tmp_path / "a", stream=_stream(spec))
     straight.run()
     first = Trainer(spec, tmp_path / "b", stream=_stream(spec))
-    first.run(until=2)
+    first.run(until=1)
     second = Trainer(spec, tmp_path / "b", stream=_stream(spec))
-    assert second.step == 2
+    assert second.step == 1
     second.run()
     want, got = straight.model.state_dict(), second.model.state_dict()
     for n, a in want.items():
         torch.testing.assert_close(a, got[n], rtol=0, atol=0, msg=n)
     lines = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
     phases = [r["phase"] for r in lines if r["event"] == "train_step"]
-    assert phases == ["dense", "dense", "sparse", "sparse_qdq"]
+    assert phases == ["dense", "sparse", "sparse_qdq"]
     out = export_checkpoint(second.model, tmp_path / "ckpt")
     model = load_model(out)
     assert next(model.embed.parameters()).dtype == torch.bfloat16
