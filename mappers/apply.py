@@ -23,7 +23,7 @@ from kernels import dequantize_fp4_e4m3, dequantize_mxfp4, quantize_fp4_e4m3, qu
 from mappers.artifact import KVMapper, PartMap
 from mappers.errors import MapperMismatch
 from mappers.geometry import add_rope, entry_rotations, rope_spec, strip_rope
-from model import ModelConfig, ModelState, SourceCache, export_global, import_global
+from model import ModelConfig, ModelState, SourceCache, Transformer, export_global, import_global
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +87,7 @@ def _quantize(part: str, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def map_part_content(
     mapper: KVMapper, receiver_layer: int, part: str, content: list[torch.Tensor]
 ) -> torch.Tensor:
-    """The linear step in content space.
+    """The linear step in content space (identity or linear parts).
 
     Args:
         content: per sender layer of the part's `sender_layers`, fp32 [..., D_in] RoPE-stripped entries.
@@ -99,46 +99,83 @@ def map_part_content(
     x = torch.cat(content, dim=-1)  # [..., k*D_in]
     if pm.kind == "identity":
         return x
+    assert pm.kind == "linear", f"{part} part of kind {pm.kind} has no content map"
     coef, intercept = mapper.weights(receiver_layer, part)
     return x @ coef.to(x.device).T + intercept.to(x.device)  # [..., D_out]
 
 
+def recompute_index(
+    receiver_model: Transformer, layer: int, latent: torch.Tensor, rotations: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index keys from a pre-RoPE latent with the receiver's own indexer (k_norm(wk(latent)), RoPE, MXFP4).
+
+    Args:
+        latent: fp32 [B, n, D] mapped main-KV content; rotations: [n, rope_dim/2] complex64 of its entries.
+
+    Returns:
+        (bf16 dequantized view [B, n, D_I], codes uint8 [B, n, D_I/2], E8M0 bytes uint8 [B, n, D_I/32]).
+    """
+    indexer = receiver_model.layers[layer].attn.indexer
+    assert indexer is not None and indexer.owns_k, f"receiver layer {layer} makes no index keys"
+    weight = next(indexer.parameters())
+    return indexer.keys(latent.to(weight.device, torch.bfloat16), rotations.to(weight.device))
+
+
 def map_sources(
-    mapper: KVMapper, sender_sources: dict[int, SourceCache], n_tokens: int
+    mapper: KVMapper,
+    sender_sources: dict[int, SourceCache],
+    n_tokens: int,
+    *,
+    receiver_model: Transformer | None = None,
 ) -> tuple[dict[int, SourceCache], list[tuple[int, str]]]:
     """Map the global KV of positions [0, n_tokens) for every receiver kv source (any batch size B).
 
     Args:
         sender_sources: sender layer -> SourceCache holding at least n_tokens // ratio entries.
+        receiver_model: the receiver, needed only by index parts of kind "recompute".
 
     Returns:
         receiver layer -> SourceCache ([B, n_tokens // ratio, ...], no carries), and the parts copied.
+
+    Raises:
+        ValueError: a "recompute" part without `receiver_model`.
     """
+    if mapper.needs_receiver_weights and receiver_model is None:
+        raise ValueError("this mapper recomputes index keys: pass receiver_model")
     s_rope, r_rope = rope_spec(mapper.sender.config), rope_spec(mapper.receiver.config)
     out: dict[int, SourceCache] = {}
     copied: list[tuple[int, str]] = []
     for lm in mapper.layers:
         m = lm.ratio
         n = n_tokens // m
+        device = sender_sources[lm.kv.sender_layers[0]].kv.device
+        s_rot = entry_rotations(s_rope, m, n, device)
+        r_rot = entry_rotations(r_rope, m, n, device)
         fields: dict[str, torch.Tensor] = {}
+        kv_content = None
         for part in ("kv", "index"):
             pm: PartMap = lm.part(part)
             names = _PART_FIELDS[part]
+            if pm.kind == "recompute":
+                assert receiver_model is not None and kv_content is not None
+                keys = recompute_index(receiver_model, lm.receiver_layer, kv_content, r_rot)
+                fields.update(zip(names, (t.to(device) for t in keys), strict=True))
+                continue
             if pm.kind == "identity" and s_rope == r_rope:
                 view, codes, scales = _part_fields(sender_sources[pm.sender_layers[0]], part)
                 fields.update(zip(names, (view[:, :n], codes[:, :n], scales[:, :n]), strict=True))
                 copied.append((lm.receiver_layer, part))
+                if part == "kv":
+                    kv_content = strip_rope(view[:, :n], s_rot, s_rope.rope_dim)
                 continue
-            first = _part_fields(sender_sources[pm.sender_layers[0]], part)[0]
-            s_rot = entry_rotations(s_rope, m, n, first.device)
-            r_rot = entry_rotations(r_rope, m, n, first.device)
             content = [
                 strip_rope(_part_fields(sender_sources[s], part)[0][:, :n], s_rot, s_rope.rope_dim)
                 for s in pm.sender_layers
             ]
             y = map_part_content(mapper, lm.receiver_layer, part, content)
-            y = add_rope(y, r_rot, r_rope.rope_dim)
-            fields.update(zip(names, _quantize(part, y), strict=True))
+            if part == "kv":
+                kv_content = y
+            fields.update(zip(names, _quantize(part, add_rope(y, r_rot, r_rope.rope_dim)), strict=True))
         out[lm.receiver_layer] = SourceCache(ratio=m, **fields)
     return out, copied
 
@@ -209,6 +246,7 @@ def apply_mapper(
     chunk_tokens: int | None = None,
     row: int = 0,
     device: torch.device | str = "cpu",
+    receiver_model: Transformer | None = None,
 ) -> MappedGlobal:
     """Map the sender's global KV of its whole history into receiver chunks.
 
@@ -220,6 +258,7 @@ def apply_mapper(
         chunk_tokens: chunk size of the output for a state input (one chunk when None); chunk blobs keep
             the input chunk bounds. Chunk starts must be multiples of every ratio.
         device: where the sender blobs are decoded and the maps run.
+        receiver_model: the receiver, needed when `mapper.needs_receiver_weights` (index "recompute").
 
     Returns:
         MappedGlobal; `model.state_from_global(receiver, tokens, list(m.blobs), fingerprint=...)` then
@@ -228,7 +267,8 @@ def apply_mapper(
     Raises:
         MapperMismatch: a fingerprint differs from the one the mapper records (see `applicability`).
         model.CacheFormatError: a corrupt, foreign or non-contiguous sender chunk.
-        ValueError: a bad chunk size or chunk start, or a row outside the state's batch.
+        ValueError: a bad chunk size or chunk start, a row outside the state's batch, or a mapper that
+            needs the receiver's weights without `receiver_model`.
     """
     for side, fp in (("sender", sender_fingerprint), ("receiver", receiver_fingerprint)):
         want = getattr(mapper, side).fingerprint
@@ -252,7 +292,7 @@ def apply_mapper(
     else:
         state, bounds = _read_blobs(mapper.sender.config, sender, sender_fingerprint, device)
         n_tokens, sources = state.n_tokens, state.sources
-    mapped, copied = map_sources(mapper, sources, n_tokens)
+    mapped, copied = map_sources(mapper, sources, n_tokens, receiver_model=receiver_model)
     out = _globals_only_state(mapped, n_tokens, device)
     blobs = tuple(export_global(out, a, b, fingerprint=receiver_fingerprint) for a, b in bounds)
     return MappedGlobal(blobs=blobs, bounds=tuple(bounds), n_tokens=n_tokens, copied_parts=tuple(copied))

@@ -28,7 +28,9 @@ from model import ModelConfig
 MAPPER_FORMAT = "kvresume.mapper.v1"
 MAPPER_JSON = "mapper.json"
 MAPPER_WEIGHTS = "weights.safetensors"
-MAP_KINDS = ("identity", "linear")
+# "recompute" (index part only): index K = the receiver's own k_norm(wk(mapped pre-RoPE latent)), the
+# V4.1 relation index-K = f(latent) (V41_SPEC §4.1, MAPPING §4.2.3); needs the receiver's weights.
+MAP_KINDS = ("identity", "linear", "recompute")
 PARTS = ("kv", "index")
 # Keys (main KV and index K) are fitted and applied in content space: the sender's entry rotation is
 # stripped, the map applied, the receiver's rotation applied. The only mode in v1.
@@ -79,8 +81,11 @@ class PartMap:
     """The map of one part (main KV or index K) of one receiver source.
 
     Attributes:
-        kind: "identity" (one sender layer of the same width, no arrays) or "linear" (coef + intercept).
-        sender_layers: sender kv-source layers stacked along the input, ascending.
+        kind: "identity" (one sender layer of the same width, no arrays), "linear" (coef + intercept),
+            or "recompute" (index part only: from the mapped main KV with the receiver's own indexer
+            weights; no arrays).
+        sender_layers: sender kv-source layers stacked along the input, ascending (for "recompute",
+            those of the main-KV part it derives from).
         alpha: the absolute ridge penalty the fit used (None for identity).
     """
 
@@ -219,6 +224,11 @@ class KVMapper:
                 return lm
         raise ValueError(f"no map for receiver layer {receiver_layer}")
 
+    @property
+    def needs_receiver_weights(self) -> bool:
+        """Whether `apply_mapper` needs the receiver model (an index part of kind "recompute")."""
+        return any(lm.index.kind == "recompute" for lm in self.layers)
+
     def weights(self, receiver_layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor]:
         """coef [D_out, k*D_in] fp32 and intercept [D_out] fp32 of a linear part."""
         return (
@@ -260,7 +270,12 @@ class KVMapper:
                         )
                     widths.append(s_src.head_dim if part == "kv" else s_src.index_head_dim)
                 d_out = r_src.head_dim if part == "kv" else r_src.index_head_dim
-                if pm.kind == "identity":
+                if pm.kind == "recompute":
+                    if part != "index" or pm.sender_layers != lm.kv.sender_layers:
+                        raise ValueError(
+                            f"{where}: recompute is for the index part and reads the kv part's sender layers"
+                        )
+                elif pm.kind == "identity":
                     if widths[0] != d_out:
                         raise ValueError(
                             f"{where}: identity needs equal widths, sender {widths[0]} vs receiver {d_out}"

@@ -191,7 +191,9 @@ def evaluate_mapper(
         s_state = prefill(sender_model, prefix).state
         r_state = prefill(receiver_model, prefix).state
         own_blob = export_global(r_state, 0, p, fingerprint=fp_r)
-        mapped = apply_mapper(mapper, s_state, sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+        mapped = apply_mapper(
+            mapper, s_state, sender_fingerprint=fp_s, receiver_fingerprint=fp_r, receiver_model=receiver_model
+        )
         m_state = state_from_global(receiver_model, prefix, list(mapped.blobs), fingerprint=fp_r)
         o_state = state_from_global(receiver_model, prefix, [own_blob], fingerprint=fp_r)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mappers.apply import recompute_index
 from mappers.artifact import GateSpec, KVMapper, LayerMap, ModelRef, PartMap
 from mappers.capture import ContentKV, capture_content
 from mappers.errors import FitError
@@ -23,6 +24,7 @@ from mappers.ridge import MomentStats, RidgeMapper, r2_from_stats
 from model import Transformer, model_fingerprint
 
 _PARTS = ("kv", "index")
+INDEX_MODES = ("map", "recompute", "best")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,11 +36,15 @@ class FitSpec:
         alphas: relative ridge penalties tried per (receiver source, part); the best held-out R² wins
             (with no held-out rows the in-sample R², which favours the smallest).
         selection_alpha: the relative penalty of the single-layer probes that rank sender layers.
+        index_mode: index keys from a separate ridge map ("map"), recomputed from the mapped main KV with
+            the receiver's own indexer ("recompute", V41_SPEC §4.1), or whichever has the higher held-out
+            R² per layer ("best"; needs held-out batches).
     """
 
     k: int | None = None
     alphas: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
     selection_alpha: float = 1e-2
+    index_mode: str = "map"
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
@@ -48,6 +54,8 @@ class FitSpec:
             raise ValueError(f"alphas must be non-empty, finite and >= 0, got {list(self.alphas)}")
         if not (math.isfinite(self.selection_alpha) and self.selection_alpha >= 0):
             raise ValueError(f"selection_alpha must be finite and >= 0, got {self.selection_alpha}")
+        if self.index_mode not in INDEX_MODES:
+            raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {self.index_mode!r}")
 
 
 def _width(cfg, part: str) -> int:
@@ -88,6 +96,60 @@ def _score(fit: RidgeMapper, train: MomentStats, heldout: MomentStats, xi, yi) -
     return r2_from_stats(stats, fit.coef_, fit.intercept_, xi, yi)[1]
 
 
+def _fit_part(spec: FitSpec, train: MomentStats, held: MomentStats, senders: list[int], r_pos: int,
+              w_in: int, w_out: int):
+    """Rank the sender layers of one (ratio, part) block for one receiver source, stack the best k and
+    pick alpha. Returns (fit, chosen layers, relative alpha, score, x columns, y columns)."""
+    device = train.cxx.device
+    yi = _cols(r_pos, w_out).to(device)
+    probe = {}
+    for pos, s in enumerate(senders):
+        xi = _cols(pos, w_in).to(device)
+        fit = RidgeMapper(spec.selection_alpha).fit_stats(train, xi, yi)
+        probe[s] = _score(fit, train, held, xi, yi)
+    ranked = sorted(senders, key=lambda s: -probe[s])
+    chosen = sorted(ranked[: spec.k] if spec.k else ranked)
+    xi = torch.cat([_cols(senders.index(s), w_in) for s in chosen]).to(device)
+    best: tuple[float, float, RidgeMapper] | None = None
+    for alpha in spec.alphas:
+        fit = RidgeMapper(alpha).fit_stats(train, xi, yi)
+        score = _score(fit, train, held, xi, yi)
+        # ties go to the larger penalty (the later alpha when sorted ascending)
+        if best is None or score >= best[0]:
+            best = (score, alpha, fit)
+    assert best is not None
+    score, alpha, fit = best
+    return fit, chosen, alpha, score, xi, yi
+
+
+def _recompute_r2(
+    receiver_model: Transformer,
+    layer: int,
+    kv_fit: RidgeMapper,
+    kv_senders: list[int],
+    captures: list[tuple[ContentKV, ContentKV]],
+) -> float | None:
+    """Held-out R² (content space, pooled) of index keys recomputed by the receiver's indexer from the
+    mapped main KV; None without held-out rows."""
+    sse = 0.0
+    own_rows = []
+    for cs, cr in captures:
+        x = torch.cat([cs.kv[s] for s in kv_senders], dim=-1)  # [B, n, k*D]
+        latent = kv_fit.predict(x)  # [B, n, D]
+        # no rotation: compare in content space with the receiver's stripped keys
+        rd = receiver_model.cfg.rope_head_dim
+        still = torch.ones(latent.size(1), rd // 2, dtype=torch.complex64, device=latent.device)
+        keys = recompute_index(receiver_model, layer, latent, still)[0].float().to(latent.device)
+        own = cr.index[layer]
+        sse += float(((keys - own) ** 2).sum())
+        own_rows.append(own.flatten(0, 1))
+    if not own_rows:
+        return None
+    own = torch.cat(own_rows)
+    sst = float(((own - own.mean(0)) ** 2).sum())
+    return 1.0 - sse / max(sst, torch.finfo(torch.float64).tiny)
+
+
 @torch.no_grad()
 def fit_mapper(
     sender_model: Transformer,
@@ -117,7 +179,8 @@ def fit_mapper(
         False until evaluated.
 
     Raises:
-        ValueError: a receiver source whose ratio no sender source has.
+        ValueError: a receiver source whose ratio no sender source has; index_mode "best" without
+            held-out batches.
         FitError: no calibration rows, or non-finite captures.
     """
     spec = spec or FitSpec()
@@ -134,49 +197,49 @@ def fit_mapper(
     # statistics live where the captures are (the accumulation GEMMs run on the models' device)
     device = next(sender_model.parameters()).device
     blocks = _Blocks(s_cfg, r_cfg, senders, receivers, device)
+    # index "recompute" is scored on the held-out rows themselves (a nonlinear map: no moments suffice)
+    held_captures: list[tuple[ContentKV, ContentKV]] = []
     for split, batches in (("train", token_batches), ("heldout", heldout_batches)):
         for tokens in batches:
             cs, _ = capture_content(sender_model, tokens)
             cr, _ = capture_content(receiver_model, tokens)
             blocks.add(split, cs, cr)
+            if split == "heldout" and spec.index_mode != "map":
+                held_captures.append((cs, cr))
+    if spec.index_mode == "best" and not held_captures:
+        raise ValueError("index_mode='best' compares on held-out rows: pass heldout_batches")
 
     layers, arrays, pair_r2 = [], {}, {part: [] for part in _PARTS}
     for src in sources_of(r_cfg):
         m, r = src.ratio, src.layer
-        parts, quality = {}, {}
+        parts, quality, fits = {}, {}, {}
         for part in _PARTS:
             train, held = blocks.stats[(m, part, "train")], blocks.stats[(m, part, "heldout")]
             if train.n == 0:
                 raise FitError(f"no calibration rows for ratio {m}: use batches of at least {m} tokens")
-            w_in, w_out = _width(s_cfg, part), _width(r_cfg, part)
-            yi = _cols(receivers[m].index(r), w_out).to(device)
-            probe = {}
-            for pos, s in enumerate(senders[m]):
-                xi = _cols(pos, w_in).to(device)
-                fit = RidgeMapper(spec.selection_alpha).fit_stats(train, xi, yi)
-                probe[s] = _score(fit, train, held, xi, yi)
-            ranked = sorted(senders[m], key=lambda s: -probe[s])
-            chosen = sorted(ranked[: spec.k] if spec.k else ranked)
-            xi = torch.cat([_cols(senders[m].index(s), w_in) for s in chosen]).to(device)
-            best: tuple[float, float, RidgeMapper] | None = None
-            for alpha in spec.alphas:
-                fit = RidgeMapper(alpha).fit_stats(train, xi, yi)
-                score = _score(fit, train, held, xi, yi)
-                # ties go to the larger penalty (the later alpha when sorted ascending)
-                if best is None or score >= best[0]:
-                    best = (score, alpha, fit)
-            assert best is not None
-            score, alpha, fit = best
+            fit, chosen, alpha, score, xi, yi = _fit_part(
+                spec, train, held, senders[m], receivers[m].index(r), _width(s_cfg, part), _width(r_cfg, part)
+            )
             if not bool(torch.isfinite(fit.coef_).all() and torch.isfinite(fit.intercept_).all()):
                 raise FitError(f"receiver layer {r} {part}: the ridge solve is not finite")
-            arrays[f"layers.{r}.{part}.coef"] = fit.coef_.cpu()
-            arrays[f"layers.{r}.{part}.intercept"] = fit.intercept_.cpu()
+            fits[part] = (fit, chosen)
             parts[part] = PartMap(kind="linear", sender_layers=tuple(chosen), alpha=fit.alpha_)
             quality[f"r2_{part}_train"] = r2_from_stats(train, fit.coef_, fit.intercept_, xi, yi)[1]
             if held.n:
                 quality[f"r2_{part}_heldout"] = score
             quality[f"alpha_relative_{part}"] = alpha
             quality[f"rows_{part}"] = float(train.n)
+            if part == "index" and spec.index_mode != "map":
+                kv_fit, kv_chosen = fits["kv"]
+                r2_re = _recompute_r2(receiver_model, r, kv_fit, kv_chosen, held_captures)
+                if r2_re is not None:
+                    quality["r2_index_recompute_heldout"] = r2_re
+                if spec.index_mode == "recompute" or (r2_re is not None and r2_re > score):
+                    parts[part] = PartMap(kind="recompute", sender_layers=tuple(kv_chosen))
+                    score = r2_re if r2_re is not None else score
+            if parts[part].kind == "linear":
+                arrays[f"layers.{r}.{part}.coef"] = fit.coef_.cpu()
+                arrays[f"layers.{r}.{part}.intercept"] = fit.intercept_.cpu()
             pair_r2[part].append(score)
         layers.append(
             LayerMap(receiver_layer=r, ratio=m, kv=parts["kv"], index=parts["index"], quality=quality)

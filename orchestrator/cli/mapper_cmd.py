@@ -156,7 +156,7 @@ def _run_fit(args: argparse.Namespace) -> int:
     vocab = sender.cfg.vocab_size
     train = _token_batches(args, vocab, args.seed, args.batches, args.batch_size, args.tokens)
     held = _token_batches(args, vocab, args.seed + 1, args.heldout, args.batch_size, args.tokens)
-    spec = FitSpec(k=args.k, alphas=tuple(args.alphas))
+    spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode)
     with torch.inference_mode():
         mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
                             receiver_name=r_name, gate=_gate(args))
@@ -271,6 +271,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--k", type=int, default=None, help="sender layers stacked per receiver layer (all)")
     fit.add_argument("--alphas", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0],
                      help="relative ridge penalties to choose from")
+    fit.add_argument("--index-mode", choices=("map", "recompute", "best"), default="map",
+                     help="index keys: separate ridge map, recomputed by the receiver's indexer, or the "
+                          "better on held-out rows")
     _add_common(fit)
     fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
 

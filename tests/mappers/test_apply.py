@@ -162,6 +162,30 @@ def test_apply_mapper_linear_identity_weights_stay_close(pair: tuple[Transformer
             assert same > 0.95, f"layer {layer}: only {same:.3f} of {f} values unchanged"
 
 
+@torch.inference_mode()
+def test_apply_mapper_recompute_index_from_the_latent(pair: tuple[Transformer, Transformer]) -> None:
+    sender, _ = pair
+    cfg, fp = sender.cfg, model_fingerprint(sender)
+    ident = identity_mapper(cfg, cfg)
+    layers = tuple(
+        dataclasses.replace(lm, index=PartMap(kind="recompute", sender_layers=lm.kv.sender_layers))
+        for lm in ident.layers
+    )
+    mapper = dataclasses.replace(ident, layers=layers)
+    assert mapper.needs_receiver_weights
+    state = prefill(sender, _tokens(48, 6)).state
+    with pytest.raises(ValueError, match="receiver_model"):
+        apply_mapper(mapper, state, sender_fingerprint=fp, receiver_fingerprint=fp)
+    out = apply_mapper(mapper, state, sender_fingerprint=fp, receiver_fingerprint=fp, receiver_model=sender)
+    assert out.copied_parts == ((2, "kv"), (4, "kv"), (6, "kv"))
+    rstate = state_from_global(sender, state.tokens, list(out.blobs), fingerprint=fp)
+    for layer, src in state.sources.items():
+        own, got = src.index_k.float(), rstate.sources[layer].index_k.float()
+        # the model derives index K from the unquantized latent, the recompute from its FP4 form
+        r2 = 1 - ((own - got) ** 2).sum() / ((own - own.mean((0, 1))) ** 2).sum()
+        assert 0.9 < r2 < 0.999, f"layer {layer}: index R² {r2:.4f}"
+
+
 def test_applicability_and_mismatch(pair: tuple[Transformer, Transformer]) -> None:
     sender, receiver = pair
     fp_s, fp_r = model_fingerprint(sender), model_fingerprint(receiver)

@@ -86,6 +86,7 @@ def _rewrite(path: Path, edit) -> None:
         (lambda d: d["layers"][0]["kv"].update(sender_layers=[3]), r"layers\[2\]\.kv\.sender_layers"),
         (lambda d: d["layers"][0]["kv"].update(sender_layers=[2]), r"layers\.2\.kv\.coef is .* expected"),
         (lambda d: d["layers"][1]["index"].update(kind="identity"), r"identity needs equal widths"),
+        (lambda d: d["layers"][1]["kv"].update(kind="recompute"), r"layers\[4\]\.kv: recompute is for"),
         (lambda d: d["layers"].pop(), r"receiver layers \[2, 4\] must be"),
         (lambda d: d["sender"].update(fingerprint="xyz"), "fingerprint must be 64"),
         (lambda d: d["receiver"]["config"].update(n_layers=-1), r"receiver\.config"),
@@ -94,7 +95,7 @@ def _rewrite(path: Path, edit) -> None:
         (lambda d: d.update(format="other"), "format is 'other'"),
     ],
     ids=[
-        "extra-key", "ratio", "sender-ratio", "not-a-source", "coef-shape", "identity-width",
+        "extra-key", "ratio", "sender-ratio", "not-a-source", "coef-shape", "identity-width", "recompute-kv",
         "missing-layer", "fingerprint", "config", "digest", "gate-key", "format",
     ],  # fmt: skip
 )

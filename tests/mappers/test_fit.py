@@ -61,18 +61,20 @@ def test_fit_mapper_between_widths_imports_and_continues(sender: Transformer, tm
         receiver,
         _batches(2, 2, 96, seed=1),
         heldout_batches=_batches(1, 2, 96, seed=2),
-        spec=FitSpec(alphas=(1e-2, 1.0)),
+        spec=FitSpec(alphas=(1e-2, 1.0), index_mode="best"),
         sender_name="tiny-256",
         receiver_name="tiny-128",
     )
     assert [lm.receiver_layer for lm in mapper.layers] == [2, 4, 6]
     for lm in mapper.layers:
-        coef, intercept = mapper.weights(lm.receiver_layer, "index")
-        assert coef.shape == (32, 64 * len(lm.index.sender_layers))
-        assert mapper.weights(lm.receiver_layer, "kv")[0].shape == (64, 128 * len(lm.kv.sender_layers))
+        coef, intercept = mapper.weights(lm.receiver_layer, "kv")
+        assert coef.shape == (64, 128 * len(lm.kv.sender_layers))
         assert torch.isfinite(coef).all() and torch.isfinite(intercept).all()
         for key in ("r2_kv_train", "r2_kv_heldout", "r2_index_train", "r2_index_heldout"):
             assert key in lm.quality and lm.quality[key] <= 1.0, key
+        # "best" keeps the separate index map unless recomputing from the mapped latent scores higher
+        better = lm.quality["r2_index_recompute_heldout"] > lm.quality["r2_index_heldout"]
+        assert lm.index.kind == ("recompute" if better else "linear")
         # in-sample R² of a ridge fit is never below the constant predictor's 0
         assert lm.quality["r2_kv_train"] >= 0.0
     assert not mapper.passed_gate and "r2_kv_heldout_mean" in mapper.quality
@@ -83,7 +85,8 @@ def test_fit_mapper_between_widths_imports_and_continues(sender: Transformer, tm
     toks = _batches(1, 1, 50, seed=3)[0]
     s_state = prefill(sender, toks).state
     mapped = apply_mapper(
-        mapper, s_state, sender_fingerprint=fp_s, receiver_fingerprint=fp_r, chunk_tokens=16
+        mapper, s_state, sender_fingerprint=fp_s, receiver_fingerprint=fp_r, chunk_tokens=16,
+        receiver_model=receiver,
     )
     assert mapped.bounds == ((0, 16), (16, 32), (32, 48), (48, 50))
     r_state = state_from_global(receiver, toks, list(mapped.blobs), fingerprint=fp_r)
