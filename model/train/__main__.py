@@ -3,6 +3,7 @@
     data build --out DIR [--max-bytes N] [--vocab-size V]   manifest + tokenizer + summary table
     data check --manifest FILE                               does the running stdlib match? (exit 1 if not)
     data sample --tokenizer DIR --task kv|agent [--seed S] [--distance D ...]   print one decoded example
+    train --model NAME [--steps N] [--threads T] [--export DIR] ...       train or resume a sibling model
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from model.train.dataset import tokenize_corpus
 from model.train.kv_recall import KvRecallSpec, kv_recall
 from model.train.tasks import CorpusFiller
 from model.train.tokenizer import load_tokenizer
+from model.train.trainer import add_train_arguments, train_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--task", choices=("kv", "agent"), default="kv")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--distance", type=int, nargs="*", default=None)
+    add_train_arguments(top.add_parser("train", help="train or resume a sibling model (kvresume train)"))
     return p
 
 
@@ -65,6 +68,8 @@ def _sample(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.group == "train":
+        return train_from_args(args)
     if args.command == "build":
         summary = build_data(
             args.out,
