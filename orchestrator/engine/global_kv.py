@@ -60,7 +60,7 @@ def _miss_text(reason: MissReason, at: int, detail: str) -> str:
 
 def read_prefix(
     store: GlobalKVStore,
-    registry_session: Session,
+    registry: Callable[[], Session],
     *,
     tenant: str,
     served: ServedModel,
@@ -70,7 +70,9 @@ def read_prefix(
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
     Args:
-        registry_session: a read session of the registry (for the segment rows that name the chunks).
+        registry: makes a read session of the registry (for the segment rows that name the chunks); it is
+            opened only after the store calls return, because the store's audit mirror writes SQL under
+            the store lock (an SQL transaction held across a store call could deadlock with it).
         compute: the model operations (default: the real model).
     """
     compute = compute if compute is not None else TorchCompute()
@@ -83,17 +85,18 @@ def read_prefix(
         assert miss is not None
         why = _miss_text(miss.reason, miss.at_token, miss.detail)
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=why)
+    verified = store.longest_valid_prefix(tenant, fp, list(history))
     keys = [s.address for s in found.spans]
-    named = set(
-        registry_session.scalars(
-            select(CacheSegment.store_key).where(
-                CacheSegment.store_key.in_(keys),
-                CacheSegment.tenant_id == tenant,
-                CacheSegment.fingerprint == fp,
+    with registry() as session:
+        named = set(
+            session.scalars(
+                select(CacheSegment.store_key).where(
+                    CacheSegment.store_key.in_(keys),
+                    CacheSegment.tenant_id == tenant,
+                    CacheSegment.fingerprint == fp,
+                )
             )
         )
-    )
-    verified = store.longest_valid_prefix(tenant, fp, list(history))
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)

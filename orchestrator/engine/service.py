@@ -111,6 +111,7 @@ def build_node(
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
     """
     registry = registry if registry is not None else ModelRegistry.from_sources(settings.served_models)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     ratios = _ratios(registry)
     if settings.kv_chunk_tokens % math.lcm(*ratios):
         raise ValueError(

@@ -229,51 +229,68 @@ class TurnEngine:
                 default_floor_s=settings.retention_floor_s,
                 default_ceiling_s=settings.retention_ceiling_s,
             )
-            prefix = read_prefix(
-                self.store, s, tenant=row.tenant_id, served=served, history=history, compute=self.compute
-            )
-            own = SegmentRepository(s).for_session(row.id)
             own_stored = 0
-            for seg in own:
+            for seg in SegmentRepository(s).for_session(row.id):
                 if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
                     own_stored = seg.end_pos
-            sender = sender_prefix = None
-            infos: list[MapperInfo] = []
-            artifacts: dict[str, MapperArtifact] = {}
             last = view.last_model
+            candidates: list[tuple[MapperArtifact, MapperInfo]] = []
             if last is not None and last != name:
-                sender = self.registry.get(last)
-                if sender is not None:
-                    sender_prefix = read_prefix(
-                        self.store, s, tenant=row.tenant_id, served=sender, history=history
+                for m in MapperRepository(s).list(sender_model=last, receiver_model=name):
+                    if not m.passed_gate:
+                        continue
+                    art = MapperArtifact(
+                        mapper_id=m.id,
+                        sender_model=m.sender_model,
+                        receiver_model=m.receiver_model,
+                        artifact_uri=m.artifact_uri,
+                        artifact_sha256=m.artifact_sha256,
+                        kind=m.kind,
                     )
-                    for m in MapperRepository(s).list(sender_model=last, receiver_model=name):
-                        art = MapperArtifact(
-                            mapper_id=m.id,
-                            sender_model=m.sender_model,
-                            receiver_model=m.receiver_model,
-                            artifact_uri=m.artifact_uri,
-                            artifact_sha256=m.artifact_sha256,
-                            kind=m.kind,
-                        )
-                        # A mapper that cannot run on this node is as good as none: plan without it.
-                        if m.passed_gate and self.mappers.usable(art, sender, served):
-                            artifacts[m.id] = art
-                            infos.append(
-                                MapperInfo(
-                                    mapper_id=m.id,
-                                    sender_model=m.sender_model,
-                                    receiver_model=m.receiver_model,
-                                    passed_gate=True,
-                                    score=float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0,
-                                )
-                            )
+                    score = float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0
+                    info = MapperInfo(
+                        mapper_id=m.id,
+                        sender_model=m.sender_model,
+                        receiver_model=m.receiver_model,
+                        passed_gate=True,
+                        score=score,
+                    )
+                    candidates.append((art, info))
             facts = dict(
                 session_id=row.id,
                 tenant_id=row.tenant_id,
                 turn_count=row.turn_count,
                 retention_s=min(row.retention_s, policy.ceiling_s),
             )
+        # Store reads happen outside any SQL transaction: the store mirrors its audit records into SQL
+        # under its own lock, so holding a SQLite write lock across a store call could deadlock.
+        prefix = read_prefix(
+            self.store,
+            ctx.sessions,
+            tenant=turn.tenant_id,
+            served=served,
+            history=history,
+            compute=self.compute,
+        )
+        sender = sender_prefix = None
+        infos: list[MapperInfo] = []
+        artifacts: dict[str, MapperArtifact] = {}
+        if last is not None and last != name:
+            sender = self.registry.get(last)
+            if sender is not None:
+                sender_prefix = read_prefix(
+                    self.store,
+                    ctx.sessions,
+                    tenant=turn.tenant_id,
+                    served=sender,
+                    history=history,
+                    compute=self.compute,
+                )
+                for art, info in candidates:
+                    # A mapper that cannot run on this node is as good as none: plan without it.
+                    if self.mappers.usable(art, sender, served):
+                        artifacts[art.mapper_id] = art
+                        infos.append(info)
         ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
         region = self.store.config.region
         may_persist = policy.may_store_in(region)
