@@ -36,9 +36,11 @@ def sha256_of(path: str | Path) -> str:
 def _train_summary(log: Path) -> dict[str, Any]:
     lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     start = next(r for r in lines if r["event"] == "train_start")
+    resumes = [r["step"] for r in lines if r["event"] == "train_resume"]
     steps = [r for r in lines if r["event"] == "train_step"]
     last = steps[-1] if steps else {}
-    return {"start": start, "last": last, "seconds": last.get("seconds", 0.0), "lines": len(lines)}
+    return {"start": start, "last": last, "seconds": last.get("seconds", 0.0), "lines": len(lines),
+            "resumes": resumes, "first_steps": start["spec"]["steps"]}
 
 
 def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
@@ -72,6 +74,11 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
         f"- run: {summary['last'].get('step', -1) + 1} steps in {seconds / 60:.1f} min of process time on "
         f"{start.get('threads')} CPU thread(s), device {start.get('device')}, sharing a 2-core machine with "
         "other jobs (wall time, not dedicated-core time)",
+        *(
+            [f"- the run started with a {summary['first_steps']}-step schedule and was resumed at steps "
+             f"{summary['resumes']} with the schedule above (the log has a `train_resume` line each time)"]
+            if summary["resumes"] else []
+        ),
         "",
     ])
 
@@ -92,9 +99,10 @@ def ship_checkpoint(
     """
     run_dir, out = Path(run_dir), Path(out_dir)
     model = run_model(run_dir)
-    state_spec = TrainSpec.from_dict(
-        json.loads((run_dir / LOG_FILE).read_text().splitlines()[0])["spec"]
-    )
+    # the spec in force at the end: the last start or resume line of the log
+    starts = [r for r in map(json.loads, (run_dir / LOG_FILE).read_text().splitlines())
+              if r["event"] in ("train_start", "train_resume")]
+    state_spec = TrainSpec.from_dict(starts[-1]["spec"])
     name = state_spec.model
     out.mkdir(parents=True, exist_ok=True)
     export_checkpoint(model, out, {"model_name": name, "trained_steps": str(state_spec.steps)})

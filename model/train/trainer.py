@@ -297,10 +297,15 @@ class Trainer:
         every save_every steps and at the end. Returns the step reached."""
         until = self.spec.steps if until is None else min(until, self.spec.steps)
         started = time.perf_counter()
-        if self.step == 0:
-            self._log({"event": "train_start", "spec": self.spec.to_dict(), "device": str(self.device),
-                       "threads": torch.get_num_threads(),
-                       "parameters": sum(p.numel() for p in self.model.parameters())})
+        # a resumed run may carry a changed step count (schedule and phases stretch): log the spec in force
+        self._log({
+            "event": "train_start" if self.step == 0 else "train_resume",
+            "step": self.step,
+            "spec": self.spec.to_dict(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        })
         window: list[dict[str, Any]] = []
         while self.step < until:
             if max_seconds is not None and time.perf_counter() - started > max_seconds:
