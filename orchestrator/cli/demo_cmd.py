@@ -110,7 +110,9 @@ def run_demo(
         pool_ttl_s=_POOL_TTL_S,
         pool_budget_bytes=256 * 1024 * 1024,
     )
-    node = build_node(settings, registry=registry, mappers=mappers, pool_clock=lambda: pool_now[0])
+    node = build_node(
+        settings, registry=registry, mappers=mappers, pool_clock=lambda: pool_now[0], preload=True
+    )
     names = node.registry.names
     first, second = names[0], names[1] if len(names) > 1 else names[0]
     script = _script(first, second)

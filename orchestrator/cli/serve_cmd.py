@@ -51,7 +51,7 @@ def serve(
     Args:
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
     """
-    node = build_node(settings, maintenance=True)
+    node = build_node(settings, maintenance=True, preload=True)
     ctx = node.ctx
     running = build_server(ctx)
     metrics_server = None

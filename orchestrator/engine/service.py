@@ -97,6 +97,7 @@ def build_node(
     maintenance: bool = False,
     migrate: bool = True,
     compute: ModelCompute | None = None,
+    preload: bool = False,
 ) -> NodeService:
     """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
 
@@ -106,6 +107,7 @@ def build_node(
         clock: wall clock of the store and registry stamps; pool_clock: the pool's TTL clock.
         maintenance: start the store's background expiry/deletion thread.
         compute: the model operations (default: the real model; benchmarks pass a no-op stand-in).
+        preload: load every served model now (else on its first turn, inside that turn's latency).
 
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
@@ -166,6 +168,9 @@ def build_node(
     report = reconcile_with_prefixes(
         ctx.serializable, node=ctx.node, stored_prefix=lambda t, fp, toks: store.lookup(t, fp, toks).n_tokens
     )
+    if preload:
+        for name in registry.names:
+            registry.get(name)
     if maintenance:
         store.start_maintenance()
     log.info(

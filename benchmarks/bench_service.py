@@ -1,0 +1,384 @@
+"""Service benchmark: (1) per-turn service overhead (planner, registry, store bookkeeping, gRPC) at 1, 8
+and 64 concurrent sessions, with the model replaced by a NO-OP STAND-IN; (2) an agent-session replay
+comparing, turn by turn, kvresume's time to first token against re-prefilling the whole history.
+
+Run: `python -m benchmarks.bench_service [--json-out PATH] [--turns 12] [--overhead-turns 4]`.
+
+(1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
+with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
+model arithmetic: it tracks positions, emulates the `ced` row bookkeeping (so counts match the plan), and
+emits global-KV chunks and pool entries of the real model's byte sizes, so every store write, fdatasync,
+registry row and pool put is real. Overhead = client-observed wall time of a whole turn (request to the
+stats event), excluding each session's first turn (the cold prefill). Reported as p50/p99 ms.
+(2) Real seeded random-init model (v41-tiny stand-in of the sibling family, torch CPU, 1 thread): a
+first prompt of 400 tokens, then tool results and user turns of 30-90 tokens, 4 generated tokens per
+turn, and an idle gap (pool TTL passes) before one turn. kvresume TTFT = the engine's time from turn
+start to first token (lookup, load, planner, registry, model); re-prefill TTFT = a cold `ced` prefill
+of the whole prompt plus the first token, model only (no service cost: a lower bound for a stateless
+endpoint). `ttft_ratio_vs_reprefill` is the median of kvresume / re-prefill over turns after the first.
+Refuses to run when the correctness check fails (a full hit must equal the uninterrupted computation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from model import CacheFormatError, PassOutput, PassStats, decode, prefill
+from orchestrator.api import build_server
+from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
+from orchestrator.settings import Settings
+
+TENANT, TOKEN = "bench", "tok-bench"
+POOL_TTL_S = 600.0
+CONCURRENCY = (1, 8, 64)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclasses.dataclass
+class NoOpState:
+    n_tokens: int
+    has_windows: bool
+
+    def clone(self) -> NoOpState:
+        return dataclasses.replace(self)
+
+
+_HEAD = struct.Struct("<QQ")
+
+
+class NoOpCompute:
+    """NO-OP STAND-IN for the model: positions and byte sizes only, no arithmetic (service overhead)."""
+
+    def __init__(self, global_bytes_per_token: float, windows_bytes: int, window: int, group: int) -> None:
+        self._per_token = global_bytes_per_token
+        self._windows = windows_bytes
+        self._w = window
+        self._group = group
+
+    def new_state(self, served: ServedModel) -> NoOpState:
+        return NoOpState(0, True)
+
+    def import_chunk(self, served: ServedModel, state: NoOpState, blob: bytes) -> int:
+        start, end = _HEAD.unpack_from(blob)
+        if start != state.n_tokens:
+            raise CacheFormatError(f"chunk starts at {start}, state at {state.n_tokens}")
+        state.n_tokens = end
+        return end
+
+    def seal_prefix(self, served: ServedModel, state: NoOpState, tokens: Any) -> None:
+        state.has_windows = False
+
+    def import_windows(self, served: ServedModel, state: NoOpState, blob: bytes) -> None:
+        (n, _) = _HEAD.unpack_from(blob)
+        if n != state.n_tokens:
+            raise CacheFormatError(f"windows for {n}, state at {state.n_tokens}")
+        state.has_windows = True
+
+    def export_global(self, served: ServedModel, state: NoOpState, start: int, end: int) -> bytes:
+        return _HEAD.pack(start, end) + bytes(int((end - start) * self._per_token))
+
+    def export_windows(self, served: ServedModel, state: NoOpState) -> bytes:
+        return _HEAD.pack(state.n_tokens, 0) + bytes(self._windows)
+
+    def prefill(
+        self, served: ServedModel, tokens: Any, state: NoOpState | None, *, prompt_end: int
+    ) -> PassOutput:
+        state = state if state is not None else NoOpState(0, True)
+        cached = state.n_tokens
+        start = cached
+        if not state.has_windows:
+            start = max(0, cached - self._w) // self._group * self._group
+        end = cached + len(tokens)
+        dec_from = min(max(0, prompt_end - self._w), end)
+        state.n_tokens, state.has_windows = end, True
+        stats = PassStats(start=start, end=end, decoder_from=dec_from, rows_per_layer=(), compressed_rows={})
+        return PassOutput(logits=torch.zeros(1, served.vocab_size), state=state, stats=stats)  # type: ignore[arg-type]
+
+    def decode(self, served: ServedModel, token: int, state: NoOpState) -> PassOutput:
+        state.n_tokens += 1
+        stats = PassStats(
+            start=state.n_tokens - 1,
+            end=state.n_tokens,
+            decoder_from=state.n_tokens - 1,
+            rows_per_layer=(),
+            compressed_rows={},
+        )
+        return PassOutput(logits=torch.zeros(1, served.vocab_size), state=state, stats=stats)  # type: ignore[arg-type]
+
+
+def _registry() -> ModelRegistry:
+    return ModelRegistry({"m": ServedModelSpec(name="m", config="v41-tiny", seed=1)})
+
+
+def _settings(root: Path, workers: int) -> Settings:
+    return Settings(
+        data_dir=root,
+        tenant_tokens={TENANT: TOKEN},
+        admin_token="bench-admin",
+        grpc_port=0,
+        metrics_enabled=False,
+        kv_chunk_tokens=256,
+        pool_ttl_s=POOL_TTL_S,
+        pool_budget_bytes=1 << 30,
+        grpc_workers=workers,
+        max_sessions_per_tenant=100000,
+    )
+
+
+class _Client:
+    def __init__(self, node: Any, port: int) -> None:
+        self.pb = node.ctx.stubs
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = self.pb.sessions_grpc.SessionsStub(self.channel)
+        self.md = (("authorization", f"Bearer {TOKEN}"),)
+
+    def create(self) -> str:
+        req = self.pb.sessions.CreateSessionRequest(model="m")
+        return self.stub.CreateSession(req, metadata=self.md).session.session_id
+
+    def turn(self, sid: str, ids: list[int], max_new: int = 4) -> tuple[str, Any, float]:
+        pb = self.pb
+        req = pb.sessions.TurnRequest(
+            session_id=sid,
+            tokens=pb.sessions.TokenIds(ids=ids),
+            generation=pb.sessions.GenerationParams(max_new_tokens=max_new),
+        )
+        t0 = time.perf_counter()
+        plan = stats = None
+        for ev in self.stub.Turn(req, metadata=self.md):
+            which = ev.WhichOneof("event")
+            if which == "plan":
+                plan = ev.plan
+            elif which == "stats":
+                stats = ev.stats
+        elapsed = time.perf_counter() - t0
+        assert plan is not None and stats is not None
+        return pb.common.ResumePath.Name(plan.path), stats, elapsed
+
+
+def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:
+    served = registry.get("m")
+    assert served is not None
+    compute = TorchCompute()
+    out = compute.prefill(served, list(range(16, 16 + 256)), None, prompt_end=256)
+    blob = compute.export_global(served, out.state, 0, 256)
+    return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state))
+
+
+def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
+    registry = _registry()
+    per_token, windows = _real_sizes(registry)
+    served = registry.get("m")
+    assert served is not None
+    geo = served.geometry
+    node = build_node(
+        _settings(root, max(8, concurrency)),
+        registry=registry,
+        compute=NoOpCompute(per_token, windows, geo.window, geo.group),
+    )
+    server = build_server(node.ctx, host="127.0.0.1", port=0)
+    client = _Client(node, server.port)
+    samples: list[float] = []
+    paths: dict[str, int] = {}
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def session(i: int) -> None:
+        rng = random.Random(i)
+        try:
+            sid = client.create()
+            client.turn(sid, [rng.randrange(16, 512) for _ in range(256)])
+            for _ in range(turns):
+                path, _, elapsed = client.turn(sid, [rng.randrange(16, 512) for _ in range(64)])
+                with lock:
+                    samples.append(elapsed)
+                    paths[path] = paths.get(path, 0) + 1
+        except grpc.RpcError as exc:
+            with lock:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    client.channel.close()
+    server.stop(grace_s=None)
+    node.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} sessions failed at concurrency {concurrency}: {errors[:3]}")
+    q = statistics.quantiles(samples, n=100, method="inclusive")
+    return {
+        "concurrency": concurrency,
+        "turns_measured": len(samples),
+        "p50_ms": statistics.median(samples) * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "turns_per_s": len(samples) / wall,
+        "paths": paths,
+        "chunk_bytes_per_token": per_token,
+        "pool_entry_bytes": windows,
+    }
+
+
+@torch.inference_mode()
+def _reprefill_ttft(served: ServedModel, prompt: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    out = prefill(served.model, torch.tensor([prompt]), mode="ced")
+    token = int(out.logits.argmax(-1))
+    return time.perf_counter() - t0, token
+
+
+@torch.inference_mode()
+def _uninterrupted(served: ServedModel, prompt: list[int], n: int) -> list[int]:
+    out = prefill(served.model, torch.tensor([prompt]), mode="ced")
+    state, token = out.state, int(out.logits.argmax(-1))
+    tokens = [token]
+    while len(tokens) < n:
+        step = decode(served.model, torch.tensor([token]), state)
+        state, token = step.state, int(step.logits.argmax(-1))
+        tokens.append(token)
+    return tokens
+
+
+def replay(root: Path, n_turns: int) -> dict[str, Any]:
+    registry = _registry()
+    clock = [0.0]
+    node = build_node(_settings(root, 8), registry=registry, pool_clock=lambda: clock[0], preload=True)
+    server = build_server(node.ctx, host="127.0.0.1", port=0)
+    client = _Client(node, server.port)
+    served = registry.get("m")
+    assert served is not None
+    rng = random.Random(0)
+    rows: list[dict[str, Any]] = []
+    try:
+        sid = client.create()
+        history: list[int] = []
+        for i in range(n_turns):
+            n_new = 400 if i == 0 else rng.randrange(30, 91)
+            new = [rng.randrange(16, 512) for _ in range(n_new)]
+            idle = i == n_turns // 2
+            if idle:
+                clock[0] += POOL_TTL_S + 1.0
+            prompt = history + new
+            path, stats, _ = client.turn(sid, new)
+            base_s, base_token = _reprefill_ttft(served, prompt)
+            if i == 1:
+                # correctness gate: the full hit's tokens equal the uninterrupted computation's
+                got = [t for t in _turn_tokens(node, sid, i)]
+                want = _uninterrupted(served, prompt, len(got))
+                if path != "FULL_HIT" or got != want:
+                    raise SystemExit(f"correctness check failed: turn 1 path {path}, tokens {got} vs {want}")
+            history = prompt + _turn_tokens(node, sid, i)
+            c = stats.counts
+            rows.append(
+                {
+                    "turn": i,
+                    "path": path,
+                    "idle_before": idle,
+                    "prompt_tokens": len(prompt),
+                    "new_tokens": n_new,
+                    "cached": c.cached,
+                    "replayed_encoder": c.replayed_encoder,
+                    "replayed_decoder": c.replayed_decoder,
+                    "prefilled": c.prefilled,
+                    "kvresume_ttft_ms": stats.ttft_s * 1e3,
+                    "reprefill_ttft_ms": base_s * 1e3,
+                    "ratio": stats.ttft_s / base_s,
+                }
+            )
+    finally:
+        client.channel.close()
+        server.stop(grace_s=None)
+        node.close()
+    return {"turns": rows, "ttft_ratio_vs_reprefill": statistics.median(r["ratio"] for r in rows[1:])}
+
+
+def _turn_tokens(node: Any, sid: str, index: int) -> list[int]:
+    from orchestrator.db import TurnRepository
+    from orchestrator.db.models import blob_to_tokens
+
+    with node.ctx.sessions() as s:
+        row = TurnRepository(s).list(sid)[index]
+        return blob_to_tokens(row.output_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json-out", default="bench_service.json", help="where to write the JSON")
+    parser.add_argument("--turns", type=int, default=12, help="turns of the agent-session replay")
+    parser.add_argument("--overhead-turns", type=int, default=4, help="measured turns per session")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="kvresume-bench-") as tmp:
+        root = Path(tmp)
+        session_replay = replay(root / "replay", args.turns)
+        sweeps = [overhead(root / f"overhead-{c}", c, args.overhead_turns) for c in CONCURRENCY]
+    result = {
+        "benchmark": "bench_service",
+        "model_for_overhead": "NO-OP STAND-IN (NoOpCompute: no model arithmetic, real byte sizes)",
+        "model_for_replay": "v41-tiny random-init (seed 1), torch CPU, 1 thread, ced mode",
+        "overhead": sweeps,
+        "overhead_p50_ms": {str(s["concurrency"]): s["p50_ms"] for s in sweeps},
+        "overhead_p99_ms": {str(s["concurrency"]): s["p99_ms"] for s in sweeps},
+        "replay": session_replay["turns"],
+        "ttft_ratio_vs_reprefill": session_replay["ttft_ratio_vs_reprefill"],
+        "hardware": {
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_avg_1m": os.getloadavg()[0],
+        },
+    }
+    print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn")
+    print(f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s}")
+    for s in sweeps:
+        print(
+            f"{s['concurrency']:>8d} {s['turns_measured']:>6d} {s['p50_ms']:>9.1f} {s['p99_ms']:>9.1f} "
+            f"{s['turns_per_s']:>8.1f}"
+        )
+    print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history")
+    print(
+        f"{'turn':>4s} {'path':<14s} {'prompt':>6s} {'kvresume ms':>11s} {'re-prefill ms':>13s} {'ratio':>6s}"
+    )
+    for r in session_replay["turns"]:
+        mark = " (after idle)" if r["idle_before"] else ""
+        print(
+            f"{r['turn']:>4d} {r['path']:<14s} {r['prompt_tokens']:>6d} {r['kvresume_ttft_ms']:>11.1f} "
+            f"{r['reprefill_ttft_ms']:>13.1f} {r['ratio']:>6.2f}{mark}"
+        )
+    print(f"median ratio over turns after the first: {result['ttft_ratio_vs_reprefill']:.3f}")
+    print(f"hardware: {result['hardware']}")
+    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
