@@ -187,12 +187,9 @@ def persist_chunks(
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
     size = store.config.chunk_tokens
     fp = served.fingerprint_hex
-    cfg = served.model.cfg
-    # model.import_global cannot read a chunk holding no entry of some kv source (a tail shorter than
-    # that source's ratio), so such a tail is not written; the next turn then replays from the chunk
-    # boundary instead of a full hit.
-    ratios = [cfg.compress_ratios[i] for i in cfg.kv_source_layers]
-    ranges = chunk_ranges(n, size, from_pos=already_stored, min_tail=max(ratios, default=1))
+    # A tail the model's cache format could not read back is not written (`ServedModel.min_tail`); the
+    # next turn then replays from the chunk boundary instead of a full hit.
+    ranges = chunk_ranges(n, size, from_pos=already_stored, min_tail=served.min_tail)
     payloads = {r: compute.export_global(served, state, r[0], r[1]) for r in ranges}
     new_bytes = 0
     if payloads:
