@@ -1,28 +1,51 @@
-"""The service's failure behaviour over real gRPC: every status of the error table triggered by a real bad
-request, Abort and a concurrent second turn, deadlines (each leaves the session at its last completed
-turn), two tenants isolated, residency (served without persisting), sessions served in parallel.
+"""The service's failure behaviour over real gRPC (a SQLite file registry, and PostgreSQL when configured):
+every status of the error table triggered by a real bad request, Abort and a concurrent second turn,
+deadlines (each leaves the session at its last completed turn), two tenants isolated, residency (served
+without persisting), sessions served in parallel.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import uuid
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
-from orchestrator.db import SessionRepository
+from orchestrator.db import SessionRepository, make_engine
 from tests.orchestrator.engine.node_harness import admin_md, md, registry, run_turn, start_node
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     torch.set_num_threads(1)
-    n = start_node(tmp_path_factory.mktemp("errors"), registry(), max_sessions_per_tenant=50)
-    yield n
-    n.stop()
+    url = None
+    admin = schema = None
+    if request.param == "postgres":
+        # one schema for the module's node (the shared fixture makes one per test)
+        server = request.getfixturevalue("postgres_server_url")
+        schema = f"kvr_e2e_{uuid.uuid4().hex[:12]}"
+        admin = make_engine(server)
+        with admin.begin() as conn:
+            conn.execute(text(f'create schema "{schema}"'))
+        url = make_url(server).update_query_dict({"options": f"-csearch_path={schema}"})
+        url = url.render_as_string(hide_password=False)
+    n = start_node(
+        tmp_path_factory.mktemp("errors"), registry(), database_url=url, max_sessions_per_tenant=50
+    )
+    try:
+        yield n
+    finally:
+        n.stop()
+        if admin is not None:
+            with admin.begin() as conn:
+                conn.execute(text(f'drop schema "{schema}" cascade'))
+            admin.dispose()
 
 
 def _ids(seed: int, n: int) -> list[int]:
