@@ -37,6 +37,16 @@ _SYSTEM = (
     "a restart, and the failing test is tests/test_resume.py::test_restart_keeps_history. "
 )
 
+_FILE = (
+    "<tool> read_file('store/sessions.py') <result> class SessionStore:\n"
+    "    def __init__(self, path):\n        self.path = path\n        self.rows = {}\n\n"
+    "    def save(self, sid, turns):\n        self.rows[sid] = list(turns)\n\n"
+    "    def load(self):\n        with open(self.path) as fh:\n            for line in fh:\n"
+    "                sid, _, turns = line.partition(' ')\n"
+    "                self.rows[sid] = turns.split(',')\n\n"
+    "    def resume(self, sid):\n        return self.rows.get(sid)\n <end> "
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Step:
@@ -48,7 +58,7 @@ class _Step:
 
 def _script(first: str, second: str) -> tuple[_Step, ...]:
     return (
-        _Step(label="user: task", text=_SYSTEM + "Please find the bug and fix it. " * 3),
+        _Step(label="user: task", text=_SYSTEM + _FILE + "Please find the bug and fix it."),
         _Step(
             label="tool: read_file", text="<result> def resume(self, sid):  return self.rows.get(sid) </end> "
         ),
