@@ -12,10 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from model import ModelConfig, load_preset
 from orchestrator.api import PoolStats, ServiceContext, build_context
-from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes
+from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes, run_serializable
+from orchestrator.db.models import SessionRow, TurnRow, TurnStatus
 from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
@@ -68,6 +71,20 @@ def _ratios(registry: ModelRegistry) -> tuple[int, ...]:
         cfg = _spec_config(spec)
         ratios |= {r for r in cfg.compress_ratios[: cfg.n_layers] if r > 0}
     return tuple(sorted(ratios)) or (1,)
+
+
+def _drop_stale_turns(ctx: ServiceContext) -> int:
+    """Delete RUNNING turn rows of this node's sessions: at start-up no turn runs here, so they are
+    leftovers of a process that died mid-turn (they never became history)."""
+
+    def work(s: Session) -> int:
+        mine = select(SessionRow.id).where(SessionRow.node == ctx.node)
+        result = s.execute(
+            delete(TurnRow).where(TurnRow.status == TurnStatus.RUNNING, TurnRow.session_id.in_(mine))
+        )
+        return int(result.rowcount or 0)
+
+    return run_serializable(ctx.serializable, work)
 
 
 @dataclass(kw_only=True)
@@ -165,6 +182,7 @@ def build_node(
         compute=compute,
     )
     ctx.turn_handler = engine
+    stale = _drop_stale_turns(ctx)
     report = reconcile_with_prefixes(
         ctx.serializable, node=ctx.node, stored_prefix=lambda t, fp, toks: store.lookup(t, fp, toks).n_tokens
     )
@@ -179,5 +197,6 @@ def build_node(
         region=settings.region,
         chunk_tokens=settings.kv_chunk_tokens,
         dangling_rows_deleted=report.dangling_rows_deleted,
+        stale_running_turns_deleted=stale,
     )
     return NodeService(ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report)

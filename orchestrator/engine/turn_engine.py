@@ -16,7 +16,8 @@ from typing import Any
 
 import structlog
 import torch
-from sqlalchemy import delete
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from model import CacheFormatError, PassStats
 from orchestrator.api import (
@@ -342,17 +343,18 @@ class TurnEngine:
                 raise PreconditionError(f"session {row.id} is closed")
             if row.turn_count != f.turn_count:
                 raise PreconditionError(f"session {row.id} advanced to turn {row.turn_count} meanwhile")
-            # A RUNNING row at or past the next index is a leftover of a process that died mid-turn
-            # (this process's running turns are exclusive per session): it never became history.
-            s.execute(
-                delete(TurnRow).where(
-                    TurnRow.session_id == row.id,
-                    TurnRow.index >= row.turn_count,
-                    TurnRow.status == TurnStatus.RUNNING,
-                )
-            )
+            running = s.scalars(
+                select(TurnRow.id).where(TurnRow.session_id == row.id, TurnRow.status == TurnStatus.RUNNING)
+            ).first()
+            if running is not None:
+                # Another replica runs a turn on this session (this process's RunningTurns refused its
+                # own twin already); a crashed node's leftovers are removed when that node starts.
+                raise PreconditionError(f"session {row.id} has a turn running on another node")
             turns = TurnRepository(s)
-            t = turns.begin(row, model=plan.model, input_tokens=f.new_tokens)
+            try:
+                t = turns.begin(row, model=plan.model, input_tokens=f.new_tokens)
+            except IntegrityError as exc:
+                raise PreconditionError(f"session {row.id} started another turn meanwhile") from exc
             c = plan.counts
             turns.record_plan(
                 t,

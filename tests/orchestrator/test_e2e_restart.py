@@ -1,6 +1,7 @@
 """The server restarted between turns: the session resumes from disk (registry file + RocksDB store), the
-RAM pool is gone so the first turn after the restart is a bounded replay, the next a full hit; chunks the
-registry no longer names (a purge that committed in SQL) are a miss, never a hit.
+RAM pool is gone so the first turn after the restart is a bounded replay, the next a full hit; a turn the
+dead process left RUNNING is removed at start; chunks the registry no longer names (a purge that
+committed in SQL) are a miss, never a hit.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import torch
 from sqlalchemy import delete
+from sqlalchemy.orm import Session
 
-from orchestrator.db.models import CacheSegment
+from orchestrator.db import TurnRepository, make_engine
+from orchestrator.db.models import CacheSegment, TurnRow, TurnStatus
 from tests.orchestrator.engine.node_harness import counts, md, registry, replay_start, run_turn, start_node
 
 
@@ -35,9 +38,19 @@ def test_session_resumes_from_disk_after_restart(tmp_path: Path) -> None:
     finally:
         first.stop()
 
+    # the first process died in the middle of a third turn: its RUNNING row is still in the registry
+    engine = make_engine(f"sqlite:///{tmp_path / 'registry.sqlite3'}")
+    with Session(engine) as s, s.begin():
+        s.add(
+            TurnRow(session_id=sid, index=2, model="a", status=TurnStatus.RUNNING, input_tokens=b"\x10\0\0\0")
+        )
+    engine.dispose()
+
     second = start_node(tmp_path, registry())
     try:
         assert second.service.reconcile.dangling_rows_deleted == 0
+        with second.service.ctx.sessions() as s:
+            assert [t.status for t in TurnRepository(s).list(sid)] == [TurnStatus.DONE, TurnStatus.DONE]
         assert second.service.store.recovery.chunks > 0
         t2 = run_turn(second, sid, _ids(3, 8))
         n = len(history)
