@@ -20,6 +20,7 @@ from orchestrator.engine.service import NodeService, PurgeFanout, build_node
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier, MapperArtifact, NoMappers
 from orchestrator.engine.text_codec import BpeCodec, ByteCodec, TextCodec, choose_codec
 from orchestrator.engine.turn_engine import TurnEngine, actual_counts
+from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 
 __all__ = [
     "DEFAULT_SIBLINGS",
@@ -42,6 +43,8 @@ __all__ = [
     "TextCodec",
     "TorchCompute",
     "TurnEngine",
+    "TurnFacts",
+    "TurnPreparation",
     "actual_counts",
     "build_node",
     "choose_codec",

@@ -1,5 +1,5 @@
-"""The turn engine: plans a turn from the registry, the store and the pool, runs the plan on the model,
-streams tokens, and at turn end persists global KV chunks, the registry rows and the pool entry.
+"""The turn engine: plans a turn (`turn_facts.TurnPreparation`), reserves its row, runs the plan on the
+model, streams tokens, and at turn end persists global KV chunks, the registry rows and the pool entry.
 
 Implements the API's `TurnHandler` (plan first, tokens, stats last). Knows nothing of protobuf. A turn
 that fails, is aborted or misses its deadline leaves the session at its last completed turn: its row is
@@ -8,10 +8,8 @@ removed, nothing is linked in the registry and the pool keeps the previous entry
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -19,12 +17,11 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from model import CacheFormatError, PassStats
+from model import PassStats
 from orchestrator.api import (
     CancelledError,
     DeadlineError,
     FinishReason,
-    InvalidRequestError,
     NotFoundError,
     PlanEvent,
     PreconditionError,
@@ -36,25 +33,22 @@ from orchestrator.api import (
     TurnStatsEvent,
 )
 from orchestrator.db import (
-    MapperRepository,
-    PolicyRepository,
-    SegmentRepository,
     SessionRepository,
     TurnCounts,
     TurnRepository,
     TurnTimings,
     run_serializable,
-    session_view,
 )
 from orchestrator.db.models import ResumePathName, SessionStatus, TurnRow, TurnStatus
-from orchestrator.engine.global_kv import StoredPrefix, link_segments, persist_chunks, read_prefix
+from orchestrator.engine.global_kv import link_segments, persist_chunks
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
-from orchestrator.engine.pool_entry import pack_pool_entry, unpack_pool_entry
+from orchestrator.engine.pool_entry import pack_pool_entry
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
-from orchestrator.engine.swap import KVMapperApplier, MapperArtifact, NoMappers
-from orchestrator.planner import CostTable, MapperInfo, Plan, PoolState, ResumePath, TokenCounts, plan_turn
-from storage import GlobalKVStore, PoolMiss, WindowPool
+from orchestrator.engine.swap import KVMapperApplier, NoMappers
+from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
+from orchestrator.planner import CostTable, ResumePath, TokenCounts
+from storage import GlobalKVStore, WindowPool
 
 __all__ = ["TurnEngine", "actual_counts"]
 
@@ -80,26 +74,6 @@ def actual_counts(
         replayed_decoder=decoder_history,
         prefilled=prompt_len - loaded,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Facts:
-    """The session as read before planning (plain values; the ORM row stays inside its session)."""
-
-    session_id: str
-    tenant_id: str
-    turn_count: int
-    retention_s: float
-    history: list[int]
-    plan: Plan
-    served: ServedModel
-    new_tokens: list[int]
-    prefix: StoredPrefix
-    own_stored: int
-    sender_prefix: StoredPrefix | None
-    sender: ServedModel | None
-    full_hit_state: Any | None
-    artifacts: dict[str, MapperArtifact]
 
 
 class TurnEngine:
@@ -141,6 +115,15 @@ class TurnEngine:
         self._clock = clock
         self._chunk = prefill_chunk_tokens
         self.compute = compute if compute is not None else TorchCompute()
+        self._prep = TurnPreparation(
+            ctx=ctx,
+            registry=registry,
+            store=store,
+            pool=pool,
+            costs=self.costs,
+            mappers=self.mappers,
+            compute=self.compute,
+        )
 
     @staticmethod
     def _check(turn: TurnInput, handle: TurnHandle) -> None:
@@ -149,188 +132,7 @@ class TurnEngine:
         if turn.deadline_monotonic is not None and time.monotonic() > turn.deadline_monotonic:
             raise DeadlineError(f"turn of session {turn.session_id} passed its deadline")
 
-    def _served(self, name: str) -> ServedModel:
-        served = self.registry.get(name)
-        if served is None:
-            raise NotFoundError(
-                f"model {name!r} is not served here (served: {', '.join(self.registry.names)})"
-            )
-        return served
-
-    def _new_tokens(self, turn: TurnInput, served: ServedModel) -> list[int]:
-        if turn.tokens is not None:
-            tokens = list(turn.tokens)
-        else:
-            assert turn.text is not None
-            tokens = served.codec.encode(turn.text)
-            if not tokens:
-                raise InvalidRequestError(f"text of turn for session {turn.session_id} encodes to no tokens")
-        bad = [t for t in tokens if not 0 <= t < served.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary of {served.name} (size {served.vocab_size})"
-            )
-        return tokens
-
-    def _pool_state(
-        self,
-        turn: TurnInput,
-        served: ServedModel,
-        prefix: StoredPrefix,
-        history: list[int],
-        last_model: str | None,
-    ) -> tuple[PoolState, Any | None]:
-        """The pool entry as the planner sees it, and a full-hit state when the entry continues the
-        whole stored history and imports cleanly (validated before planning, so a plan never promises
-        windows that are not there)."""
-        got = self.pool.get(turn.tenant_id, turn.session_id)
-        if isinstance(got, PoolMiss):
-            return PoolState.absent(), None
-        entry = unpack_pool_entry(got)
-        if entry is None:
-            return PoolState.absent(), None
-        if entry.fingerprint != served.fingerprint:
-            # Written by another model (the previous one on a switch) or by older weights of this one.
-            other = last_model if last_model not in (None, served.name) else f"{served.name} (other weights)"
-            return PoolState(model=other, windows_end=entry.n_tokens), None
-        if entry.continues(served.fingerprint, history) is not None:
-            if entry.n_tokens == len(history):
-                return PoolState.absent(), None
-            return PoolState(model=served.name, windows_end=entry.n_tokens), None
-        if prefix.state is None or prefix.n_tokens != len(history):
-            return PoolState(model=served.name, windows_end=entry.n_tokens), None
-        trial = prefix.state.clone()
-        try:
-            self.compute.import_windows(served, trial, entry.windows)
-        except CacheFormatError:
-            return PoolState.absent(), None
-        return PoolState(model=served.name, windows_end=entry.n_tokens), trial
-
-    def _gather(self, turn: TurnInput) -> _Facts:
-        ctx = self._ctx
-        settings = ctx.settings
-        with ctx.sessions() as s:
-            row = SessionRepository(s).get(turn.session_id, tenant_id=turn.tenant_id)
-            if row is None:
-                raise NotFoundError(f"session {turn.session_id} not found")
-            if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed")
-            name = turn.model or row.model
-            served = self._served(name)
-            new_tokens = self._new_tokens(turn, served)
-            history = SessionRepository(s).history(row.id)
-            if len(history) != row.history_tokens:
-                raise PreconditionError(
-                    f"session {row.id}: its turns hold {len(history)} history tokens, "
-                    f"the row says {row.history_tokens}"
-                )
-            view = session_view(row, new_tokens=len(new_tokens))
-            policy = PolicyRepository(s).effective(
-                row.tenant_id,
-                default_floor_s=settings.retention_floor_s,
-                default_ceiling_s=settings.retention_ceiling_s,
-            )
-            own_stored = 0
-            for seg in SegmentRepository(s).for_session(row.id):
-                if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
-                    own_stored = seg.end_pos
-            last = view.last_model
-            candidates: list[tuple[MapperArtifact, MapperInfo]] = []
-            if last is not None and last != name:
-                for m in MapperRepository(s).list(sender_model=last, receiver_model=name):
-                    if not m.passed_gate:
-                        continue
-                    art = MapperArtifact(
-                        mapper_id=m.id,
-                        sender_model=m.sender_model,
-                        receiver_model=m.receiver_model,
-                        artifact_uri=m.artifact_uri,
-                        artifact_sha256=m.artifact_sha256,
-                        kind=m.kind,
-                    )
-                    score = float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0
-                    info = MapperInfo(
-                        mapper_id=m.id,
-                        sender_model=m.sender_model,
-                        receiver_model=m.receiver_model,
-                        passed_gate=True,
-                        score=score,
-                    )
-                    candidates.append((art, info))
-            facts = dict(
-                session_id=row.id,
-                tenant_id=row.tenant_id,
-                turn_count=row.turn_count,
-                retention_s=min(row.retention_s, policy.ceiling_s),
-            )
-        # Store reads happen outside any SQL transaction: the store mirrors its audit records into SQL
-        # under its own lock, so holding a SQLite write lock across a store call could deadlock.
-        prefix = read_prefix(
-            self.store,
-            ctx.sessions,
-            tenant=turn.tenant_id,
-            served=served,
-            history=history,
-            compute=self.compute,
-        )
-        sender = sender_prefix = None
-        infos: list[MapperInfo] = []
-        artifacts: dict[str, MapperArtifact] = {}
-        if last is not None and last != name:
-            sender = self.registry.get(last)
-            if sender is not None:
-                sender_prefix = read_prefix(
-                    self.store,
-                    ctx.sessions,
-                    tenant=turn.tenant_id,
-                    served=sender,
-                    history=history,
-                    compute=self.compute,
-                )
-                for art, info in candidates:
-                    # A mapper that cannot run on this node is as good as none: plan without it.
-                    if self.mappers.usable(art, sender, served):
-                        artifacts[art.mapper_id] = art
-                        infos.append(info)
-        ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
-        region = self.store.config.region
-        may_persist = policy.may_store_in(region)
-        note = (
-            ""
-            if may_persist
-            else f"residency: tenant {turn.tenant_id} allows regions {list(policy.allowed_regions)}, "
-            f"this node is in {region!r}; served without persisting"
-        )
-        pool, full_state = self._pool_state(turn, served, prefix, history, view.last_model)
-        plan = plan_turn(
-            view,
-            model=name,
-            geometry=served.geometry,
-            cache=prefix.inventory(),
-            sender_cache=sender_prefix.inventory() if sender_prefix is not None else None,
-            pool=pool,
-            mappers=infos,
-            costs=self.costs.for_model(name),
-            may_persist=may_persist,
-            persist_note=note,
-        )
-        if not may_persist:
-            plan = _with_reason(plan, f"{plan.reason}; {note}")
-        return _Facts(
-            **facts,
-            history=history,
-            plan=plan,
-            served=served,
-            new_tokens=new_tokens,
-            prefix=prefix,
-            own_stored=min(own_stored, prefix.n_tokens),
-            sender_prefix=sender_prefix,
-            sender=sender,
-            full_hit_state=full_state,
-            artifacts=artifacts,
-        )
-
-    def _reserve(self, f: _Facts) -> tuple[int, int]:
+    def _reserve(self, f: TurnFacts) -> tuple[int, int]:
         """Insert the RUNNING turn row with its plan; returns (row id, turn index)."""
         plan = f.plan
 
@@ -372,7 +174,7 @@ class TurnEngine:
 
         return run_serializable(self._ctx.serializable, work)
 
-    def _abandon(self, f: _Facts, turn_id: int, status: TurnStatus) -> None:
+    def _abandon(self, f: TurnFacts, turn_id: int, status: TurnStatus) -> None:
         def work(s):
             t = s.get(TurnRow, turn_id)
             row = SessionRepository(s).get(f.session_id, tenant_id=f.tenant_id)
@@ -384,7 +186,7 @@ class TurnEngine:
         except Exception as exc:  # noqa: BLE001 - the turn's own error is the one to report
             log.warning("turn_row_cleanup_failed", session_id=f.session_id, error=str(exc))
 
-    def _start_state(self, f: _Facts) -> Any | None:
+    def _start_state(self, f: TurnFacts) -> Any | None:
         plan = f.plan
         if plan.path == ResumePath.FULL_HIT:
             assert f.full_hit_state is not None
@@ -429,7 +231,7 @@ class TurnEngine:
     def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent]:
         started = time.perf_counter()
         self._check(turn, handle)
-        f = self._gather(turn)
+        f = self._prep.prepare(turn)
         self._check(turn, handle)
         turn_id, index = self._reserve(f)
         status = TurnStatus.FAILED
@@ -517,7 +319,7 @@ class TurnEngine:
             raise
 
     def _finish(
-        self, f: _Facts, turn_id: int, output: list[int], persisted: bool, outcome, **t: float
+        self, f: TurnFacts, turn_id: int, output: list[int], persisted: bool, outcome, **t: float
     ) -> None:
         def work(s):
             turn = s.get(TurnRow, turn_id)
@@ -536,7 +338,3 @@ class TurnEngine:
                 link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
 
         run_serializable(self._ctx.serializable, work)
-
-
-def _with_reason(plan: Plan, reason: str) -> Plan:
-    return dataclasses.replace(plan, reason=reason)
