@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mappers import identity_mapper, read_metadata, save_mapper
+from mappers import apply_mapper, identity_mapper, read_metadata, save_mapper
+from model import prefill
 from orchestrator.db import SessionRepository, TurnRepository
 from tests.orchestrator.engine.node_harness import (
     POOL_TTL_S,
@@ -99,22 +100,26 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         assert t.tokens == uninterrupted_greedy(models, "b", history + new, 3)
         history += new + t.tokens
 
-        # an identity mapper b -> a (same geometry: codes are copied), registered through the Mappers API
+        # an identity mapper b -> a (same geometry), registered through the Mappers API with the one figure
+        # measured here: the fraction of parts it copies code for code (its gate; identity is not fitted)
         a, b = models.get("a"), models.get("b")
-        artifact = save_mapper(
-            identity_mapper(
-                b.model.cfg, a.model.cfg, sender_name="b", receiver_name="a",
-                sender_fingerprint=b.fingerprint, receiver_fingerprint=a.fingerprint,
-            ),
-            tmp_path / "mapper-b-a",
+        mapper = identity_mapper(
+            b.model.cfg, a.model.cfg, sender_name="b", receiver_name="a",
+            sender_fingerprint=b.fingerprint, receiver_fingerprint=a.fingerprint,
         )
+        with torch.inference_mode():
+            probe = prefill(b.model, torch.arange(16, 24).view(1, 8), mode="ced").state
+        fps = {"sender_fingerprint": b.fingerprint, "receiver_fingerprint": a.fingerprint}
+        applied = apply_mapper(mapper, probe, **fps)
+        copied = len(applied.copied_parts) / (2 * len(mapper.layers))
+        artifact = save_mapper(mapper, tmp_path / "mapper-b-a")
         node.mappers.RegisterMapper(
             pb.mappers.RegisterMapperRequest(
                 mapper=pb.mappers.Mapper(
                     mapper_id="id-b-a", sender_model="b", receiver_model="a", artifact_uri=str(artifact),
                     artifact_sha256=read_metadata(artifact)["weights_sha256"], kind="identity",
-                    metrics={"attn_cosine_mean": 1.0}, gate_metric="attn_cosine_mean", gate_threshold=0.99,
-                    passed_gate=True,
+                    metrics={"copied_parts": copied}, gate_metric="copied_parts", gate_threshold=1.0,
+                    passed_gate=copied >= 1.0,
                 )
             ),
             metadata=admin_md(),
