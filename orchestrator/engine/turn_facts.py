@@ -170,6 +170,12 @@ class TurnPreparation:
                     f"session {row.id}: its turns hold {len(history)} history tokens, "
                     f"the row says {row.history_tokens}"
                 )
+            if history and max(history) >= served.vocab_size:
+                # a switch to a model with a smaller vocabulary cannot read this history
+                raise InvalidRequestError(
+                    f"session {row.id}'s history holds token id {max(history)}, outside the vocabulary of "
+                    f"{served.name} (size {served.vocab_size})"
+                )
             view = session_view(row, new_tokens=len(new_tokens))
             policy = PolicyRepository(s).effective(
                 row.tenant_id,
