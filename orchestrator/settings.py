@@ -75,6 +75,8 @@ class Settings:
     kv_capacity_bytes: int = 100 * 1024 * _MIB
     # Intra-op threads for model compute (0: torch's default); set by the entry point, once per process.
     torch_threads: int = 0
+    # Where served models run ("cpu", "cuda", "cuda:1"); part of the caches' numerics fingerprint.
+    model_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:

@@ -27,8 +27,9 @@ class Sampler:
                 self._gen.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [1, vocab] (or [vocab]) fp32 -> the chosen token id."""
-        row = logits.reshape(-1).float()
+        """logits: [1, vocab] (or [vocab]) fp32, any device -> the chosen token id."""
+        # the generator lives on the CPU; one row of logits is cheap to move
+        row = logits.reshape(-1).float().cpu()
         spec = self._spec
         if self._gen is None:
             return int(row.argmax())

@@ -179,10 +179,13 @@ def _min_tail(model: Transformer, fingerprint: bytes) -> int:
     return 1
 
 
-def load_served(
-    spec: ServedModelSpec, *, device: str = "cpu", numerics: str = "torch-cpu-bf16"
-) -> ServedModel:
+def load_served(spec: ServedModelSpec, *, device: str = "cpu", numerics: str | None = None) -> ServedModel:
     """Load weights (or init the stand-in), fingerprint them, and pick the tokenizer.
+
+    Args:
+        device: where the model runs.
+        numerics: the fingerprint's numerics profile (default `torch-<device type>-bf16`: caches computed
+            on another device class are misses).
 
     Raises:
         FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
@@ -198,6 +201,7 @@ def load_served(
         model = init_random(Transformer(_config_of(spec)), seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
     model.eval()
+    numerics = numerics or f"torch-{torch.device(device).type}-bf16"
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
         min_tail = _min_tail(model, fingerprint)

@@ -129,7 +129,11 @@ def build_node(
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
     """
-    registry = registry if registry is not None else ModelRegistry.from_sources(settings.served_models)
+    registry = (
+        registry
+        if registry is not None
+        else ModelRegistry.from_sources(settings.served_models, device=settings.model_device)
+    )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ratios = _ratios(registry)
     if settings.kv_chunk_tokens % math.lcm(*ratios):

@@ -130,15 +130,17 @@ class ArtifactMappers:
     ) -> ModelState:
         mapper = self._load(artifact)
         assert mapper is not None, "apply() without a usable() artifact"
+        device = receiver.model.head.weight.device
         mapped = apply_mapper(
             mapper,
             list(sender_blobs),
             sender_fingerprint=sender.fingerprint,
             receiver_fingerprint=receiver.fingerprint,
+            device=device,
         )
         if mapped.n_tokens != n_tokens:
             raise ValueError(
                 f"mapper produced {mapped.n_tokens} tokens of global KV, the plan needs {n_tokens}"
             )
-        tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64)
+        tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
         return state_from_global(receiver.model, tokens, list(mapped.blobs), fingerprint=receiver.fingerprint)
