@@ -77,8 +77,6 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 ARMS = ("cold_ced", "cold_reference", "resume")
 
 
-
-
 def _routed_fraction(name: str, cfg) -> float:
     return cfg.n_activated_experts / cfg.n_routed_experts if ".ffn.experts." in name else 1.0
 
@@ -112,7 +110,8 @@ def layer_weights(model: Transformer) -> tuple[list[float], list[float]]:
 def _sum_floor_div(lo: int, hi: int, m: int) -> int:
     """sum of (p + 1) // m over p in [lo, hi)."""
 
-    def prefix(n: int) -> int:  # sum of q // m over q in [1, n]
+    def prefix(n: int) -> int:
+        """sum of q // m over q in [1, n]: 0..k-1 m times each (k = n // m), then k, n - m k + 1 times."""
         k = n // m
         return m * k * (k - 1) // 2 + k * (n - m * k + 1)
 
@@ -151,8 +150,6 @@ def pass_flops(model: Transformer, stats: PassStats, logits_rows: int = 1) -> fl
         extra = stats.compressed_rows[split] - stats.rows_per_layer[split]
         total += 2.0 * compress[split] * max(0, extra)
     return total
-
-
 
 
 def _malloc_trim() -> None:
@@ -216,8 +213,6 @@ class PeakMemory:
             self.peak_bytes = self._max - self._base
 
 
-
-
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.double()
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
@@ -270,8 +265,6 @@ def check_correctness(model: Transformer, device: torch.device, fingerprint: byt
             checks["triton_matches_torch"] = {"ok": ok, "rel_l2": err}
     checks["ok"] = all(c["ok"] for c in checks.values())
     return checks
-
-
 
 
 def _sync(device: torch.device) -> None:
@@ -411,8 +404,6 @@ def _decode_steps(model: Transformer, out, steps: int, device: torch.device) -> 
         times.append(time.perf_counter() - start)
         state, logits = step.state, step.logits
     return times
-
-
 
 
 def build_model(
