@@ -18,12 +18,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 
 from orchestrator.api import build_server, configure_logging
-from orchestrator.engine import DEFAULT_SIBLINGS, KVMapperApplier, ModelRegistry, build_node
+from orchestrator.engine import (
+    DEFAULT_SIBLINGS,
+    KVMapperApplier,
+    ModelRegistry,
+    build_node,
+    registration_of,
+    repo_root,
+)
 from orchestrator.settings import Settings
 
 __all__ = ["DemoTurn", "run_demo", "DEMO_SCRIPT"]
@@ -80,6 +88,21 @@ EXPECTED_PATHS = (
     "COLD_PREFILL",
     "FULL_HIT",
 )
+_SWITCH_TURN = 5
+
+
+def expected_paths(*, mapped_switch: bool) -> tuple[str, ...]:
+    """The script's paths; the switch is a MODEL_SWAP when a mapper for the pair passed its gate."""
+    paths = list(EXPECTED_PATHS)
+    if mapped_switch:
+        paths[_SWITCH_TURN] = "MODEL_SWAP"
+    return tuple(paths)
+
+
+def shipped_mapper_dirs(root: Path | None = None) -> list[Path]:
+    """Mapper artifacts shipped under `checkpoints/mappers/<name>/` (each with a mapper.json)."""
+    base = (root or repo_root()) / "checkpoints" / "mappers"
+    return sorted(p.parent for p in base.glob("*/mapper.json"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +130,15 @@ def run_demo(
     mappers: KVMapperApplier | None = None,
     max_new_tokens: int = 8,
     on_turn: Callable[[DemoTurn], None] | None = None,
+    mapper_dirs: Sequence[Path] = (),
+    on_mapper: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[DemoTurn]:
-    """Run the scripted session against an embedded server whose state lives under `data_dir`."""
+    """Run the scripted session against an embedded server whose state lives under `data_dir`.
+
+    Args:
+        mapper_dirs: mapper artifacts to register through the Mappers API first (those whose pair is
+            not served here are skipped); `on_mapper` sees each registration's fields.
+    """
     pool_now = [0.0]
     settings = Settings(
         data_dir=data_dir,
@@ -131,10 +161,22 @@ def run_demo(
     pb = node.ctx.stubs
     sessions = pb.sessions_grpc.SessionsStub(channel)
     admin = pb.admin_grpc.AdminStub(channel)
+    mappers_stub = pb.mappers_grpc.MappersStub(channel)
     md = (("authorization", f"Bearer {_TOKEN}"),)
     admin_md = (("authorization", f"Bearer {_ADMIN}"),)
     turns: list[DemoTurn] = []
     try:
+        for directory in mapper_dirs:
+            fields = registration_of(directory)
+            if {fields["sender_model"], fields["receiver_model"]} - set(names):
+                continue
+            threshold = fields.pop("gate_threshold")
+            message = pb.mappers.Mapper(**fields)
+            if threshold is not None:
+                message.gate_threshold = threshold
+            mappers_stub.RegisterMapper(pb.mappers.RegisterMapperRequest(mapper=message), metadata=admin_md)
+            if on_mapper is not None:
+                on_mapper(fields | {"gate_threshold": threshold})
         session = sessions.CreateSession(pb.sessions.CreateSessionRequest(model=first), metadata=md).session
         current = first
         for i, step in enumerate(script):
@@ -234,6 +276,9 @@ def _run(args: argparse.Namespace) -> int:
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="kvresume-demo-")) if own_dir else Path(args.data_dir)
     registry = ModelRegistry.from_sources({})
+    mapper_dirs = [Path(d) for d in args.mapper] if args.mapper else shipped_mapper_dirs()
+    names = registry.names
+    registered: list[dict[str, Any]] = []
     if not args.json:
         print("kvresume demo: one agent session over gRPC on loopback; models:")
         for name in registry.names:
@@ -250,19 +295,43 @@ def _run(args: argparse.Namespace) -> int:
             with lock:
                 print(_row_text(t), flush=True)
 
+    def on_mapper(fields: dict[str, Any]) -> None:
+        registered.append(fields)
+        if not args.json:
+            verdict = "passed" if fields["passed_gate"] else "did not pass"
+            gate = (
+                f"{fields['gate_metric']} >= {fields['gate_threshold']}"
+                if fields["gate_metric"]
+                else "no gate"
+            )
+            print(f"registered mapper {fields['mapper_id']} ({gate}): {verdict}", flush=True)
+
     try:
-        turns = run_demo(data_dir, registry=registry, max_new_tokens=args.max_new_tokens, on_turn=show)
+        turns = run_demo(
+            data_dir,
+            registry=registry,
+            max_new_tokens=args.max_new_tokens,
+            on_turn=show,
+            mapper_dirs=mapper_dirs,
+            on_mapper=on_mapper,
+        )
     finally:
         if own_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
     paths = tuple(t.path for t in turns)
+    switch = (names[0], names[1]) if len(names) > 1 else None
+    expected = expected_paths(
+        mapped_switch=any(
+            (m["sender_model"], m["receiver_model"]) == switch and m["passed_gate"] for m in registered
+        )
+    )
     if args.json:
         print(json.dumps([asdict(t) for t in turns], indent=2))
     else:
         print(f"{len(turns)} turns in {time.perf_counter() - started:.1f} s")
-    if paths != EXPECTED_PATHS:
+    if paths != expected:
         print(
-            f"kvresume demo: paths {list(paths)} differ from the script's {list(EXPECTED_PATHS)}",
+            f"kvresume demo: paths {list(paths)} differ from the script's {list(expected)}",
             file=sys.stderr,
         )
         return 1
@@ -275,5 +344,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-dir", help="keep the demo's registry and store here (default: a temp dir)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per turn")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--mapper",
+        action="append",
+        help="a mapper artifact directory to register before the session (repeatable; default: those "
+        "shipped under checkpoints/mappers/)",
+    )
     parser.add_argument("--verbose", action="store_true", help="service log lines on stderr")
     parser.set_defaults(handler=_run)

@@ -15,9 +15,16 @@ from orchestrator.engine.served_models import (
     ServedModelSpec,
     default_model_specs,
     load_served,
+    repo_root,
 )
 from orchestrator.engine.service import NodeService, PurgeFanout, build_node
-from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier, MapperArtifact, NoMappers
+from orchestrator.engine.swap import (
+    ArtifactMappers,
+    KVMapperApplier,
+    MapperArtifact,
+    NoMappers,
+    registration_of,
+)
 from orchestrator.engine.text_codec import BpeCodec, ByteCodec, TextCodec, choose_codec
 from orchestrator.engine.turn_engine import TurnEngine, actual_counts
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
@@ -54,5 +61,7 @@ __all__ = [
     "load_served",
     "pack_pool_entry",
     "read_prefix",
+    "registration_of",
+    "repo_root",
     "unpack_pool_entry",
 ]

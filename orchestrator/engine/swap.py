@@ -18,7 +18,7 @@ from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_met
 from model import ModelState, state_from_global
 from orchestrator.engine.served_models import ServedModel
 
-__all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers"]
+__all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers", "registration_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -144,3 +144,47 @@ class ArtifactMappers:
             )
         tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
         return state_from_global(receiver.model, tokens, list(mapped.blobs), fingerprint=receiver.fingerprint)
+
+
+# Gates a registry row can state ("figure >= threshold"), in order of preference: (gate knob, figure).
+_AT_LEAST_GATES = (
+    ("min_retention", "retention"),
+    ("min_attn_cosine", "attn_cosine_mean"),
+    ("min_index_recall", "index_recall"),
+)
+
+
+def registration_of(directory: Path | str) -> dict[str, object]:
+    """The registry fields of a saved mapper artifact, from its own metadata: pair names, weights digest,
+    measured figures (`quality`) and gate verdict. The registry states a gate as one "figure >= threshold";
+    the first such knob of the artifact's gate with a measured figure is used, and an artifact whose gate
+    has none of them registers as not passed (it cannot be shown to have passed here).
+
+    Raises:
+        FileNotFoundError, ValueError: not a mapper artifact.
+    """
+    directory = Path(directory)
+    doc = read_metadata(directory)
+    quality = {str(k): float(v) for k, v in dict(doc.get("quality", {})).items()}
+    gate = dict(doc.get("gate", {}))
+    metric, threshold = "", None
+    for knob, figure in _AT_LEAST_GATES:
+        if gate.get(knob) is not None and figure in quality:
+            metric, threshold = figure, float(gate[knob])
+            break
+    kinds = sorted(
+        {part["kind"] for layer in doc.get("layers", []) for part in (layer["kv"], layer["index"])}
+    )
+    sender, receiver = doc["sender"]["name"], doc["receiver"]["name"]
+    return {
+        "mapper_id": f"{sender}->{receiver}@{str(doc['weights_sha256'])[:12]}",
+        "sender_model": sender,
+        "receiver_model": receiver,
+        "artifact_uri": str(directory.resolve()),
+        "artifact_sha256": str(doc["weights_sha256"]),
+        "kind": "+".join(kinds) or "ridge",
+        "metrics": quality,
+        "gate_metric": metric,
+        "gate_threshold": threshold,
+        "passed_gate": bool(doc.get("passed_gate")) and bool(metric),
+    }
