@@ -244,7 +244,9 @@ class TurnPreparation:
                     if self.mappers.usable(art, sender, served):
                         artifacts[art.mapper_id] = art
                         infos.append(info)
-        ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
+        if history:
+            # a new session has nothing to look up; the metric counts lookups (hit, partial, miss, corrupt)
+            ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
         region = self.store.config.region
         may_persist = policy.may_store_in(region)
         note = (
