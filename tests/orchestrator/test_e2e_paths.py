@@ -153,6 +153,9 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
             ]
             assert [r.model for r in rows] == ["a", "a", "a", "b", "a", "a"]
             assert all(r.persisted for r in rows)
+        lookups = node.service.ctx.metrics.registry
+        for result, n in (("hit", 3), ("miss", 2)):
+            assert lookups.get_sample_value("kvresume_cache_lookups_total", {"result": result}) == n
         got = node.sessions.GetSession(pb.sessions.GetSessionRequest(session_id=sid), metadata=md())
         assert got.turn_count == 6 and got.history_tokens == len(history) and got.model == "a"
     finally:
