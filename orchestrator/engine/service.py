@@ -115,6 +115,7 @@ def build_node(
     migrate: bool = True,
     compute: ModelCompute | None = None,
     preload: bool = False,
+    prefill_chunk_tokens: int = 1024,
 ) -> NodeService:
     """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
 
@@ -125,6 +126,7 @@ def build_node(
         maintenance: start the store's background expiry/deletion thread.
         compute: the model operations (default: the real model; benchmarks pass a no-op stand-in).
         preload: load every served model now (else on its first turn, inside that turn's latency).
+        prefill_chunk_tokens: longest prompt slice run in one forward pass.
 
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
@@ -184,6 +186,7 @@ def build_node(
         mappers=mappers if mappers is not None else ArtifactMappers(),
         clock=clock,
         compute=compute,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
     ctx.turn_handler = engine
     stale = _drop_stale_turns(ctx)

@@ -168,3 +168,26 @@ def test_turn_paths_over_grpc_sqlite(tmp_path: Path, models) -> None:
 
 def test_turn_paths_over_grpc_postgres(tmp_path: Path, models, postgres_url: str) -> None:
     _scenario(tmp_path, models, postgres_url)
+
+
+def test_chunked_prefill_turns_equal_one_shot(tmp_path: Path, models) -> None:
+    # prompts run in slices of 24 tokens: the cold turn and the full hit give the one-shot tokens, and
+    # counts summed over the slices equal the plan's on every path
+    rng = random.Random(3)
+    node = start_node(tmp_path, models, prefill_chunk_tokens=24)
+    try:
+        pb = node.pb
+        sid = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="a"), metadata=md()).session
+        new = _ids(rng, 80)
+        t = run_turn(node, sid.session_id, new)
+        assert t.path == "COLD_PREFILL" and t.tokens == uninterrupted_greedy(models, "a", new, 3)
+        history = new + t.tokens
+        new = _ids(rng, 50)
+        t = run_turn(node, sid.session_id, new)
+        assert t.path == "FULL_HIT" and counts(t.stats.counts) == counts(t.plan.counts)
+        assert t.tokens == uninterrupted_greedy(models, "a", history + new, 3)
+        node.pool_clock.now += POOL_TTL_S + 1.0
+        t = run_turn(node, sid.session_id, _ids(rng, 30))
+        assert t.path == "GLOBAL_REPLAY" and counts(t.stats.counts) == counts(t.plan.counts)
+    finally:
+        node.stop()
