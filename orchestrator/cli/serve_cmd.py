@@ -44,14 +44,16 @@ def serve(
     stop: threading.Event,
     *,
     on_ready: Callable[[ServiceContext, RunningServer, int | None], None] | None = None,
+    preload: bool = False,
 ) -> None:
-    """Run the service until `stop` is set: registry migrated, store and pool opened, models registered
-    (loaded on first use), the turn engine wired, gRPC server, metrics endpoint.
+    """Run the service until `stop` is set: registry migrated, store and pool opened, models registered,
+    the turn engine wired, gRPC server, metrics endpoint.
 
     Args:
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
+        preload: load every served model before serving (else each on its first turn).
     """
-    node = build_node(settings, maintenance=True, preload=True)
+    node = build_node(settings, maintenance=True, preload=preload)
     ctx = node.ctx
     running = build_server(ctx)
     metrics_server = None
@@ -88,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    serve(settings, stop)
+    serve(settings, stop, preload=True)
     return 0
 
 
