@@ -80,6 +80,9 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def _take(payload: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    if n == 0:
+        # A chunk shorter than a source's group holds no entry of it; frombuffer rejects empty buffers.
+        return torch.empty(shape, dtype=dtype), offset
     raw = torch.frombuffer(bytearray(payload[offset : offset + n]), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape), offset + n
 

@@ -58,6 +58,19 @@ def test_export_global_length_is_the_byte_formula(model: Transformer, fp: bytes)
 
 
 @torch.inference_mode()
+def test_state_from_global_accepts_a_tail_shorter_than_a_group(model: Transformer, fp: bytes) -> None:
+    # [64, 65) holds a ratio-1 entry but no ratio-2 entry of the encoder sources: importing it must work
+    tokens = _tokens(65, 5)
+    state = prefill(model, tokens, mode="ced").state
+    blobs = [export_global(state, 0, 64, fingerprint=fp), export_global(state, 64, 65, fingerprint=fp)]
+    rebuilt = state_from_global(model, tokens, blobs, fingerprint=fp)
+    assert rebuilt.n_tokens == 65
+    for layer, src in state.sources.items():
+        assert torch.equal(rebuilt.sources[layer].kv_packed, src.kv_packed), layer
+        assert torch.equal(rebuilt.sources[layer].index_packed, src.index_packed), layer
+
+
+@torch.inference_mode()
 def test_export_keeps_stored_codes(model: Transformer, fp: bytes) -> None:
     state = prefill(model, _tokens(40, 2), mode="ced").state
     blob = export_global(state, 0, 40, fingerprint=fp)
