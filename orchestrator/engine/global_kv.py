@@ -134,17 +134,13 @@ def read_prefix(
     )
 
 
-def chunk_ranges(
-    n_tokens: int, chunk_tokens: int, *, from_pos: int = 0, min_tail: int = 1
-) -> list[tuple[int, int]]:
+def chunk_ranges(n_tokens: int, chunk_tokens: int, *, from_pos: int = 0) -> list[tuple[int, int]]:
     """Store ranges covering [first chunk holding from_pos, n_tokens): full chunks, then one partial tail
-    of at least `min_tail` tokens (a shorter one is left out: the prefix then ends at the last chunk)."""
+    (of any length: the cache format reads back a tail shorter than a compression group)."""
     start = from_pos - from_pos % chunk_tokens
     out = []
     while start < n_tokens:
         end = min(start + chunk_tokens, n_tokens)
-        if end - start < chunk_tokens and end - start < min_tail:
-            break
         out.append((start, end))
         start += chunk_tokens
     return out
@@ -187,9 +183,7 @@ def persist_chunks(
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
     size = store.config.chunk_tokens
     fp = served.fingerprint_hex
-    # A tail the model's cache format could not read back is not written (`ServedModel.min_tail`); the
-    # next turn then replays from the chunk boundary instead of a full hit.
-    ranges = chunk_ranges(n, size, from_pos=already_stored, min_tail=served.min_tail)
+    ranges = chunk_ranges(n, size, from_pos=already_stored)
     payloads = {r: compute.export_global(served, state, r[0], r[1]) for r in ranges}
     new_bytes = 0
     if payloads:

@@ -18,13 +18,10 @@ import torch
 from model import (
     ModelConfig,
     Transformer,
-    export_global,
-    import_global,
     init_random,
     load_model,
     load_preset,
     model_fingerprint,
-    prefill,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
 from orchestrator.planner import ModelGeometry
@@ -134,8 +131,6 @@ class ServedModel:
     model: Transformer
     fingerprint: bytes
     codec: TextCodec
-    # Shortest partial tail chunk this model's cache format can read back (see `_min_tail`).
-    min_tail: int = 1
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -154,29 +149,6 @@ class ServedModel:
     def geometry(self) -> ModelGeometry:
         cfg = self.model.cfg
         return ModelGeometry(window=cfg.window_size, group=_group(cfg))
-
-
-def _min_tail(model: Transformer, fingerprint: bytes) -> int:
-    """1 when a chunk holding no entry of some kv source (a tail shorter than its ratio) imports back;
-    else the largest ratio, so the engine never writes a tail it could not read (probed, not assumed,
-    so a cache-format fix takes effect by itself)."""
-    cfg = model.cfg
-    ratio = max((cfg.compress_ratios[i] for i in cfg.kv_source_layers), default=1)
-    if ratio <= 1:
-        return 1
-    device = model.head.weight.device
-    state = prefill(model, torch.zeros(1, ratio + 1, dtype=torch.int64, device=device), mode="ced").state
-    restored = model.new_state(1, device=device)
-    try:
-        import_global(
-            restored, export_global(state, 0, ratio, fingerprint=fingerprint), fingerprint=fingerprint
-        )
-        import_global(
-            restored, export_global(state, ratio, ratio + 1, fingerprint=fingerprint), fingerprint=fingerprint
-        )
-    except (ValueError, RuntimeError):
-        return ratio
-    return 1
 
 
 def load_served(spec: ServedModelSpec, *, device: str = "cpu", numerics: str | None = None) -> ServedModel:
@@ -204,13 +176,11 @@ def load_served(spec: ServedModelSpec, *, device: str = "cpu", numerics: str | N
     numerics = numerics or f"torch-{torch.device(device).type}-bf16"
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
-        min_tail = _min_tail(model, fingerprint)
     return ServedModel(
         spec=spec,
         model=model,
         fingerprint=fingerprint,
         codec=choose_codec(model.cfg.vocab_size, candidates),
-        min_tail=min_tail,
     )
 
 

@@ -63,23 +63,3 @@ def test_choose_codec(tmp_path: Path) -> None:
         )
     with pytest.raises(ValueError, match="vocab_size=100"):
         choose_codec(100, [])
-
-
-def test_min_tail_is_a_tail_the_model_reads_back() -> None:
-    import torch
-
-    from model import export_global, import_global, prefill
-
-    served = ModelRegistry.from_sources({"x": "random:v41-tiny@3"}).get("x")
-    assert served.min_tail in (1, 2)
-    with torch.inference_mode():
-        n = 2 + served.min_tail
-        state = prefill(served.model, torch.arange(16, 16 + n).view(1, n), mode="ced").state
-        restored = served.model.new_state(1)
-        for a, b in ((0, 2), (2, n)):
-            import_global(
-                restored,
-                export_global(state, a, b, fingerprint=served.fingerprint),
-                fingerprint=served.fingerprint,
-            )
-    assert all(restored.sources[i].n_entries == state.sources[i].n_entries for i in state.sources)
