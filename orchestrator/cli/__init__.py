@@ -9,6 +9,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+import grpc
+
 __all__ = ["main", "build_parser"]
 
 # Each command-group module exposes `register(subparsers)`; a registered sub-command sets
@@ -37,6 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except (ValueError, OSError) as exc:
         print(f"kvresume {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        # A call to our own (or an embedded) server failed: its status and details, not a traceback.
+        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        print(f"kvresume {args.command}: error: {code}: {details}", file=sys.stderr)
         return 1
 
 
