@@ -259,15 +259,37 @@ class RetentionOps:
         return result
 
     def purge_model(
-        self: GlobalKVStore, model_fingerprint: str, *, actor: str, reason: str = "request"
+        self: GlobalKVStore,
+        model_fingerprint: str,
+        *,
+        tenant: str | None = None,
+        actor: str,
+        reason: str = "request",
     ) -> PurgeResult:
-        """Remove every chunk written under this model fingerprint, for every tenant."""
+        """Remove every chunk written under this model fingerprint: every tenant's, or only `tenant`'s.
+
+        Every session reference to a removed chunk goes with it (within a tenant, sessions sharing a
+        prefix share its chunks). The bytes leave disk, checkpoints included, before the call returns.
+
+        Args:
+            tenant: restrict the purge to this tenant's chunks; None purges the fingerprint for all.
+        """
+        if tenant is not None:
+            check_id("tenant", tenant)
         with self._lock:
             self._check_open()
             mtag = model_tag(model_fingerprint)
             addrs = [k[1 + TAG_BYTES :] for k, _ in self._iter_prefix(MODEL_IDX + mtag)]
+            if tenant is not None:
+                salt = self._salts.get(tenant)
+                if salt is None:
+                    # A tenant without a salt here has no chain, so nothing of its is stored here.
+                    return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
+                ttag = tenant_tag(salt)
+                metas = self._index.meta
+                addrs = [a for a in addrs if a in metas and metas[a].tenant_tag == ttag]
             return self._purge(
-                addrs, tenant="", subject=f"model:{model_fingerprint}", actor=actor, reason=reason
+                addrs, tenant=tenant or "", subject=f"model:{model_fingerprint}", actor=actor, reason=reason
             )
 
     def _purge(

@@ -35,7 +35,9 @@ class StorePurger(Protocol):
 
     def purge_tenant(self, tenant: str, *, actor: str, reason: str = ...) -> _PurgeResult: ...
 
-    def purge_model(self, model_fingerprint: str, *, actor: str, reason: str = ...) -> _PurgeResult: ...
+    def purge_model(
+        self, model_fingerprint: str, *, tenant: str | None = ..., actor: str, reason: str = ...
+    ) -> _PurgeResult: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +143,10 @@ class Purger:
     ) -> PurgeOutcome:
         """Delete every segment written by `model` (one tenant's, or all); sessions stay and resume cold.
 
+        The store then removes the bytes of those fingerprints, restricted to `tenant_id` when given.
+
         Args:
+            tenant_id: purge only this tenant's segments and stored chunks; None for every tenant.
             fingerprints: model fingerprints to purge from the store beyond those the rows name.
         """
 
@@ -169,9 +174,10 @@ class Purger:
             return len(keys), freed, fps
 
         segments, freed, fps = run_serializable(self._factory, work)
-        if self._store is not None and tenant_id is None:
+        if self._store is not None:
             store_freed = 0
             for fp in sorted(fps | set(fingerprints)):
-                store_freed += self._store.purge_model(fp, actor=actor, reason=reason).bytes_deleted
+                result = self._store.purge_model(fp, tenant=tenant_id, actor=actor, reason=reason)
+                store_freed += result.bytes_deleted
             freed = max(freed, store_freed)
         return PurgeOutcome(sessions_deleted=0, segments_deleted=segments, bytes_deleted=freed)

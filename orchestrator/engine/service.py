@@ -52,8 +52,10 @@ class PurgeFanout:
         self._pool.discard_tenant(tenant)
         return self._store().purge_tenant(tenant, actor=actor, reason=reason)
 
-    def purge_model(self, model_fingerprint: str, *, actor: str, reason: str = "request") -> PurgeResult:
-        return self._store().purge_model(model_fingerprint, actor=actor, reason=reason)
+    def purge_model(
+        self, model_fingerprint: str, *, tenant: str | None = None, actor: str, reason: str = "request"
+    ) -> PurgeResult:
+        return self._store().purge_model(model_fingerprint, tenant=tenant, actor=actor, reason=reason)
 
 
 def _spec_config(spec: ServedModelSpec) -> ModelConfig:

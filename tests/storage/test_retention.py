@@ -208,6 +208,40 @@ def test_purge_model_removes_that_fingerprint_only(make_store) -> None:
     assert store.lookup("tB", FP, a).n_tokens == 0
 
 
+def test_purge_model_for_one_tenant_removes_its_bytes_and_keeps_the_others(make_store) -> None:
+    store = make_store()
+    marker = b"TENANTMODELMARK-" + os.urandom(8).hex().encode()
+    a = _toks(1)
+    shared = a[:CHUNK] + _toks(2, CHUNK)
+    # tA's two sessions share their first chunk (one chunk, two references).
+    store.put_chunks("tA", "s1", FP, a, {(0, CHUNK): marker * 10, (CHUNK, 2 * CHUNK): marker * 10})
+    store.put_chunks("tA", "s2", FP, shared, payloads_for(shared))
+    store.put_chunks("tA", "s1", "other-fp", a, payloads_for(a))
+    store.put_chunks("tB", "s1", FP, a, payloads_for(a))
+    assert store.stats().chunks == 2 + 1 + 2 + 2
+    store.create_checkpoint("nightly")
+    store._db.flush(True)
+    root = Path(store.config.path)
+    assert _files_containing(root, marker), "the marker must be on disk before the purge"
+    res = store.purge_model(FP, tenant="tA", actor="admin", reason="model_retired")
+    assert res.chunks_deleted == 3 and res.checkpoints_removed == 1 and res.bytes_deleted > 0
+    # Physically gone when the call returns, checkpoints included.
+    assert _files_containing(root, marker) == []
+    assert store.lookup("tA", FP, a).n_tokens == 0 and store.lookup("tA", FP, shared).n_tokens == 0
+    assert store.session_chunks("tA", "s2") == 0
+    # Other fingerprint of the same tenant, and the same fingerprint of another tenant, untouched.
+    assert store.lookup("tA", "other-fp", a).n_tokens == 2 * CHUNK
+    assert store.longest_valid_prefix("tB", FP, a).n_tokens == 2 * CHUNK
+    assert store.stats().chunks == 4
+    purged = [r for r in store.audit.iter_records() if r.action == AuditAction.PURGE]
+    assert [r.tenant for r in purged] == ["tA"] * 4
+    assert purged[-1].subject == f"model:{FP}" and purged[-1].nbytes == res.bytes_deleted
+    assert store.audit.verify().ok
+    # A tenant that never wrote here: nothing to do, nothing else touched.
+    assert store.purge_model(FP, tenant="tC", actor="admin").chunks_deleted == 0
+    assert store.stats().chunks == 4
+
+
 def test_residency_refuses_to_persist_outside_allowed_regions(make_store) -> None:
     store = make_store(region="eu-west")
     a = _toks(1)
