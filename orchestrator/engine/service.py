@@ -17,7 +17,14 @@ from sqlalchemy.orm import Session
 
 from model import ModelConfig, load_preset
 from orchestrator.api import PoolStats, ServiceContext, build_context
-from orchestrator.db import EffectivePolicy, ReconcileReport, reconcile_with_prefixes, run_serializable
+from orchestrator.db import (
+    EffectivePolicy,
+    PolicyRepository,
+    ReconcileReport,
+    TenantRepository,
+    reconcile_with_prefixes,
+    run_serializable,
+)
 from orchestrator.db.models import SessionRow, TurnRow, TurnStatus
 from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
@@ -73,6 +80,38 @@ def _ratios(registry: ModelRegistry) -> tuple[int, ...]:
         cfg = _spec_config(spec)
         ratios |= {r for r in cfg.compress_ratios[: cfg.n_layers] if r > 0}
     return tuple(sorted(ratios)) or (1,)
+
+
+def _store_policy(policy: EffectivePolicy) -> RetentionPolicy:
+    """The store's form of a registry policy (an empty region list there means: anywhere)."""
+    regions = tuple(policy.allowed_regions) if policy.allowed_regions else None
+    return RetentionPolicy(floor_s=policy.floor_s, ceiling_s=policy.ceiling_s, allowed_regions=regions)
+
+
+def _sync_policies(ctx: ServiceContext, store: GlobalKVStore) -> int:
+    """Push every tenant's effective policy from SQL into the store where the store's copy differs.
+
+    SQL is authoritative; the store only hears of changes made through this process, so a policy set
+    while the node was down, or on another replica, reaches it here. Returns how many were pushed.
+    """
+    settings = ctx.settings
+    with ctx.sessions() as s:
+        policies = [
+            PolicyRepository(s).effective(
+                tenant,
+                default_floor_s=settings.retention_floor_s,
+                default_ceiling_s=settings.retention_ceiling_s,
+            )
+            for tenant in TenantRepository(s).list_ids()
+        ]
+    pushed = 0
+    for policy in policies:
+        wanted = _store_policy(policy)
+        # Equal copies are skipped so that a restart does not write one audit record per tenant.
+        if store.get_policy(policy.tenant_id) != wanted:
+            store.set_policy(policy.tenant_id, wanted, actor="node_start", reason="sync_from_registry")
+            pushed += 1
+    return pushed
 
 
 def _drop_stale_turns(ctx: ServiceContext) -> int:
@@ -166,13 +205,8 @@ def build_node(
     fanout.store = store
 
     def on_policy_change(policy: EffectivePolicy, actor: str) -> None:
-        regions = tuple(policy.allowed_regions) if policy.allowed_regions else None
-        store.set_policy(
-            policy.tenant_id,
-            RetentionPolicy(floor_s=policy.floor_s, ceiling_s=policy.ceiling_s, allowed_regions=regions),
-            actor=actor,
-        )
-        if regions is not None and settings.region not in regions:
+        store.set_policy(policy.tenant_id, _store_policy(policy), actor=actor)
+        if not policy.may_store_in(settings.region):
             pool.discard_tenant(policy.tenant_id)
 
     ctx.on_policy_change = on_policy_change
@@ -192,6 +226,8 @@ def build_node(
     )
     ctx.turn_handler = engine
     stale = _drop_stale_turns(ctx)
+    # Before reconciling: a synced policy may purge (residency) or expire chunks the rows still name.
+    policies_synced = _sync_policies(ctx, store)
     report = reconcile_with_prefixes(
         ctx.serializable, node=ctx.node, stored_prefix=lambda t, fp, toks: store.lookup(t, fp, toks).n_tokens
     )
@@ -207,5 +243,6 @@ def build_node(
         chunk_tokens=settings.kv_chunk_tokens,
         dangling_rows_deleted=report.dangling_rows_deleted,
         stale_running_turns_deleted=stale,
+        policies_synced=policies_synced,
     )
     return NodeService(ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report)
