@@ -298,6 +298,7 @@ def evaluate_quality(
     for bucket in spec.buckets:
         eps = recall_episodes(tok, filler, distances[bucket], spec.episodes, seed=spec.seed, kv=spec.kv)
         flags: dict[str, list[bool]] = {p: [] for p in PATHS}
+        cold_subset: list[bool] = []
         kls: dict[str, list[float]] = {p: [] for p in PATHS}
         for lo in range(0, spec.episodes, spec.batch):
             tokens, answers = eps.tokens[lo : lo + spec.batch], eps.answers[lo : lo + spec.batch]
@@ -314,6 +315,7 @@ def evaluate_quality(
                 logits, same = _full_hit_logits(model, tokens[b : b + 1])
                 identical.append(same)
                 flags["full_hit"] += _correct(logits, tokens[b : b + 1], answers[b : b + 1])
+                cold_subset.append(flags["cold"][lo + b])
                 kls["full_hit"] += _kl(cold[b : b + 1], logits).mean(-1).tolist()
         for path in PATHS:
             n, c = len(flags[path]), sum(flags[path])
@@ -323,6 +325,10 @@ def evaluate_quality(
                 "n": n,
                 "kl": float(np.mean(kls[path])) if kls[path] else math.nan,
             }
+        # full hit runs on the first episodes only: the cold recall of those same episodes beside it
+        result["paths"]["full_hit"][bucket]["cold_recall_same_episodes"] = (
+            sum(cold_subset) / len(cold_subset) if cold_subset else math.nan
+        )
         if progress is not None:
             row = " ".join(f"{p}={result['paths'][p][bucket]['recall']:.3f}" for p in PATHS)
             progress(f"{bucket} (d={distances[bucket]}): {row}")

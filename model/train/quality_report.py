@@ -68,7 +68,10 @@ def table(name: str, result: dict[str, Any]) -> str:
             for r in (result["paths"][path][b] for b in buckets)
         )
         lines.append(f"{PATH_LABELS[path]:<32}{cells}")
+    full_hit = result["paths"]["full_hit"]
+    same = ", ".join(f"{b} {full_hit[b].get('cold_recall_same_episodes', float('nan')):.3f}" for b in buckets)
     lines.append("cells: recall (episodes) mean KL(cold || path) in nats")
+    lines.append(f"cold recall on the full-hit episodes: {same}")
     return "\n".join(lines)
 
 
