@@ -86,9 +86,13 @@ def plot(results: dict[str, dict[str, Any]], out: Path) -> None:
     for ax, (name, res) in zip(axes[0], results.items(), strict=True):
         buckets = list(res["distances"])
         xs = [res["distances"][b] for b in buckets]
-        for path, marker in zip(PATHS, "osx^d", strict=True):
+        # full hit runs on a few episodes and equals the uninterrupted run bit for bit: a note, not a line
+        for path, marker in zip([p for p in PATHS if p != "full_hit"], "ox^d", strict=True):
             ys = [res["paths"][path][b]["recall"] for b in buckets]
             ax.plot(xs, ys, marker=marker, label=PATH_LABELS[path], alpha=0.8)
+        same = "bit-identical" if res["full_hit_identical"] else "NOT identical"
+        ax.text(0.02, 0.97, f"full hit: {same} to the uninterrupted run ({res['full_hit_checked']} episodes)",
+                transform=ax.transAxes, fontsize=8, va="top")
         ax.axvline(res["window"], color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{b}\n{x}" for b, x in zip(buckets, xs, strict=True)])

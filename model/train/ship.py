@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from model.train import shipped_tokenizer_dir
 from model.train.quality_report import plot, table
 from model.train.trainer import LOG_FILE, TrainSpec, export_checkpoint, phase_at, run_model
@@ -83,6 +85,23 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
     ])
 
 
+def _same_weights(model, out: Path) -> bool:
+    """Whether out/ already holds these weights (re-shipping then keeps the file byte for byte: the
+    safetensors header's metadata order is not stable across writes)."""
+    if not (out / "model.safetensors").is_file() or not (out / "config.json").is_file():
+        return False
+    from model.weights import load_model
+
+    try:
+        shipped = load_model(out)
+    except (ValueError, OSError):
+        return False
+    if shipped.cfg != model.cfg:
+        return False
+    fresh = dict(shipped.state_dict())
+    return all(torch.equal(fresh[k], v.to(fresh[k].dtype)) for k, v in model.state_dict().items())
+
+
 def ship_checkpoint(
     run_dir: str | Path, out_dir: str | Path, eval_result: dict[str, Any] | None = None
 ) -> Path:
@@ -105,7 +124,8 @@ def ship_checkpoint(
     state_spec = TrainSpec.from_dict(starts[-1]["spec"])
     name = state_spec.model
     out.mkdir(parents=True, exist_ok=True)
-    export_checkpoint(model, out, {"model_name": name, "trained_steps": str(state_spec.steps)})
+    if not _same_weights(model, out):
+        export_checkpoint(model, out, {"model_name": name, "trained_steps": str(state_spec.steps)})
     tok = shipped_tokenizer_dir()
     shutil.copyfile(tok / "tokenizer.json", out / "tokenizer.json")
     shutil.copyfile(tok / "manifest.json", out / "tokenizer_manifest.json")
