@@ -77,6 +77,9 @@ class Settings:
     torch_threads: int = 0
     # Where served models run ("cpu", "cuda", "cuda:1"); part of the caches' numerics fingerprint.
     model_device: str = "cpu"
+    # Kernels of the served models: "torch" (reference ops) or "triton" (CUDA kernels); the two give
+    # caches that are not bit-for-bit interchangeable, so it is part of the numerics fingerprint too.
+    model_kernel_backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -108,6 +111,11 @@ class Settings:
             )
         if not self.region:
             raise ValueError("region must be a non-empty label")
+        # Transformer's backends, spelled out: settings stays free of torch (migrations/ imports it).
+        if self.model_kernel_backend not in ("torch", "triton"):
+            raise ValueError(
+                f"model_kernel_backend={self.model_kernel_backend!r} must be 'torch' or 'triton'"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

@@ -39,6 +39,9 @@ __all__ = [
 # name is served by a seeded random-init stand-in of the v41-tiny preset (seed = position + 1).
 DEFAULT_SIBLINGS: tuple[str, ...] = ("v41-sib-s", "v41-sib-l")
 STAND_IN_PRESET = "v41-tiny"
+# Transformer's kernel backends (model/transformer.py checks them again when a model is built); checked
+# here too because models load lazily, so a bad setting would otherwise surface on the first turn.
+_KERNEL_BACKENDS = ("torch", "triton")
 
 
 def repo_root() -> Path:
@@ -151,29 +154,36 @@ class ServedModel:
         return ModelGeometry(window=cfg.window_size, group=_group(cfg))
 
 
-def load_served(spec: ServedModelSpec, *, device: str = "cpu", numerics: str | None = None) -> ServedModel:
+def load_served(
+    spec: ServedModelSpec, *, device: str = "cpu", kernel_backend: str = "torch", numerics: str | None = None
+) -> ServedModel:
     """Load weights (or init the stand-in), fingerprint them, and pick the tokenizer.
 
     Args:
         device: where the model runs.
-        numerics: the fingerprint's numerics profile (default `torch-<device type>-bf16`: caches computed
-            on another device class are misses).
+        kernel_backend: the model's kernels, "torch" or "triton" (Transformer's `kernel_backend`).
+        numerics: the fingerprint's numerics profile (default `<kernel_backend>-<device type>-bf16`:
+            caches computed with other kernels or on another device class are misses, because neither
+            is bit-for-bit interchangeable).
 
     Raises:
         FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
+        ValueError: an unknown kernel_backend.
     """
     root = repo_root()
     if spec.checkpoint is not None:
         model = load_model(spec.checkpoint, device=device)
+        model.kernel_backend = kernel_backend
         candidates = [
             spec.checkpoint / "tokenizer.json",
             root / "checkpoints" / "tokenizer" / "tokenizer.json",
         ]
     else:
-        model = init_random(Transformer(_config_of(spec)), seed=spec.seed).to(device)
+        model = Transformer(_config_of(spec), kernel_backend=kernel_backend)
+        model = init_random(model, seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
     model.eval()
-    numerics = numerics or f"torch-{torch.device(device).type}-bf16"
+    numerics = numerics or f"{model.kernel_backend}-{torch.device(device).type}-bf16"
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
     return ServedModel(
@@ -187,21 +197,35 @@ def load_served(spec: ServedModelSpec, *, device: str = "cpu", numerics: str | N
 class ModelRegistry:
     """Served models by name, loaded on first use (thread-safe)."""
 
-    def __init__(self, specs: Mapping[str, ServedModelSpec], *, device: str = "cpu") -> None:
+    def __init__(
+        self, specs: Mapping[str, ServedModelSpec], *, device: str = "cpu", kernel_backend: str = "torch"
+    ) -> None:
         for name, spec in specs.items():
             if name != spec.name:
                 raise ValueError(f"served model key {name!r} differs from its spec name {spec.name!r}")
+        if kernel_backend not in _KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {_KERNEL_BACKENDS}, got {kernel_backend!r}")
         self._specs = dict(specs)
         self._device = device
+        self._kernel_backend = kernel_backend
         self._loaded: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def from_sources(cls, sources: Mapping[str, str], *, device: str = "cpu") -> ModelRegistry:
+    def from_sources(
+        cls, sources: Mapping[str, str], *, device: str = "cpu", kernel_backend: str = "torch"
+    ) -> ModelRegistry:
         """From settings' name -> source strings; empty: `default_model_specs()`."""
-        if not sources:
-            return cls(default_model_specs(), device=device)
-        return cls({n: ServedModelSpec.parse(n, s) for n, s in sources.items()}, device=device)
+        specs = (
+            default_model_specs()
+            if not sources
+            else {n: ServedModelSpec.parse(n, s) for n, s in sources.items()}
+        )
+        return cls(specs, device=device, kernel_backend=kernel_backend)
+
+    @property
+    def kernel_backend(self) -> str:
+        return self._kernel_backend
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -218,6 +242,6 @@ class ModelRegistry:
         with self._lock:
             served = self._loaded.get(name)
             if served is None:
-                served = load_served(spec, device=self._device)
+                served = load_served(spec, device=self._device, kernel_backend=self._kernel_backend)
                 self._loaded[name] = served
             return served

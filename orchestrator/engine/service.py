@@ -175,7 +175,9 @@ def build_node(
     registry = (
         registry
         if registry is not None
-        else ModelRegistry.from_sources(settings.served_models, device=settings.model_device)
+        else ModelRegistry.from_sources(
+            settings.served_models, device=settings.model_device, kernel_backend=settings.model_kernel_backend
+        )
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ratios = _ratios(registry)

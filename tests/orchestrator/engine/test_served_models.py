@@ -1,21 +1,27 @@
-"""ServedModelSpec.parse, default_model_specs (checkpoints when present), ModelRegistry, text codecs."""
+"""ServedModelSpec.parse, default_model_specs (checkpoints when present), ModelRegistry, text codecs, and the
+kernel backend in the fingerprint's numerics profile (load_served, the settings that choose it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from model import load_preset
+from model import load_preset, model_fingerprint, weights_fingerprint
 from orchestrator.engine import (
     DEFAULT_SIBLINGS,
     ByteCodec,
     ModelRegistry,
     ServedModelSpec,
+    build_node,
     choose_codec,
     default_model_specs,
+    load_served,
 )
+from orchestrator.settings import Settings, load_settings
 
 
 def test_served_model_spec_parse() -> None:
@@ -63,3 +69,43 @@ def test_choose_codec(tmp_path: Path) -> None:
         )
     with pytest.raises(ValueError, match="vocab_size=100"):
         choose_codec(100, [])
+
+
+def test_load_served_fingerprint_names_the_kernel_backend() -> None:
+    # Only fingerprinted, never run: the triton kernels need CUDA (or the interpreter) to run.
+    spec = ServedModelSpec(name="x", config="v41-tiny", seed=3)
+    on_torch = load_served(spec)
+    on_triton = load_served(spec, kernel_backend="triton")
+    assert (on_torch.model.kernel_backend, on_triton.model.kernel_backend) == ("torch", "triton")
+    assert on_torch.fingerprint != on_triton.fingerprint
+    with torch.inference_mode():
+        assert on_torch.fingerprint == model_fingerprint(on_torch.model, numerics="torch-cpu-bf16")
+        assert on_triton.fingerprint == model_fingerprint(on_triton.model, numerics="triton-cpu-bf16")
+    # Same weights either way: only the numerics label differs.
+    same = weights_fingerprint(on_torch.model.state_dict())
+    assert same == weights_fingerprint(on_triton.model.state_dict())
+    reg = ModelRegistry.from_sources({"x": "random:v41-tiny@3"}, kernel_backend="triton")
+    assert reg.kernel_backend == "triton" and reg.get("x").fingerprint == on_triton.fingerprint
+    assert ModelRegistry.from_sources({"x": "random:v41-tiny@3"}).get("x").fingerprint == on_torch.fingerprint
+    with pytest.raises(ValueError, match="cuda-graphs"):
+        ModelRegistry.from_sources({"x": "random:v41-tiny@3"}, kernel_backend="cuda-graphs")
+    with pytest.raises(ValueError, match="cuda-graphs"):
+        load_served(spec, kernel_backend="cuda-graphs")
+
+
+def test_build_node_serves_the_configured_kernel_backend(tmp_path: Path) -> None:
+    assert Settings().model_kernel_backend == "torch"
+    with pytest.raises(ValueError, match="model_kernel_backend='cuda-graphs'"):
+        load_settings(environ={"KVRESUME_MODEL_KERNEL_BACKEND": "cuda-graphs"})
+    settings = load_settings(
+        environ={"KVRESUME_MODEL_KERNEL_BACKEND": "triton"},
+        overrides={"data_dir": str(tmp_path), "metrics_enabled": False},
+    )
+    settings = dataclasses.replace(settings, served_models={"x": "random:v41-tiny@3"}, kv_chunk_tokens=32)
+    node = build_node(settings)
+    try:
+        assert node.registry.kernel_backend == "triton"
+        expected = load_served(ServedModelSpec(name="x", config="v41-tiny", seed=3), kernel_backend="triton")
+        assert node.registry.get("x").fingerprint == expected.fingerprint
+    finally:
+        node.close()
