@@ -103,7 +103,10 @@ def _same_weights(model, out: Path) -> bool:
 
 
 def ship_checkpoint(
-    run_dir: str | Path, out_dir: str | Path, eval_result: dict[str, Any] | None = None
+    run_dir: str | Path,
+    out_dir: str | Path,
+    eval_result: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> Path:
     """Write `out_dir` from a finished (or stopped) run: weights, config, tokenizer, log, eval, README.
 
@@ -112,6 +115,7 @@ def ship_checkpoint(
         out_dir: `checkpoints/<name>/`; created or overwritten file by file.
         eval_result: `evaluate_quality` output to ship as eval.json and plot; None keeps an eval.json
             already in out_dir (and its plot), if any.
+        notes: free-text lines for a "Notes" section of the README (how this run differed from the recipe).
 
     Returns:
         out_dir.
@@ -169,6 +173,8 @@ def ship_checkpoint(
             "![recall against distance per resume path](quality.png)",
             "",
         ]
+    if notes:
+        parts += ["## Notes", "", *notes, ""]
     parts += ["## Files (sha256)", "", "```"]
     parts += [f"{sha256_of(out / f)}  {f}" for f in SHIPPED_FILES if (out / f).is_file()]
     parts += ["```", ""]
