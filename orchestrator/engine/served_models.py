@@ -35,8 +35,8 @@ __all__ = [
     "repo_root",
 ]
 
-# The sibling family the training helper ships under checkpoints/<name>/; until a checkpoint exists the
-# name is served by a seeded random-init stand-in of the v41-tiny preset (seed = position + 1).
+# The sibling family the training helper ships under checkpoints/<name>/; until every sibling's checkpoint
+# exists, each is served by a seeded random-init stand-in of the v41-tiny preset (seed = position + 1).
 DEFAULT_SIBLINGS: tuple[str, ...] = ("v41-sib-s", "v41-sib-l")
 STAND_IN_PRESET = "v41-tiny"
 # Transformer's kernel backends (model/transformer.py checks them again when a model is built); checked
@@ -102,16 +102,20 @@ class ServedModelSpec:
 
 
 def default_model_specs(root: Path | None = None) -> dict[str, ServedModelSpec]:
-    """The family siblings: shipped checkpoints when present, else labelled random-init stand-ins."""
+    """The family siblings: the shipped checkpoints when all are present, else labelled random-init
+    stand-ins for all of them.
+
+    Never a mix: a trained sibling's vocabulary and tokenizer are not the stand-in's, so a session could
+    not switch between them (its history would hold ids outside the other's vocabulary).
+    """
     base = (root or repo_root()) / "checkpoints"
-    specs = {}
-    for i, name in enumerate(DEFAULT_SIBLINGS):
-        ckpt = base / name
-        if (ckpt / "config.json").is_file():
-            specs[name] = ServedModelSpec(name=name, checkpoint=ckpt)
-        else:
-            specs[name] = ServedModelSpec(name=name, config=STAND_IN_PRESET, seed=i + 1)
-    return specs
+    ckpts = {name: base / name for name in DEFAULT_SIBLINGS}
+    if all((ckpt / "config.json").is_file() for ckpt in ckpts.values()):
+        return {name: ServedModelSpec(name=name, checkpoint=ckpt) for name, ckpt in ckpts.items()}
+    return {
+        name: ServedModelSpec(name=name, config=STAND_IN_PRESET, seed=i + 1)
+        for i, name in enumerate(DEFAULT_SIBLINGS)
+    }
 
 
 def _config_of(spec: ServedModelSpec) -> ModelConfig:

@@ -1,5 +1,6 @@
-"""ServedModelSpec.parse, default_model_specs (checkpoints when present), ModelRegistry, text codecs, and the
-kernel backend in the fingerprint's numerics profile (load_served, the settings that choose it)."""
+"""ServedModelSpec.parse, default_model_specs (checkpoints when all are present), ModelRegistry, text
+codecs, and the kernel backend in the fingerprint's numerics profile (load_served, the settings that
+choose it)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ def test_default_model_specs_switch_to_shipped_checkpoints(tmp_path: Path) -> No
     stand_ins = default_model_specs(tmp_path)
     assert list(stand_ins) == list(DEFAULT_SIBLINGS)
     assert all(s.is_stand_in for s in stand_ins.values())
-    ckpt = tmp_path / "checkpoints" / DEFAULT_SIBLINGS[0]
-    ckpt.mkdir(parents=True)
-    (ckpt / "config.json").write_text(json.dumps(load_preset("v41-tiny").to_dict()))
+    ckpts = [tmp_path / "checkpoints" / name for name in DEFAULT_SIBLINGS]
+    for ckpt in ckpts:
+        ckpt.mkdir(parents=True)
+    (ckpts[0] / "config.json").write_text(json.dumps(load_preset("v41-tiny").to_dict()))
+    # One sibling trained, the other not yet: never a mixed family (their vocabularies differ).
+    assert default_model_specs(tmp_path) == stand_ins
+    (ckpts[1] / "config.json").write_text(json.dumps(load_preset("v41-tiny").to_dict()))
     specs = default_model_specs(tmp_path)
-    assert specs[DEFAULT_SIBLINGS[0]].checkpoint == ckpt
-    assert specs[DEFAULT_SIBLINGS[1]].is_stand_in
+    assert [s.checkpoint for s in specs.values()] == ckpts
 
 
 def test_model_registry_loads_once_and_misses_unknown() -> None:
