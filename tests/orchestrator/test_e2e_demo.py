@@ -4,14 +4,34 @@ add up turn by turn (each prompt = the previous turn's history + its new tokens)
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import structlog
 
-from orchestrator.cli import main
+from orchestrator.cli import demo_cmd, main
 from orchestrator.cli.demo_cmd import EXPECTED_PATHS
 
 
-def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def entry_point_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The entry point's structlog set-up, undone afterwards. As configured for a process it prints to the
+    sys.stderr of the moment (this test's capture, closed afterwards) and caches each logger on first
+    use, so later tests in this process would log into a closed file; here loggers are not cached, and
+    the defaults come back after the test."""
+    configure = demo_cmd.configure_logging
+
+    def uncached(**kwargs: Any) -> None:
+        configure(**kwargs)
+        structlog.configure(cache_logger_on_first_use=False)
+
+    monkeypatch.setattr(demo_cmd, "configure_logging", uncached)
+    yield
+    structlog.reset_defaults()
+
+
+def test_demo_json(capsys: pytest.CaptureFixture[str], entry_point_logging: None) -> None:
     assert main(["demo", "--json"]) == 0
     turns = json.loads(capsys.readouterr().out)
     assert tuple(t["path"] for t in turns) == EXPECTED_PATHS
