@@ -38,10 +38,11 @@ from model.kv_bytes import (
 from model.presets import PRESET_NAMES, load_preset
 from model.rope import apply_rope, rope_table
 from model.state import ModelState, SourceCache
-from model.transformer import PassOutput, PassStats, Transformer
+from model.transformer import KERNEL_BACKENDS, PassOutput, PassStats, Transformer
 from model.weights import init_random, load_model, save_plain
 
 __all__ = [
+    "KERNEL_BACKENDS",
     "apply_rope",
     "rope_table",
     "CACHE_FORMAT_VERSION",

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from model import (
+    KERNEL_BACKENDS,
     ModelConfig,
     Transformer,
     init_random,
@@ -41,7 +42,6 @@ DEFAULT_SIBLINGS: tuple[str, ...] = ("v41-sib-s", "v41-sib-l")
 STAND_IN_PRESET = "v41-tiny"
 # Transformer's kernel backends (model/transformer.py checks them again when a model is built); checked
 # here too because models load lazily, so a bad setting would otherwise surface on the first turn.
-_KERNEL_BACKENDS = ("torch", "triton")
 
 
 def repo_root() -> Path:
@@ -207,8 +207,8 @@ class ModelRegistry:
         for name, spec in specs.items():
             if name != spec.name:
                 raise ValueError(f"served model key {name!r} differs from its spec name {spec.name!r}")
-        if kernel_backend not in _KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {_KERNEL_BACKENDS}, got {kernel_backend!r}")
+        if kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
         self._specs = dict(specs)
         self._device = device
         self._kernel_backend = kernel_backend
