@@ -55,9 +55,11 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
     return "\n".join([
         "## Recipe",
         "",
-        f"Reproduce: `kvresume train --model {name} --threads 1 --export checkpoints/{name}` (same as",
-        f"`python -m model.train train --model {name} ...`), then `kvresume eval --write-eval`. Resumable:",
-        "rerunning the command continues from `runs/<model>/state.pt`.",
+        f"Reproduce: `kvresume train --model {name} --steps {spec.steps} --threads 1 --export "
+        f"checkpoints/{name}` (same as `python -m model.train train ...`), then",
+        "`kvresume eval --write-eval`.",
+        "Resumable: rerunning the command continues from `runs/<model>/state.pt`. A one-shot run follows",
+        "the schedule below from step 0; where Notes describe a resumed history, that is the closest rerun.",
         "",
         f"- data: seq_len {mix.seq_len}, batch {mix.batch_size}, rows {mix.kv_weight:.0%} key-value "
         f"recall ({mix.kv.n_pairs} facts per episode, episodes packed, corpus filler) and "
@@ -73,7 +75,8 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
         f"- phases over {spec.steps} steps: dense (every visible compressed entry attended, indexer "
         f"distilled) steps 0-{sparse - 1}; sparse top-{'k'} selection steps {sparse}-{qdq - 1}; sparse with "
         f"FP4 main KV / MXFP4 index / FP8 window QDQ (straight-through) steps {qdq}-{spec.steps - 1}",
-        f"- run: {summary['last'].get('step', -1) + 1} steps in {seconds / 60:.1f} min of process time on "
+        f"- run: {summary['last'].get('step', -1) + 1} steps in {seconds / 60:.1f} min of summed step wall "
+        "time on "
         f"{start.get('threads')} CPU thread(s), device {start.get('device')}, sharing a 2-core machine with "
         "other jobs (wall time, not dedicated-core time)",
         *(
