@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,8 @@ from model.train.agent_transcript import AgentSpec, agent_transcript, index_file
 from model.train.build import MANIFEST_FILE, build_data
 from model.train.corpus import CorpusManifest, CorpusSpec, build_manifest, compare_manifests, read_split
 from model.train.dataset import tokenize_corpus
-from model.train.kv_recall import KvRecallSpec, kv_recall
+from model.train.family import FAMILY_RECALL_TASK
+from model.train.kv_recall import kv_recall
 from model.train.tasks import CorpusFiller
 from model.train.tokenizer import load_tokenizer
 from model.train.trainer import add_train_arguments, train_from_args
@@ -55,7 +57,7 @@ def _sample(args: argparse.Namespace) -> int:
     filler = CorpusFiller(tokenize_corpus(tok, [t for _, t in files]))
     rng = np.random.default_rng(args.seed)
     if args.task == "kv":
-        spec = KvRecallSpec(n_pairs=max(4, len(args.distance or ())), n_queries=4)
+        spec = dataclasses.replace(FAMILY_RECALL_TASK, n_pairs=max(4, len(args.distance or ())))
         ex = kv_recall(tok, rng, spec, filler, distances=args.distance)
     else:
         ex = agent_transcript(tok, rng, AgentSpec(), index_files(files), filler, distances=args.distance)

@@ -47,6 +47,7 @@ class KvRecallSpec:
     min_distance: int = 1
     max_distance: int = 256
     length: int | None = None
+    markers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_pairs", "n_queries", "key_syllables", "value_digits", "min_distance", "max_distance"):
@@ -102,18 +103,21 @@ def _episode(
     values = _random_values(rng, spec.n_pairs, spec.value_digits)
     key_ids = [tok.encode(" " + k) for k in keys]
     val_ids = [tok.encode(" " + v) for v in values]
-    blocks = [[sp.q, sp.key, *k, sp.a, *v, sp.end] for k, v in zip(key_ids, val_ids, strict=True)]
+    # markers=False drops <val> / <a>: the value follows its key directly (a plain induction pattern)
+    mark_a = [sp.a] if spec.markers else []
+    mark_v = [sp.val] if spec.markers else []
+    blocks = [[sp.q, sp.key, *k, *mark_a, *v, sp.end] for k, v in zip(key_ids, val_ids, strict=True)]
     stride = max(len(b) for b in blocks)
     evidence: list[tuple[int, int]] = []
     for k, v in zip(key_ids, val_ids, strict=True):
-        block = [sp.key, *k, sp.val, *v, sp.end]
-        v0 = len(ids) + 1 + len(k) + 1
+        block = [sp.key, *k, *mark_v, *v, sp.end]
+        v0 = len(ids) + 1 + len(k) + len(mark_v)
         evidence.append((v0, v0 + len(v)))
         ids.extend(block)
         ids.extend(filler(rng, max(0, stride - len(block))))
     context_end = len(ids)
     # each question's smallest distance: its block must start after every definition
-    floors = [context_end - ev[0] + 3 + len(k) for ev, k in zip(evidence, key_ids, strict=True)]
+    floors = [context_end - ev[0] + 2 + len(mark_a) + len(k) for ev, k in zip(evidence, key_ids, strict=True)]
     order = list(rng.permutation(spec.n_pairs))
     if distances is not None:
         if len(distances) > spec.n_pairs:
@@ -136,7 +140,7 @@ def _episode(
     queries = [
         Query(
             tokens=tuple(blocks[p]),
-            answer_offset=2 + len(key_ids[p]) + 1,
+            answer_offset=2 + len(key_ids[p]) + len(mark_a),
             answer_len=len(val_ids[p]),
             evidence=evidence[p],
             distance=d,

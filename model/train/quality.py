@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from model.cache_format import (
     state_from_global,
 )
 from model.inference import prefill
+from model.train.family import FAMILY_RECALL_TASK
 from model.train.kv_recall import KvRecallSpec, kv_recall
 from model.train.tasks import AnswerSpan, Filler
 from model.train.tokenizer import TextTokenizer
@@ -79,7 +80,7 @@ class QualitySpec:
     lm_len: int = 256
     seed: int = 1234
     buckets: tuple[str, ...] = ("in_window", "2W", "8W", "32W")
-    kv: KvRecallSpec = field(default_factory=lambda: KvRecallSpec(n_pairs=4, n_queries=4))
+    kv: KvRecallSpec = FAMILY_RECALL_TASK
 
     def __post_init__(self) -> None:
         if self.episodes < 1 or self.batch < 1 or self.lm_windows < 0 or self.lm_len < 2:

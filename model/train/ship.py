@@ -62,13 +62,17 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
         "the schedule below from step 0; where Notes describe a resumed history, that is the closest rerun.",
         "",
         f"- data: seq_len {mix.seq_len}, batch {mix.batch_size}, rows {mix.kv_weight:.0%} key-value "
-        f"recall ({mix.kv.n_pairs} facts per episode, episodes packed, corpus filler) and "
+        f"recall ({mix.kv.n_pairs} facts per episode, keys of {mix.kv.key_syllables} syllable(s), values of "
+        f"{mix.kv.value_digits} digit(s), {'marked' if mix.kv.markers else 'value right after its key'}; "
+        "episodes packed, corpus filler) and "
         f"{mix.lm_weight:.0%} corpus LM (stdlib train split of the shipped tokenizer's manifest); "
         f"seed {mix.seed}",
         f"- curriculum (max question distance): {curriculum}",
         f"- loss: answer-token cross-entropy + {spec.lm_weight} x LM cross-entropy + {spec.distill_weight} x "
         "indexer KL (distillation of the main attention's mass over compressed entries into the index "
-        "scores, detached inputs)",
+        "scores, detached inputs)"
+        + (f" + {spec.evidence_weight} x evidence attention (-log of the decoder candidate source's "
+           "head-mean attention on the evidence token of each answer token)" if spec.evidence_weight else ""),
         f"- optimizer: AdamW lr {spec.lr}, betas {tuple(spec.betas)}, weight decay {spec.weight_decay} "
         f"(matrices), warmup {spec.warmup} steps then cosine to {spec.min_lr_ratio} x lr; grad-norm clip "
         f"{spec.clip}; fp32 master weights, shipped as the model's bf16/fp32 checkpoint dtypes",

@@ -58,11 +58,13 @@ class TrainPassOutput:
     logits, so a loss over few positions does not pay for the whole [B, T, vocab] product); distill: scalar
     fp32 mean KL over the index sources (0 when off); index_agreement: per index source, the share of the
     dense main attention's compressed-entry mass that an index_topk pick of the index scores keeps (only
-    when `sparse` is off and there are more entries than index_topk): a cheap probe of the indexer."""
+    when `sparse` is off and there are more entries than index_topk): a cheap probe of the indexer.
+    evidence: scalar fp32 evidence-attention loss (0 when no hints are given), see `train_pass`."""
 
     hidden: torch.Tensor
     distill: torch.Tensor
     index_agreement: dict[int, float]
+    evidence: torch.Tensor
 
 
 def _maybe(fn, x: torch.Tensor, on: bool) -> torch.Tensor:
@@ -84,9 +86,22 @@ def _indexer_scores(
     return scores.masked_fill(~vis, -torch.inf)
 
 
+def _evidence_loss(p_comp: torch.Tensor, sel: torch.Tensor, hints: torch.Tensor) -> torch.Tensor | None:
+    """-log of the head-mean attention probability on each hinted entry, averaged over the hints whose entry
+    the row may attend (a top-k pick that dropped it has no gradient to give). p_comp [B, H, T, G]; sel
+    [B, T, G]; hints [N, 3] (batch row, query position, entry)."""
+    b, q, e = hints.unbind(-1)
+    ok = sel[b, q, e]
+    if not ok.any():
+        return None
+    p = p_comp[b[ok], :, q[ok], e[ok]].float().mean(-1)  # [N'] mean over heads
+    # -log(mean_h p) <= log(H) - log(max_h p): one head that finds the evidence already pays off
+    return -torch.log(p + 1e-6).mean()
+
+
 def _attention(
     model: Transformer, i: int, x: torch.Tensor, shared: dict, mode: PassMode, losses: list,
-    agreement: dict[int, float],
+    agreement: dict[int, float], hints: torch.Tensor | None = None, evidence: list | None = None,
 ) -> torch.Tensor:
     """Layer i's attention over the whole sequence: x [B, T, dim] -> [B, T, dim]."""
     cfg = model.cfg
@@ -160,6 +175,10 @@ def _attention(
     if comp is not None:
         p_comp = probs[..., t : t + comp.size(1)]  # [B, H, T, G]
         o = o + torch.einsum("bhtg,bgd->bthd", p_comp, comp)
+        if hints is not None and evidence is not None and hints.numel():
+            ev = _evidence_loss(p_comp, sel, hints)
+            if ev is not None:
+                evidence.append(ev)
         if attn.is_index_source and scores is not None:
             mass = p_comp.detach().float().sum(1)  # [B, T, G]
             rows = mass.sum(-1) > 0
@@ -179,23 +198,35 @@ def _attention(
     return attn.wo_b(o.flatten(2))
 
 
-def train_pass(model: Transformer, tokens: torch.Tensor, mode: PassMode) -> TrainPassOutput:
+def train_pass(
+    model: Transformer, tokens: torch.Tensor, mode: PassMode, evidence_hints: torch.Tensor | None = None
+) -> TrainPassOutput:
     """Run every layer over `tokens` from position 0 (the reference prefill function), differentiably.
 
     Args:
         model: the transformer (any parameter dtype; fp32 for training).
         tokens: [B, T] int64 ids of positions 0 .. T-1.
         mode: selection, quantization and distillation switches.
+        evidence_hints: optional [N, 3] int64 (batch row, query position, compressed entry): where the
+            decoder's candidate-source layer (ratio 1, so entry = token position) should look to answer.
+            The pass then returns the evidence-attention loss (`_evidence_loss`) of that layer: an
+            auxiliary target for the retrieval the recall task needs, used only in training.
 
     Returns:
         TrainPassOutput with hidden [B, T, dim].
 
     Raises:
-        ValueError: tokens not [B, T] with T >= 1.
+        ValueError: tokens not [B, T] with T >= 1, or hints without a ratio-1 candidate-source layer.
     """
     if tokens.dim() != 2 or tokens.size(1) == 0:
         raise ValueError(f"tokens must be [B, T] with T >= 1, got {tuple(tokens.shape)}")
     cfg = model.cfg
+    hint_layer = cfg.candidate_source_layer
+    if evidence_hints is not None and (hint_layer < 0 or cfg.compress_ratios[hint_layer] != 1):
+        raise ValueError(
+            f"evidence hints need a ratio-1 candidate-source layer; candidate_source_layer={hint_layer}"
+        )
+    evidence: list[torch.Tensor] = []
     b, t = tokens.shape
     h = model.embed(tokens).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [B, T, hc, d]
     pre = identity_pre(b, t, cfg.hc_mult, tokens.device)
@@ -204,14 +235,18 @@ def train_pass(model: Transformer, tokens: torch.Tensor, mode: PassMode) -> Trai
     agreement: dict[int, float] = {}
     for i, blk in enumerate(model.layers):
         attn_pre, attn_post, attn_comb = blk._mixes(h, blk.hc_attn_fn, blk.hc_attn_scale, blk.hc_attn_base)
-        y = _attention(model, i, blk.attn_input(h, pre), shared, mode, losses, agreement)
+        y = _attention(
+            model, i, blk.attn_input(h, pre), shared, mode, losses, agreement,
+            evidence_hints if i == hint_layer else None, evidence,
+        )
         h = expand(y, h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = blk._mixes(h, blk.hc_ffn_fn, blk.hc_ffn_scale, blk.hc_ffn_base)
         y = blk.ffn(blk.ffn_norm(collapse(h, attn_pre)))
         h, pre = expand(y, h, ffn_post, ffn_comb), ffn_pre
     x = model.norm(collapse(h, pre))  # [B, T, dim]
     distill = torch.stack(losses).mean() if losses else x.new_zeros((), dtype=torch.float32)
-    return TrainPassOutput(hidden=x, distill=distill, index_agreement=agreement)
+    ev = torch.stack(evidence).mean() if evidence else x.new_zeros((), dtype=torch.float32)
+    return TrainPassOutput(hidden=x, distill=distill, index_agreement=agreement, evidence=ev)
 
 
 def head_logits(model: Transformer, hidden: torch.Tensor) -> torch.Tensor:

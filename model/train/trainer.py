@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from model.train.corpus import CorpusManifest
 from model.train.dataset import Batch, MixtureSpec, TrainStream
-from model.train.family import SIBLING_NAMES, sibling_config
+from model.train.family import FAMILY_RECALL_TASK, SIBLING_NAMES, sibling_config
 from model.train.kv_recall import KvRecallSpec
 from model.train.score import recall_by_bucket, score_batch
 from model.train.tokenizer import load_tokenizer
@@ -48,9 +48,9 @@ _STATE_VERSION = 1
 
 
 def default_mixture(seed: int = 0, batch_size: int = 6, seq_len: int = 256) -> MixtureSpec:
-    """The shipped recipe's data: 85% key-value recall rows (4 facts per episode, episodes packed, so about
-    a dozen questions per row), 15% corpus LM rows; the question distance cap grows 32 -> 64 -> 128 -> 256
-    tokens at steps 100, 250 and 450 (short distances first: the recall plateau is long otherwise)."""
+    """The shipped recipe's data: 85% key-value recall rows (`FAMILY_RECALL_TASK`: 4 facts per episode,
+    episodes packed, so about a dozen questions per row), 15% corpus LM rows; the question distance cap
+    grows 32 -> 64 -> 128 -> 256 tokens at steps 100, 250 and 450 (short distances first)."""
     return MixtureSpec(
         batch_size=batch_size,
         seq_len=seq_len,
@@ -59,7 +59,7 @@ def default_mixture(seed: int = 0, batch_size: int = 6, seq_len: int = 256) -> M
         kv_weight=0.85,
         agent_weight=0.0,
         curriculum=((0, 32), (100, 64), (250, 128), (450, 256)),
-        kv=KvRecallSpec(n_pairs=4, n_queries=4, max_distance=256),
+        kv=dataclasses.replace(FAMILY_RECALL_TASK, max_distance=256),
         filler="corpus",
     )
 
@@ -71,7 +71,9 @@ class TrainSpec:
     model: a sibling name (`model.train.family`). steps: optimizer steps. lr: peak AdamW rate, reached after
     `warmup` steps, then cosine to lr * min_lr_ratio at `steps`. sparse_from / qdq_from: fractions of
     `steps` where top-k selection and then cache QDQ switch on (1.0: never). distill_weight: weight of the
-    indexer KL. lm_weight: weight of the corpus-LM loss beside the answer loss. clip: max grad norm.
+    indexer KL. evidence_weight: weight of the evidence-attention loss (`evidence_hints`; without it the
+    recall task sat on its ~25% plateau for thousands of steps). lm_weight: weight of the corpus-LM loss
+    beside the answer loss. clip: max grad norm.
     log_every / save_every: steps between log lines and resume checkpoints.
     """
 
@@ -87,6 +89,7 @@ class TrainSpec:
     sparse_from: float = 0.6
     qdq_from: float = 0.85
     distill_weight: float = 1.0
+    evidence_weight: float = 1.0
     lm_weight: float = 0.2
     seed: int = 0
     log_every: int = 10
@@ -140,6 +143,24 @@ def phase_at(spec: TrainSpec, step: int) -> tuple[str, PassMode]:
     if step >= spec.sparse_from * spec.steps:
         return "sparse", PassMode(sparse=True, qdq=False, distill=spec.distill_weight > 0)
     return "dense", PassMode(sparse=False, qdq=False, distill=spec.distill_weight > 0)
+
+
+def evidence_hints(batch: Batch, kinds: tuple[str, ...] = ("kv_recall",)) -> torch.Tensor:
+    """[N, 3] int64 (row, query position, entry) for every answer token of the given kinds whose evidence
+    token is the token to copy: the row predicting answer token j (position start + j - 1) should find
+    evidence token j (position evidence_start + j), which the ratio-1 decoder source holds as entry
+    evidence_start + j. Key-value answers repeat their evidence exactly, so this is where the answer is."""
+    t = batch.tokens.size(1)
+    out = []
+    for b, spans in enumerate(batch.answers):
+        for a in spans:
+            if a.kind not in kinds:
+                continue
+            for j in range(min(a.end - a.start, a.evidence_end - a.evidence_start)):
+                q, e = a.start + j - 1, a.evidence_start + j
+                if 0 <= e <= q < t:
+                    out.append((b, q, e))
+    return torch.tensor(out, dtype=torch.int64).view(-1, 3)
 
 
 def _losses(
@@ -263,9 +284,11 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         tokens = batch.tokens.to(self.device)
-        out = train_pass(self.model, tokens, mode)
+        hints = evidence_hints(batch).to(self.device) if spec.evidence_weight > 0 else None
+        out = train_pass(self.model, tokens, mode, hints)
         ans_loss, lm_loss, predicted = _losses(self.model, out.hidden, batch)
-        loss = ans_loss + spec.lm_weight * lm_loss + spec.distill_weight * out.distill
+        loss = (ans_loss + spec.lm_weight * lm_loss + spec.distill_weight * out.distill
+                + spec.evidence_weight * out.evidence)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.clip)
@@ -284,6 +307,7 @@ class Trainer:
             "answer_loss": float(ans_loss.detach()),
             "lm_loss": float(lm_loss.detach()),
             "distill_kl": float(out.distill.detach()),
+            "evidence_loss": float(out.evidence.detach()),
             "grad_norm": float(grad_norm),
             "answer_acc": sum(r.correct for r in results) / max(1, len(results)),
             "answers": len(results),
@@ -325,7 +349,7 @@ class Trainer:
 def _summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One log line for several steps: means of the scalars, summed recall counts, the last step's rest."""
     last = dict(records[-1])
-    for key in ("loss", "answer_loss", "lm_loss", "distill_kl", "grad_norm", "answer_acc"):
+    for key in ("loss", "answer_loss", "lm_loss", "distill_kl", "evidence_loss", "grad_norm", "answer_acc"):
         last[key] = round(sum(r[key] for r in records) / len(records), 5)
     recall: dict[str, list[int]] = {}
     for r in records:
@@ -370,6 +394,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=default_mixture().batch_size)
     p.add_argument("--seq-len", type=int, default=default_mixture().seq_len)
     p.add_argument("--lr", type=float, default=TrainSpec.lr)
+    p.add_argument("--evidence-weight", type=float, default=TrainSpec.evidence_weight,
+                   help="weight of the evidence-attention loss on key-value answers (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if present")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -390,6 +416,7 @@ def train_from_args(args: argparse.Namespace) -> int:
         steps=args.steps,
         mixture=default_mixture(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len),
         lr=args.lr,
+        evidence_weight=args.evidence_weight,
         seed=args.seed,
     )
     run_dir = args.run_dir or Path("runs") / args.model

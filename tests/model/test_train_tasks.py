@@ -80,6 +80,34 @@ def test_kv_recall_answers_at_requested_distances(tokenizer: str, bpe: BpeTokeni
     assert ex.ids[0] == sp.bos and len(ex.ids) == max(a.end for a in ex.answers) + 1
 
 
+def test_kv_recall_unmarked_layout_puts_the_value_right_after_its_key(bpe: BpeTokenizer) -> None:
+    """markers=False (the family's task): definitions are <key> K V <end> and questions <q> <key> K V <end>;
+    the token before each answer is the key's last token, which also precedes the evidence; the shortest
+    distance the layout allows is accepted exactly."""
+    spec = KvRecallSpec(n_pairs=4, n_queries=4, key_syllables=2, value_digits=2, markers=False)
+    sp = bpe.specials
+    ex = kv_recall(bpe, np.random.default_rng(11), spec, RandomFiller(bpe.vocab_size), distances=[60, 90, 130])
+    assert sorted(ex.distances) == [60, 90, 130]
+    _check_masks_and_spans(bpe, ex)
+    ids = ex.ids.tolist()
+    assert sp.a not in ids and sp.val not in ids
+    for a in ex.answers:
+        assert ids[a.start - 1] == ids[a.evidence_start - 1] != sp.key and ids[a.end] == sp.end
+        key_start = max(i for i in range(a.start) if ids[i] == sp.key) + 1
+        assert ids[key_start - 2] == sp.q
+        key = ids[key_start : a.start]
+        assert ids[a.evidence_start - len(key) : a.evidence_start] == key
+    # the floor of the layout: a question placed right after the definitions block
+    for d in range(1, 200):
+        try:
+            kv_recall(bpe, np.random.default_rng(11), spec, RandomFiller(bpe.vocab_size), distances=[d])
+        except ValueError:
+            continue
+        break
+    one = kv_recall(bpe, np.random.default_rng(11), spec, RandomFiller(bpe.vocab_size), distances=[d])
+    assert one.distances == [d]
+
+
 def test_kv_recall_packed_fills_length_within_max_distance(bpe: BpeTokenizer, filler: CorpusFiller) -> None:
     spec = KvRecallSpec(n_pairs=6, n_queries=6, min_distance=8, max_distance=96, length=513)
     for seed in range(5):

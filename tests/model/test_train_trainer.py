@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,8 +13,15 @@ from model import Transformer, init_random, load_model, prefill
 from model.train import TrainStream
 from model.train.family import sibling_config
 from model.train.tokenizer import ByteTokenizer
-from model.train.train_pass import PassMode, head_logits, train_pass
-from model.train.trainer import Trainer, TrainSpec, default_mixture, export_checkpoint, phase_at
+from model.train.train_pass import PassMode, _evidence_loss, head_logits, train_pass
+from model.train.trainer import (
+    Trainer,
+    TrainSpec,
+    default_mixture,
+    evidence_hints,
+    export_checkpoint,
+    phase_at,
+)
 
 
 def _capture(model: Transformer) -> tuple[dict[str, list[torch.Tensor]], list]:
@@ -131,3 +139,53 @@ def test_train_spec_schedule() -> None:
         TrainSpec(model="v41-sib-s", steps=10, sparse_from=0.9, qdq_from=0.5)
     with pytest.raises(ValueError, match="unknown sibling"):
         TrainSpec(model="nope", steps=10)
+
+
+def test_evidence_hints_point_at_the_token_to_copy() -> None:
+    """Every hint (row, query position q, entry e) of a key-value batch has e <= q and the evidence token at
+    e equal to the token the row at q must predict; every answer token gets one."""
+    spec = _spec()
+    batch = _stream(spec).batch(0)
+    hints = evidence_hints(batch)
+    n_answer_tokens = sum(a.end - a.start for row in batch.answers for a in row if a.kind == "kv_recall")
+    assert hints.size(0) == n_answer_tokens > 0
+    b, q, e = hints.unbind(-1)
+    assert (e <= q).all()
+    assert torch.equal(batch.tokens[b, e], batch.targets[b, q])
+
+
+def test_evidence_loss_matches_a_loop_twin() -> None:
+    """-log(head-mean probability + 1e-6), averaged over the hints whose entry is selected."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(3, 4, 20, 20, generator=g), dim=-1)
+    sel = torch.rand(3, 20, 20, generator=g) > 0.3
+    hints = torch.stack([torch.randint(0, 3, (40,), generator=g), torch.randint(0, 20, (40,), generator=g),
+                         torch.randint(0, 20, (40,), generator=g)], dim=-1)
+    want = [-np.log(float(p[b, :, q, e].mean()) + 1e-6) for b, q, e in hints.tolist() if sel[b, q, e]]
+    got = _evidence_loss(p, sel, hints)
+    assert got is not None and float(got) == pytest.approx(float(np.mean(want)), rel=1e-5)
+    assert _evidence_loss(p, torch.zeros_like(sel), hints) is None
+
+
+def test_evidence_loss_trains_the_retrieval_path_only() -> None:
+    """The evidence term reaches the candidate-source layer's query and the layers below it (which build its
+    entries), never the layers above it or the head; a config without a ratio-1 candidate source refuses
+    hints."""
+    cfg = sibling_config("v41-sib-s")
+    model = init_random(Transformer(cfg), seed=3).float()
+    tokens = torch.randint(16, 4096, (2, 40))
+    hints = torch.tensor([[0, 30, 5], [1, 39, 12], [1, 20, 20]])
+    out = train_pass(model, tokens, PassMode(sparse=False), hints)
+    assert float(out.evidence.detach()) > 0
+    out.evidence.backward()
+    src = cfg.candidate_source_layer
+    touched = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any(n.startswith(f"layers.{src}.attn.wq_b") for n in touched)
+    assert any(n.startswith(f"layers.{src}.attn.compressor") for n in touched)
+    assert any(n.startswith("layers.0.") for n in touched)
+    above = [n for n in touched if n.startswith("head") or any(
+        n.startswith(f"layers.{i}.") for i in range(src + 1, cfg.n_layers))]
+    assert not above, above
+    with pytest.raises(ValueError, match="candidate_source_layer"):
+        no_pool = dataclasses.replace(cfg, candidate_source_layer=-1)
+        train_pass(init_random(Transformer(no_pool)).float(), tokens, PassMode(), hints)
