@@ -18,7 +18,14 @@ from mappers.artifact import (
 )
 from mappers.capture import ContentKV, capture_content, content_of
 from mappers.errors import FitError, MapperError, MapperMismatch
-from mappers.evaluate import MapperEval, evaluate_mapper, gate_failures, gate_mapper
+from mappers.evaluate import (
+    MapperEval,
+    TaskRetention,
+    evaluate_mapper,
+    evaluate_task_retention,
+    gate_failures,
+    gate_mapper,
+)
 from mappers.fit import FitSpec, fit_mapper
 from mappers.identity import identity_mapper
 from mappers.ridge import LinearMap, MomentStats, RidgeMapper, SklearnRidgeMapper, r2_from_stats, solve_ridge
@@ -35,6 +42,7 @@ __all__ = [
     "MomentStats",
     "RidgeMapper",
     "SklearnRidgeMapper",
+    "TaskRetention",
     "r2_from_stats",
     "solve_ridge",
     "LayerMap",
@@ -49,6 +57,7 @@ __all__ = [
     "capture_content",
     "content_of",
     "evaluate_mapper",
+    "evaluate_task_retention",
     "fit_mapper",
     "gate_failures",
     "gate_mapper",

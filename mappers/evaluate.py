@@ -269,19 +269,28 @@ def gate_failures(gate: GateSpec, figures: dict[str, float]) -> list[str]:
 
 
 def gate_mapper(
-    mapper: KVMapper, evaluation: MapperEval, *, gate: GateSpec | None = None, retention: float | None = None
+    mapper: KVMapper,
+    evaluation: MapperEval,
+    *,
+    gate: GateSpec | None = None,
+    retention: float | None = None,
+    task: TaskRetention | None = None,
 ) -> tuple[KVMapper, list[str]]:
     """The mapper with the evaluation's figures recorded and `passed_gate` set.
 
     Args:
         gate: thresholds to apply (the mapper's own when None); recorded in the result.
         retention: measured task retention (mapped accuracy / receiver's own), when a task evaluation ran.
+        task: a whole task evaluation (`evaluate_task_retention`): its figures are recorded and its
+            retention is the one gated (it wins over `retention`).
 
     Returns:
         the updated mapper and the failed conditions (empty when it passed).
     """
     gate = gate or mapper.gate
     figures = evaluation.figures() | ({"retention": retention} if retention is not None else {})
+    if task is not None:
+        figures |= task.figures()
     failed = gate_failures(gate, figures)
     layers = tuple(
         dataclasses.replace(
@@ -304,3 +313,126 @@ def gate_mapper(
         passed_gate=not failed,
     )
     return updated, failed
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRetention:
+    """Answer accuracy on recall episodes, with the answer's question asked after a mapped cache.
+
+    Each episode's history (all but the last `suffix_tokens`) is cached, the suffix (the question and the
+    answer) runs on top. receiver_acc: the receiver's own uninterrupted run (the target); mapped_acc: the
+    receiver from the sender's mapped global KV (bounded replay); replay_acc: the receiver from its own
+    global KV after the same bounded replay (what replay alone costs); sender_acc: the sender alone (the
+    source score). retention = mapped / receiver; gap_recovered = (mapped - chance floor) /
+    (receiver - chance floor), the floor being `floor_acc`: the receiver with an empty history cache
+    (nothing to recall from).
+    """
+
+    n: int
+    suffix_tokens: int
+    sender_acc: float
+    receiver_acc: float
+    mapped_acc: float
+    replay_acc: float
+    floor_acc: float
+
+    @property
+    def retention(self) -> float:
+        return self.mapped_acc / self.receiver_acc if self.receiver_acc else 0.0
+
+    @property
+    def gap_recovered(self) -> float:
+        gap = self.receiver_acc - self.floor_acc
+        return (self.mapped_acc - self.floor_acc) / gap if gap > 0 else 0.0
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "task_episodes": float(self.n),
+            "task_sender_acc": self.sender_acc,
+            "task_receiver_acc": self.receiver_acc,
+            "task_mapped_acc": self.mapped_acc,
+            "task_replay_acc": self.replay_acc,
+            "task_floor_acc": self.floor_acc,
+            "retention": self.retention,
+            "task_gap_recovered": self.gap_recovered,
+        }
+
+
+def _answers_right(logits: torch.Tensor, row: torch.Tensor, start: int, end: int, lo: int) -> bool:
+    """Whether the argmax of every answer position is the answer token. logits [S, vocab] cover the rows
+    lo .. lo + S - 1; the token at sequence index i is predicted by row i - 1."""
+    pred = logits[start - 1 - lo : end - 1 - lo].argmax(-1)
+    return bool(torch.equal(pred.cpu(), row[start:end].cpu()))
+
+
+@torch.no_grad()
+def evaluate_task_retention(
+    mapper: KVMapper,
+    sender_model: Transformer,
+    receiver_model: Transformer,
+    tokens: torch.Tensor,
+    answers: list[tuple[int, int]],
+    *,
+    suffix_tokens: int,
+) -> TaskRetention:
+    """Recall accuracy of the receiver when the history comes from the sender through `mapper`.
+
+    Args:
+        tokens: [N, L] int64 episodes, each ending with its answer.
+        answers: per row, the answer span (start, end) in sequence coordinates; it must lie in the suffix.
+        suffix_tokens: S, the tokens run after the cached history (1 <= S <= the receiver's window), the
+            question included, so that the evidence is reachable only through the (mapped) global KV.
+
+    Raises:
+        ValueError: a bad suffix length, a row count that does not match `answers`, or an answer outside
+            the suffix.
+    """
+    r_cfg = receiver_model.cfg
+    n, length = tokens.shape
+    p = length - suffix_tokens
+    if not 1 <= suffix_tokens <= r_cfg.window_size:
+        raise ValueError(
+            f"suffix_tokens must be in [1, window_size={r_cfg.window_size}], got {suffix_tokens}"
+        )
+    if len(answers) != n:
+        raise ValueError(f"{len(answers)} answer spans for {n} rows")
+    for start, end in answers:
+        if not p < start <= end <= length:
+            raise ValueError(f"answer span ({start}, {end}) is not inside the suffix [{p + 1}, {length}]")
+    fp_s, fp_r = (
+        bytes.fromhex(ref.fingerprint) if ref.fingerprint else model_fingerprint(model)
+        for ref, model in ((mapper.sender, sender_model), (mapper.receiver, receiver_model))
+    )
+    right = {k: 0 for k in ("sender", "receiver", "mapped", "replay", "floor")}
+    for b in range(n):
+        row = tokens[b : b + 1]
+        prefix, suffix = row[:, :p], row[:, p:]
+        start, end = answers[b]
+        s_state = prefill(sender_model, prefix).state
+        r_state = prefill(receiver_model, prefix).state
+        mapped = apply_mapper(
+            mapper, s_state.clone(), sender_fingerprint=fp_s, receiver_fingerprint=fp_r,
+            receiver_model=receiver_model,
+        )
+        own_blob = export_global(r_state, 0, p, fingerprint=fp_r)
+        states = {
+            "sender": (sender_model, s_state),
+            "receiver": (receiver_model, r_state),
+            "mapped": (receiver_model, state_from_global(receiver_model, prefix, list(mapped.blobs),
+                                                         fingerprint=fp_r)),
+            "replay": (receiver_model, state_from_global(receiver_model, prefix, [own_blob],
+                                                         fingerprint=fp_r)),
+        }
+        for key, (model, state) in states.items():
+            out = prefill(model, suffix, state, all_logits=True)
+            logits = out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
+            right[key] += _answers_right(logits[0], row[0], start, end, p)
+        # the floor: the question alone, with no history to recall from (positions shifted to 0)
+        out = prefill(receiver_model, suffix, all_logits=True)
+        logits = out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
+        right["floor"] += _answers_right(logits[0], suffix[0], start - p, end - p, 0)
+    acc = {k: v / n for k, v in right.items()}
+    return TaskRetention(
+        n=n, suffix_tokens=suffix_tokens, sender_acc=acc["sender"], receiver_acc=acc["receiver"],
+        mapped_acc=acc["mapped"], replay_acc=acc["replay"], floor_acc=acc["floor"],
+    )

@@ -44,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--task", choices=("kv", "agent"), default="kv")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--distance", type=int, nargs="*", default=None)
+    k = data.add_parser("tokens", help="write a JSON list of token-id rows of the training mixture (mapper "
+                        "calibration: `kvresume mapper fit --tokens-file`)")
+    k.add_argument("--out", required=True, type=Path)
+    k.add_argument("--rows", type=int, default=64)
+    k.add_argument("--length", type=int, default=256)
+    k.add_argument("--split", choices=("train", "validation", "test"), default="validation")
+    k.add_argument("--seed", type=int, default=0)
     add_train_arguments(top.add_parser("train", help="train or resume a sibling model (kvresume train)"))
     return p
 
@@ -86,7 +93,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         diff = compare_manifests(recorded, build_manifest(recorded.spec))
         print(diff.summary())
         return 0 if diff.identical else 1
+    if args.command == "tokens":
+        return _tokens(args)
     return _sample(args)
+
+
+def _tokens(args: argparse.Namespace) -> int:
+    """Rows of the shipped mixture (corpus LM and key-value episodes at the full distance range) drawn from
+    one split with the shipped tokenizer, written as JSON lists of ids."""
+    import json
+
+    from model.train import shipped_tokenizer_dir
+    from model.train.dataset import TrainStream
+    from model.train.trainer import default_mixture
+
+    if args.rows < 1 or args.length < 16:
+        raise SystemExit(f"--rows={args.rows} must be >= 1 and --length={args.length} >= 16")
+    tok_dir = shipped_tokenizer_dir()
+    mix = default_mixture(seed=args.seed, seq_len=args.length)
+    manifest = CorpusManifest.load(tok_dir / MANIFEST_FILE)
+    stream = TrainStream.from_manifest(mix, load_tokenizer(tok_dir), manifest, args.split)
+    # a step past the curriculum's last stage: questions at every distance the mixture allows
+    late = mix.curriculum[-1][0] + 1
+    rows = [stream.row(late, i).ids[: args.length].tolist() for i in range(args.rows)]
+    args.out.write_text(json.dumps(rows))
+    print(f"wrote {len(rows)} rows of {args.length} tokens ({args.split} split) to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

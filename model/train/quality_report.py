@@ -25,7 +25,10 @@ from model.train.quality import PATHS, QualitySpec, evaluate_quality
 from model.train.tasks import CorpusFiller
 from model.weights import load_model
 
-__all__ = ["PATH_LABELS", "add_eval_arguments", "checkpoint_dir", "eval_from_args", "plot", "run", "table"]
+__all__ = [
+    "PATH_LABELS", "add_eval_arguments", "checkpoint_dir", "eval_from_args", "heldout_filler", "plot", "run",
+    "table",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 PATH_LABELS = {
@@ -42,6 +45,12 @@ def checkpoint_dir(name_or_path: str) -> Path:
     if name_or_path in SIBLING_NAMES:
         return REPO / "checkpoints" / name_or_path
     return Path(name_or_path)
+
+
+def heldout_filler():
+    """The shipped tokenizer and a filler over the test split of its corpus (held-out episodes)."""
+    tok, ids = _test_split()
+    return tok, CorpusFiller(ids)
 
 
 def _test_split():

@@ -89,6 +89,7 @@ def _gate(args: argparse.Namespace):
         "min_attn_cosine": args.gate_attn_cosine,
         "max_next_token_kl": args.gate_next_token_kl,
         "min_index_recall": args.gate_index_recall,
+        "min_retention": args.gate_retention,
     }
     return GateSpec(**{k: v for k, v in given.items() if v is not None})
 
@@ -132,13 +133,38 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     print(f"  gate: {verdict}{why}")
 
 
+def _task(args, mapper, sender, receiver):
+    """Task retention on the family's key-value recall episodes (None when --task-episodes is 0): the
+    question and answer run after the mapped history, so the evidence is reachable only through it."""
+    if not args.task_episodes:
+        return None
+    from mappers import evaluate_task_retention
+    from model.train.quality import recall_episodes
+    from model.train.quality_report import heldout_filler
+
+    w = receiver.cfg.window_size
+    tok, filler = heldout_filler()
+    eps = recall_episodes(tok, filler, args.task_distance or 8 * w, args.task_episodes, seed=args.seed + 2000,
+                          kv=_family_task())
+    return evaluate_task_retention(mapper, sender, receiver, eps.tokens.to(args.device),
+                                   [(a.start, a.end) for a in eps.answers], suffix_tokens=w)
+
+
+def _family_task():
+    from model.train.family import FAMILY_RECALL_TASK
+
+    return FAMILY_RECALL_TASK
+
+
 def _evaluate(args, mapper, sender, receiver):
     from mappers import evaluate_mapper, gate_mapper
 
+    if args.gate_retention is not None and not args.task_episodes:
+        raise ValueError("--gate-retention needs --task-episodes > 0 (retention must be measured)")
     prompts = _token_batches(args, receiver.cfg.vocab_size, args.seed + 1000, 1, args.eval_prompts,
                              args.eval_prefix + args.eval_suffix)[0]
     evaluation = evaluate_mapper(mapper, sender, receiver, prompts, suffix_tokens=args.eval_suffix)
-    return gate_mapper(mapper, evaluation, gate=_gate(args))
+    return gate_mapper(mapper, evaluation, gate=_gate(args), task=_task(args, mapper, sender, receiver))
 
 
 def _run_fit(args: argparse.Namespace) -> int:
@@ -237,6 +263,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-attn-cosine", type=float, help="gate: min mean attention cosine (0.9)")
     parser.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL vs cold (0.2)")
     parser.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall (0.5)")
+    parser.add_argument("--gate-retention", type=float,
+                        help="gate: min task retention (off unless given; needs --task-episodes)")
+    parser.add_argument("--task-episodes", type=int, default=0,
+                        help="key-value recall episodes for task retention (shipped tokenizer and test-split "
+                             "corpus; 0: skip)")
+    parser.add_argument("--task-distance", type=int, default=None,
+                        help="evidence-to-answer distance of the episodes (default 8x the receiver's window)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--require-gate", action="store_true", help="exit 1 when the mapper fails its gate")
     _add_model_args(parser, "sender")

@@ -86,7 +86,8 @@ def test_kv_recall_unmarked_layout_puts_the_value_right_after_its_key(bpe: BpeTo
     distance the layout allows is accepted exactly."""
     spec = KvRecallSpec(n_pairs=4, n_queries=4, key_syllables=2, value_digits=2, markers=False)
     sp = bpe.specials
-    ex = kv_recall(bpe, np.random.default_rng(11), spec, RandomFiller(bpe.vocab_size), distances=[60, 90, 130])
+    filler = RandomFiller(bpe.vocab_size)
+    ex = kv_recall(bpe, np.random.default_rng(11), spec, filler, distances=[60, 90, 130])
     assert sorted(ex.distances) == [60, 90, 130]
     _check_masks_and_spans(bpe, ex)
     ids = ex.ids.tolist()
