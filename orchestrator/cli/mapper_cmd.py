@@ -65,20 +65,37 @@ def _load_model(args: argparse.Namespace, side: str):
     return name, init_random(model, seed=get("seed")).eval()
 
 
-def _token_batches(args: argparse.Namespace, vocab: int, seed: int, n: int, b: int, t: int):
-    """n batches [b, t] int64: slices of --tokens-file sequences, or seeded random ids."""
+def _token_batches(
+    args: argparse.Namespace, vocab: int, seed: int, n: int, b: int, t: int, *, offset: int = 0,
+    from_end: bool = False,
+):
+    """n batches [b, t] int64: seeded random ids, or windows of --tokens-file sequences. File windows are
+    taken in order from `offset` (calibration, then held-out rows after them) or, with `from_end`, from the
+    end of the file (evaluation prompts), so the three sets never share a window when the file holds
+    enough of them."""
     import torch
 
     if args.tokens_file:
         seqs = json.loads(Path(args.tokens_file).read_text())
         rows = [torch.tensor(s[i : i + t]) for s in seqs for i in range(0, len(s) - t + 1, t)]
-        if len(rows) < n * b:
-            raise ValueError(f"--tokens-file holds {len(rows)} windows of {t} tokens, {n * b} needed")
-        start = seed % max(1, len(rows) - n * b + 1)
-        rows = rows[start : start + n * b]
+        if len(rows) < offset + n * b:
+            raise ValueError(
+                f"--tokens-file holds {len(rows)} windows of {t} tokens, {offset + n * b} needed"
+            )
+        rows = rows[len(rows) - n * b :] if from_end else rows[offset : offset + n * b]
         return [torch.stack(rows[i * b : (i + 1) * b]).to(args.device) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (b, t), generator=g).to(args.device) for _ in range(n)]
+
+
+def _sequences_for(seqs: list[list[int]], t: int, rows: int) -> int:
+    """How many leading sequences of `seqs` the first `rows` windows of t tokens come from."""
+    got = 0
+    for k, seq in enumerate(seqs, 1):
+        got += len(seq) // t
+        if got >= rows:
+            return k
+    return len(seqs) + 1
 
 
 def _gate(args: argparse.Namespace):
@@ -150,6 +167,13 @@ def _task(args, mapper, sender, receiver):
                                    [(a.start, a.end) for a in eps.answers], suffix_tokens=w)
 
 
+def _check_task_args(args: argparse.Namespace) -> None:
+    if args.gate_retention is not None and not args.task_episodes:
+        raise ValueError("--gate-retention needs --task-episodes > 0 (retention must be measured)")
+    if args.task_episodes < 0:
+        raise ValueError(f"--task-episodes={args.task_episodes} must be >= 0")
+
+
 def _family_task():
     from model.train.family import FAMILY_RECALL_TASK
 
@@ -159,10 +183,9 @@ def _family_task():
 def _evaluate(args, mapper, sender, receiver):
     from mappers import evaluate_mapper, gate_mapper
 
-    if args.gate_retention is not None and not args.task_episodes:
-        raise ValueError("--gate-retention needs --task-episodes > 0 (retention must be measured)")
+    _check_task_args(args)
     prompts = _token_batches(args, receiver.cfg.vocab_size, args.seed + 1000, 1, args.eval_prompts,
-                             args.eval_prefix + args.eval_suffix)[0]
+                             args.eval_prefix + args.eval_suffix, from_end=True)[0]
     evaluation = evaluate_mapper(mapper, sender, receiver, prompts, suffix_tokens=args.eval_suffix)
     return gate_mapper(mapper, evaluation, gate=_gate(args), task=_task(args, mapper, sender, receiver))
 
@@ -172,6 +195,7 @@ def _run_fit(args: argparse.Namespace) -> int:
 
     from mappers import FitSpec, fit_mapper, save_mapper
 
+    _check_task_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     s_name, sender = _load_model(args, "sender")
@@ -181,7 +205,18 @@ def _run_fit(args: argparse.Namespace) -> int:
                          f"{receiver.cfg.vocab_size} (siblings share a tokenizer)")
     vocab = sender.cfg.vocab_size
     train = _token_batches(args, vocab, args.seed, args.batches, args.batch_size, args.tokens)
-    held = _token_batches(args, vocab, args.seed + 1, args.heldout, args.batch_size, args.tokens)
+    held = _token_batches(args, vocab, args.seed + 1, args.heldout, args.batch_size, args.tokens,
+                          offset=args.batches * args.batch_size)
+    if args.tokens_file and args.eval_prompts:
+        # evaluation prompts come from the last sequences of the file: they must not reach the fitted ones
+        seqs = json.loads(Path(args.tokens_file).read_text())
+        fit_seqs = _sequences_for(seqs, args.tokens, (args.batches + args.heldout) * args.batch_size)
+        eval_seqs = _sequences_for(seqs[::-1], args.eval_prefix + args.eval_suffix, args.eval_prompts)
+        if fit_seqs + eval_seqs > len(seqs):
+            raise ValueError(
+                f"--tokens-file holds {len(seqs)} sequences: calibration + held-out rows need the first "
+                f"{fit_seqs} and the evaluation prompts the last {eval_seqs}; they would overlap"
+            )
     spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode)
     with torch.inference_mode():
         mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,

@@ -51,3 +51,20 @@ def test_mapper_fit_eval_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # another receiver than the one the mapper was fitted for is refused
     with pytest.raises(ValueError, match="receiver_fingerprint_mismatch"):
         _run(["mapper", "eval", str(out), *MODELS[:4], "--receiver-seed", "7", "--receiver-set", "dim=128"])
+
+
+def test_mapper_fit_tokens_file_sets_are_disjoint_and_retention_needs_episodes(tmp_path: Path) -> None:
+    """Calibration and held-out windows come from the front of --tokens-file, evaluation prompts from its
+    end; a file too short to keep them apart is refused, as is a retention gate with nothing measured."""
+    rows = [[(7 * r + i) % 500 + 16 for i in range(64)] for r in range(3)]
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(rows))
+    base = ["mapper", "fit", "--out", str(tmp_path / "m"), "--batches", "1", "--heldout", "1", "--batch-size",
+            "1", "--tokens", "64", "--eval-prefix", "32", "--eval-prompts", "1", *MODELS]  # fmt: skip
+    with pytest.raises(ValueError, match="would overlap"):
+        _run([*base, "--tokens-file", str(short), "--eval-prompts", "4"])
+    with pytest.raises(ValueError, match="--gate-retention needs --task-episodes"):
+        _run([*base, "--tokens-file", str(short), "--gate-retention", "0.5"])
+    assert mapper_cmd._sequences_for(rows, 64, 2) == 2
+    assert mapper_cmd._sequences_for(rows, 32, 3) == 2
+    assert mapper_cmd._sequences_for(rows, 64, 4) == 4  # more than the file holds
