@@ -26,8 +26,8 @@ from model.train.tasks import CorpusFiller
 from model.weights import load_model
 
 __all__ = [
-    "PATH_LABELS", "add_eval_arguments", "checkpoint_dir", "eval_from_args", "heldout_filler", "plot", "run",
-    "table",
+    "PATH_LABELS", "add_eval_arguments", "checkpoint_dir", "eval_from_args", "family_recall_episodes",
+    "heldout_filler", "plot", "run", "table",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +51,16 @@ def heldout_filler():
     """The shipped tokenizer and a filler over the test split of its corpus (held-out episodes)."""
     tok, ids = _test_split()
     return tok, CorpusFiller(ids)
+
+
+def family_recall_episodes(distance: int, n: int, *, seed: int):
+    """n held-out episodes of the family's recall task (`FAMILY_RECALL_TASK`) at `distance`, with the
+    shipped tokenizer over test-split filler: an `EpisodeSet` (tokens [n, L], one answer span per row)."""
+    from model.train.family import FAMILY_RECALL_TASK
+    from model.train.quality import recall_episodes
+
+    tok, filler = heldout_filler()
+    return recall_episodes(tok, filler, distance, n, seed=seed, kv=FAMILY_RECALL_TASK)
 
 
 def _test_split():

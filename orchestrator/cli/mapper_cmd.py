@@ -156,13 +156,10 @@ def _task(args, mapper, sender, receiver):
     if not args.task_episodes:
         return None
     from mappers import evaluate_task_retention
-    from model.train.quality import recall_episodes
-    from model.train.quality_report import heldout_filler
+    from model import family_recall_episodes
 
     w = receiver.cfg.window_size
-    tok, filler = heldout_filler()
-    eps = recall_episodes(tok, filler, args.task_distance or 8 * w, args.task_episodes, seed=args.seed + 2000,
-                          kv=_family_task())
+    eps = family_recall_episodes(args.task_distance or 8 * w, args.task_episodes, seed=args.seed + 2000)
     return evaluate_task_retention(mapper, sender, receiver, eps.tokens.to(args.device),
                                    [(a.start, a.end) for a in eps.answers], suffix_tokens=w)
 
@@ -172,12 +169,6 @@ def _check_task_args(args: argparse.Namespace) -> None:
         raise ValueError("--gate-retention needs --task-episodes > 0 (retention must be measured)")
     if args.task_episodes < 0:
         raise ValueError(f"--task-episodes={args.task_episodes} must be >= 0")
-
-
-def _family_task():
-    from model.train.family import FAMILY_RECALL_TASK
-
-    return FAMILY_RECALL_TASK
 
 
 def _evaluate(args, mapper, sender, receiver):
