@@ -45,6 +45,17 @@ def _train_summary(log: Path) -> dict[str, Any]:
             "resumes": resumes, "first_steps": start["spec"]["steps"]}
 
 
+def _flags(spec: TrainSpec) -> str:
+    """The `kvresume train` options that set this spec's schedule knobs away from their defaults."""
+    out = []
+    for field, flag in (("sparse_from", "--sparse-from"), ("qdq_from", "--qdq-from"),
+                        ("evidence_weight", "--evidence-weight"), ("lr", "--lr")):
+        value = getattr(spec, field)
+        if value != getattr(TrainSpec, field):
+            out.append(f" {flag} {value}")
+    return "".join(out)
+
+
 def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
     mix = spec.mixture
     sparse = next(s for s in range(spec.steps + 1) if s == spec.steps or phase_at(spec, s)[0] != "dense")
@@ -55,8 +66,9 @@ def _recipe(spec: TrainSpec, summary: dict[str, Any], name: str) -> str:
     return "\n".join([
         "## Recipe",
         "",
-        f"Reproduce: `kvresume train --model {name} --steps {spec.steps} --threads 1 --export "
-        f"checkpoints/{name}` (same as `python -m model.train train ...`), then",
+        f"Reproduce: `kvresume train --model {name} --steps {spec.steps}{_flags(spec)} --threads "
+        f"{summary['start'].get('threads') or 1} --export checkpoints/{name}` (same as "
+        "`python -m model.train train ...`), then",
         "`kvresume eval --write-eval`.",
         "Resumable: rerunning the command continues from `runs/<model>/state.pt`. A one-shot run follows",
         "the schedule below from step 0; where Notes describe a resumed history, that is the closest rerun.",

@@ -394,6 +394,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=default_mixture().batch_size)
     p.add_argument("--seq-len", type=int, default=default_mixture().seq_len)
     p.add_argument("--lr", type=float, default=TrainSpec.lr)
+    p.add_argument("--sparse-from", type=float, default=TrainSpec.sparse_from,
+                   help="fraction of --steps where sparse top-k selection starts")
+    p.add_argument("--qdq-from", type=float, default=TrainSpec.qdq_from,
+                   help="fraction of --steps where the cache QDQ (FP4 / MXFP4 / FP8) starts")
     p.add_argument("--evidence-weight", type=float, default=TrainSpec.evidence_weight,
                    help="weight of the evidence-attention loss on key-value answers (0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -417,6 +421,8 @@ def train_from_args(args: argparse.Namespace) -> int:
         mixture=default_mixture(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len),
         lr=args.lr,
         evidence_weight=args.evidence_weight,
+        sparse_from=args.sparse_from,
+        qdq_from=args.qdq_from,
         seed=args.seed,
     )
     run_dir = args.run_dir or Path("runs") / args.model
