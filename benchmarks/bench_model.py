@@ -47,7 +47,6 @@ import ctypes
 import dataclasses
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -58,6 +57,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.hardware import cpu_model
 from model import (
     PassStats,
     Transformer,
@@ -445,17 +445,6 @@ def build_model(
     return model.to(device).eval()
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(
     *,
     preset: str = "v41-tiny",
@@ -493,7 +482,7 @@ def run(
         "benchmark": "model",
         "preset": preset,
         "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "kernel_backend": kernel_backend,

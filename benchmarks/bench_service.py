@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import torch
 
+from benchmarks.hardware import cpu_model
 from model import CacheFormatError, PassOutput, PassStats, decode, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
@@ -47,16 +48,6 @@ from orchestrator.settings import Settings
 TENANT, TOKEN = "bench", "tok-bench"
 POOL_TTL_S = 600.0
 CONCURRENCY = (1, 8, 64)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclasses.dataclass
@@ -350,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "replay": session_replay["turns"],
         "ttft_ratio_vs_reprefill": session_replay["ttft_ratio_vs_reprefill"],
         "hardware": {
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,

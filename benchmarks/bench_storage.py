@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.hardware import cpu_model
 from storage import GlobalKVStore, MissReason, StoreConfig
 
 TOKENS = 256
@@ -99,16 +100,6 @@ def _file_read(path: Path, n: int) -> float:
     elapsed = time.perf_counter() - t0
     assert len(out) == n
     return elapsed
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _disk_bytes(path: Path) -> int:
@@ -230,7 +221,7 @@ def main() -> None:
             "disk_overhead_ratio": disk_per_token / BYTES_PER_TOKEN,
             "lookup": lookups,
             "hardware": {
-                "cpu": _cpu_model(),
+                "cpu": cpu_model(),
                 "cores": os.cpu_count(),
                 "python": platform.python_version(),
                 "dir": str(root),
