@@ -40,7 +40,7 @@ import grpc
 import torch
 
 from benchmarks.hardware import cpu_model
-from model import CacheFormatError, PassOutput, PassStats, decode, prefill
+from model import CacheFormatError, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
 from orchestrator.settings import Settings
@@ -246,18 +246,6 @@ def _reprefill_ttft(served: ServedModel, prompt: list[int]) -> tuple[float, int]
     return time.perf_counter() - t0, token
 
 
-@torch.inference_mode()
-def _uninterrupted(served: ServedModel, prompt: list[int], n: int) -> list[int]:
-    out = prefill(served.model, torch.tensor([prompt]), mode="ced")
-    state, token = out.state, int(out.logits.argmax(-1))
-    tokens = [token]
-    while len(tokens) < n:
-        step = decode(served.model, torch.tensor([token]), state)
-        state, token = step.state, int(step.logits.argmax(-1))
-        tokens.append(token)
-    return tokens
-
-
 def replay(root: Path, n_turns: int) -> dict[str, Any]:
     registry = _registry()
     clock = [0.0]
@@ -283,7 +271,7 @@ def replay(root: Path, n_turns: int) -> dict[str, Any]:
             if i == 1:
                 # correctness gate: the full hit's tokens equal the uninterrupted computation's
                 got = [t for t in _turn_tokens(node, sid, i)]
-                want = _uninterrupted(served, prompt, len(got))
+                want = greedy(served.model, torch.tensor([prompt]), len(got))
                 if path != "FULL_HIT" or got != want:
                     raise SystemExit(f"correctness check failed: turn 1 path {path}, tokens {got} vs {want}")
             history = prompt + _turn_tokens(node, sid, i)

@@ -23,7 +23,7 @@ from model.checkpoint import (
 from model.config import LayerRole, LayerRow, ModelConfig
 from model.conformance import LOGITS_REL_TOL, PromptReport, TensorDiff, cache_tensors, check_conformance
 from model.errors import CacheFormatError, CheckpointMismatch, ModelError, UnsupportedConfigError
-from model.inference import PREFILL_MODES, decode, decode_batch, prefill
+from model.inference import PREFILL_MODES, decode, decode_batch, greedy, prefill
 from model.kv_bytes import (
     INDEX_K_SCALE_GROUP,
     MAIN_KV_SCALE_GROUP,
@@ -58,6 +58,7 @@ __all__ = [
     "check_conformance",
     "decode",
     "decode_batch",
+    "greedy",
     "init_random",
     "load_model",
     "LOGITS_REL_TOL",

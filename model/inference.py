@@ -121,6 +121,26 @@ def decode(
                      reference_slots=reference_slots)
 
 
+@torch.inference_mode()
+def greedy(model: Transformer, prompt: torch.Tensor, n: int, *, mode: str = "ced") -> list[int]:
+    """The n greedy tokens after a cold prefill of `prompt` ([1, T] int64) followed by decode steps: the
+    uninterrupted computation that a resumed turn must reproduce bit for bit.
+
+    Raises:
+        ValueError: n < 1 (and what `prefill` / `decode` raise).
+    """
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    out = prefill(model, prompt, mode=mode)
+    state, token = out.state, int(out.logits.argmax(-1))
+    tokens = [token]
+    while len(tokens) < n:
+        step = decode(model, torch.tensor([token], device=prompt.device), state)
+        state, token = step.state, int(step.logits.argmax(-1))
+        tokens.append(token)
+    return tokens
+
+
 def decode_batch(
     model: Transformer, tokens: torch.Tensor, states: list[ModelState], *, tie_break: str = "deterministic"
 ) -> torch.Tensor:

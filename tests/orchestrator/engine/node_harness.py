@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import torch
 
-from model import decode, prefill
+from model import greedy
 from orchestrator.api import RunningServer, build_server
 from orchestrator.engine import ModelRegistry, NodeService, ServedModelSpec, build_node
 from orchestrator.settings import Settings
@@ -149,20 +149,12 @@ def counts(msg: Any) -> dict[str, int]:
     }
 
 
-@torch.inference_mode()
 def uninterrupted_greedy(models: ModelRegistry, name: str, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens of a cold `ced` prefill of the whole prompt followed by decode steps (the reference a
     full hit must equal bit for bit)."""
     served = models.get(name)
     assert served is not None
-    out = prefill(served.model, torch.tensor([prompt]), mode="ced")
-    state, token = out.state, int(out.logits.argmax(-1))
-    tokens = [token]
-    while len(tokens) < n:
-        step = decode(served.model, torch.tensor([token]), state)
-        state, token = step.state, int(step.logits.argmax(-1))
-        tokens.append(token)
-    return tokens
+    return greedy(served.model, torch.tensor([prompt]), n)
 
 
 def replay_start(stored: int, window: int = WINDOW, group: int = 2) -> int:
