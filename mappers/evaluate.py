@@ -103,9 +103,13 @@ def _run_tapped(model: Transformer, suffix: torch.Tensor, state, lo: int, hi: in
         out = prefill(model, suffix, state, all_logits=True)
     finally:
         tap.close()
+    return _row_logits(out)[:, -(hi - lo) :].double(), tap  # [B, S, vocab]
+
+
+def _row_logits(out) -> torch.Tensor:
+    """[B, S, vocab] logits of an all_logits pass (a one-row pass returns them as [B, vocab])."""
     assert out.logits is not None
-    logits = out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
-    return logits[:, -(hi - lo) :].double(), tap  # [B, S, vocab]
+    return out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -424,12 +428,10 @@ def evaluate_task_retention(
                                                          fingerprint=fp_r)),
         }
         for key, (model, state) in states.items():
-            out = prefill(model, suffix, state, all_logits=True)
-            logits = out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
+            logits = _row_logits(prefill(model, suffix, state, all_logits=True))
             right[key] += _answers_right(logits[0], row[0], start, end, p)
         # the floor: the question alone, with no history to recall from (positions shifted to 0)
-        out = prefill(receiver_model, suffix, all_logits=True)
-        logits = out.logits if out.logits.dim() == 3 else out.logits.unsqueeze(1)
+        logits = _row_logits(prefill(receiver_model, suffix, all_logits=True))
         right["floor"] += _answers_right(logits[0], suffix[0], start - p, end - p, 0)
     acc = {k: v / n for k, v in right.items()}
     return TaskRetention(

@@ -9,6 +9,7 @@ token-id lists). Default sizes fit v41-tiny pairs in well under a minute on 2 CP
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def _token_batches(
     import torch
 
     if args.tokens_file:
-        seqs = json.loads(Path(args.tokens_file).read_text())
+        seqs = _read_tokens_file(args.tokens_file)
         rows = [torch.tensor(s[i : i + t]) for s in seqs for i in range(0, len(s) - t + 1, t)]
         if len(rows) < offset + n * b:
             raise ValueError(
@@ -86,6 +87,12 @@ def _token_batches(
         return [torch.stack(rows[i * b : (i + 1) * b]).to(args.device) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (b, t), generator=g).to(args.device) for _ in range(n)]
+
+
+@functools.cache
+def _read_tokens_file(path: str) -> list[list[int]]:
+    """--tokens-file parsed once per process (calibration, held-out and evaluation rows all read it)."""
+    return json.loads(Path(path).read_text())
 
 
 def _sequences_for(seqs: list[list[int]], t: int, rows: int) -> int:
@@ -200,7 +207,7 @@ def _run_fit(args: argparse.Namespace) -> int:
                           offset=args.batches * args.batch_size)
     if args.tokens_file and args.eval_prompts:
         # evaluation prompts come from the last sequences of the file: they must not reach the fitted ones
-        seqs = json.loads(Path(args.tokens_file).read_text())
+        seqs = _read_tokens_file(args.tokens_file)
         fit_seqs = _sequences_for(seqs, args.tokens, (args.batches + args.heldout) * args.batch_size)
         eval_seqs = _sequences_for(seqs[::-1], args.eval_prefix + args.eval_suffix, args.eval_prompts)
         if fit_seqs + eval_seqs > len(seqs):
