@@ -4,7 +4,6 @@ official reference's fp32 steps): every E2M1 code and tie, scale edges, odd shap
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import kernels
 from kernels import FP4_E4M3, FP8_UE8M0, MXFP4
+from tests.shared_vectors import conformance_vectors
 
 # ---- the oracle: numpy fp32 arithmetic + nearest-on-a-grid search, no torch casts, no bit tricks ----
 
@@ -275,18 +275,12 @@ def test_block_formats_byte_counts() -> None:
     assert packed.numel() + scales.numel() == 5 * FP4_E4M3.packed_bytes(512)
 
 
-CONFORMANCE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "v41-tiny"
-
-
-@pytest.mark.skipif(
-    not (CONFORMANCE / "p0_cache_prefill.safetensors").exists(), reason="no conformance vectors"
-)
 def test_qdq_fixed_points_on_conformance_caches() -> None:
     """The official reference's stored caches are QDQ outputs, so QDQ must leave them unchanged
     (FP4-E4M3: only groups whose amax >= 6 * 2^-6, see test_formats_properties)."""
     from safetensors.torch import load_file
 
-    cache = load_file(str(CONFORMANCE / "p0_cache_prefill.safetensors"))
+    cache = load_file(str(conformance_vectors() / "p0_cache_prefill.safetensors"))
     checked = 0
     for key, value in cache.items():
         if key.endswith("window_kv"):

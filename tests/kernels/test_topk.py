@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import candidate_blocks, select_topk
+from tests.shared_vectors import conformance_vectors
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFORMANCE = REPO_ROOT.parent / "shared" / "conformance" / "v41-tiny"
 # v41-tiny: compress ratio per index-source layer, index_topk, candidate source and its block pool
 RATIOS = {2: 2, 4: 2, 6: 1, 8: 1, 10: 1}
 INDEX_TOPK = 16
@@ -146,11 +144,7 @@ def test_candidate_blocks_rejects_bad_arguments() -> None:
 
 
 def conformance_dir() -> Path:
-    if not CONFORMANCE.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"conformance vectors missing at {CONFORMANCE}")
-        pytest.skip(f"conformance vectors not found at {CONFORMANCE} (shared/ beside the repository)")
-    return CONFORMANCE
+    return conformance_vectors()
 
 
 def indexer_rows(prompt: int):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -12,9 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from model import check_conformance
 from orchestrator.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
-VECTORS = REPO.parent / "shared" / "conformance" / "v41-tiny"
+from tests.shared_vectors import conformance_vectors
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,11 +26,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def vectors() -> Path:
-    if not VECTORS.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"conformance vectors missing at {VECTORS} (required in CI)")
-        pytest.skip(f"conformance vectors not found at {VECTORS}")
-    return VECTORS
+    return conformance_vectors()
 
 
 def test_check_conformance_all_prompts_bitwise(vectors: Path) -> None:
