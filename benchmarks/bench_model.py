@@ -35,9 +35,17 @@ equals `reference` for N <= W, prefix bytes of a longer prefill equal the prefix
 benchmarked model, with the torch backend on CPU); elsewhere the first two within TRITON_REL_TOL relative
 L2 on `smooth_variant` of the config, and (triton) the triton backend matching torch on the same device.
 
+Numerics: the run computes under `--numerics` (default portable, the served default: the pinned AVX2
+profile, entered before torch loads by re-running this module). `--compare-numerics` instead times
+cold_ced prefill and decode of `portable` against `native` (the environment without the profile's
+variables): the profile must be in the environment before torch loads, so the two cannot share a process;
+child processes of the same run alternate, `--numerics-rounds` times each, in rotated order, and the JSON
+keys `portable_vs_native_prefill` / `portable_vs_native_decode` are time ratios (portable / native) of
+the summed per-length medians.
+
 Run: python -m benchmarks.bench_model [--preset v41-tiny] [--device cpu|cuda] [--kernel-backend torch|triton]
      [--lengths 1024,2048,4096,8192,16384] [--repeats 3] [--new-tokens 256] [--decode-steps 8]
-     [--threads 1] [--json PATH|-]
+     [--threads 1] [--numerics portable|native | --compare-numerics [--numerics-rounds 3]] [--json PATH|-]
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -57,8 +66,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.hardware import cpu_model
+from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from model import (
+    NumericsProfile,
     PassStats,
     Transformer,
     decode,
@@ -69,6 +79,7 @@ from model import (
     prefill,
     state_from_global,
 )
+from orchestrator.numerics_env import CPU_PATHS, PORTABLE_ENV
 
 # relative L2 the gate accepts where equality is not bitwise (CUDA, triton backend): rounding differences
 # flip FP4/FP8 codes and top-k picks of a random-weight model; see tests/model/test_kernel_backend.py
@@ -473,7 +484,10 @@ def run(
         raise ValueError(
             f"history lengths must be positive multiples of every ratio {sorted(set(ratios))}: {bad}"
         )
-    fingerprint = model_fingerprint(model, numerics=f"{kernel_backend}-{dev.type}-bf16")
+    cpu_path = str(numerics_record()["cpu_path"])
+    fingerprint = model_fingerprint(
+        model, numerics=NumericsProfile.for_device(dev, kernel_backend=kernel_backend, cpu_path=cpu_path)
+    )
     gate = check_correctness(model, dev, fingerprint)
     if not gate["ok"]:
         failed = {k: v for k, v in gate.items() if k != "ok" and not v["ok"]}
@@ -487,6 +501,7 @@ def run(
         "torch_threads": torch.get_num_threads(),
         "kernel_backend": kernel_backend,
         "torch": torch.__version__,
+        "numerics": numerics_record(),
         "window": model.cfg.window_size,
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
         "flop_model": __doc__.split("FLOP model")[1].split("Peak memory")[0].strip(),
@@ -529,6 +544,50 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
+def _numerics_arm(cpu_path: str, args: list[str]) -> dict[str, Any]:
+    env = dict(os.environ)
+    if cpu_path == "native":
+        # the default dispatch: none of the profile's variables (a portable child sets them itself)
+        for key in PORTABLE_ENV:
+            env.pop(key, None)
+    command = [sys.executable, "-m", "benchmarks.bench_model", *args, "--numerics", cpu_path, "--json", "-"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"bench_model: the {cpu_path} arm failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def compare_numerics(args: list[str], rounds: int, out: Any) -> dict[str, Any]:
+    """Time `portable` against `native` in alternating child processes (see the module docstring)."""
+    docs: dict[str, list[dict[str, Any]]] = {p: [] for p in CPU_PATHS}
+    for i in range(rounds):
+        order = CPU_PATHS if i % 2 == 0 else tuple(reversed(CPU_PATHS))
+        for cpu_path in order:
+            docs[cpu_path].append(_numerics_arm(cpu_path, args))
+            print(f"  round {i + 1}/{rounds}: {cpu_path} done", file=out, flush=True)
+    lengths = [r["history_tokens"] for r in docs["portable"][0]["rows"]]
+
+    def medians(cpu_path: str, key: str) -> list[float]:
+        per_length = []
+        for j in range(len(lengths)):
+            values = []
+            for d in docs[cpu_path]:
+                r = d["rows"][j]
+                step = r["median_s"]["cold_ced"] if key == "prefill" else 1.0 / r["decode_tokens_per_s"]
+                values.append(step)
+            per_length.append(statistics.median(values))
+        return per_length
+
+    result: dict[str, Any] = {"benchmark": "model.numerics", "rounds": rounds, "lengths": lengths, "rows": []}
+    for key in ("prefill", "decode"):
+        p, n = medians("portable", key), medians("native", key)
+        result[f"portable_vs_native_{key}"] = round(sum(p) / sum(n), 4)
+        result[f"{key}_s"] = {"portable": [round(x, 5) for x in p], "native": [round(x, 5) for x in n]}
+    result["numerics"] = {c: docs[c][0]["numerics"] for c in CPU_PATHS}
+    result["device_name"] = docs["portable"][0]["device_name"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="v41-tiny")
@@ -542,24 +601,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: the tiny model's small matmuls oversubscribe otherwise)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--numerics", choices=CPU_PATHS, default="portable",
+                        help="CPU code path to compute under (default portable, the served default)")
+    parser.add_argument("--compare-numerics", action="store_true",
+                        help="time portable against native in alternating child processes")
+    parser.add_argument("--numerics-rounds", type=int, default=3,
+                        help="child runs per path (--compare-numerics)")
     parser.add_argument("--json", default=None, help="write the JSON document to PATH, or '-' for stdout")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    lengths = tuple(int(x) for x in args.lengths.split(",") if x)
     to_stdout = args.json == "-"
     out = sys.stderr if to_stdout else sys.stdout
-    print(f"bench_model: preset {args.preset}, device {args.device}, kernel backend {args.kernel_backend}, "
-          f"{args.threads} thread(s), {args.new_tokens} new tokens, median of {args.repeats}", file=out)
-    print(HEADER, file=out, flush=True)
-    doc = run(
-        preset=args.preset, device=args.device, kernel_backend=args.kernel_backend, lengths=lengths,
-        repeats=args.repeats, new_tokens=args.new_tokens, decode_steps=args.decode_steps, seed=args.seed,
-        progress=lambda r: print(format_row(r), file=out, flush=True),
-    )
-    print(
-        f"load average {doc['load_avg_start']} -> {doc['load_avg_end']}; ru_maxrss {doc['ru_maxrss_mb']} MB",
-        file=out,
-    )
+    if args.compare_numerics:
+        passed = [
+            f"--preset={args.preset}", f"--device={args.device}", f"--kernel-backend={args.kernel_backend}",
+            f"--lengths={args.lengths}", f"--repeats={args.repeats}", f"--new-tokens={args.new_tokens}",
+            f"--decode-steps={max(args.decode_steps, 1)}", f"--threads={args.threads}", f"--seed={args.seed}",
+        ]
+        print(f"bench_model: portable vs native numerics, {args.numerics_rounds} rounds of child processes "
+              f"({cpu_model()}, {args.threads} thread(s))", file=out, flush=True)
+        doc = compare_numerics(passed, args.numerics_rounds, out)
+        print(f"{'history':>8} {'prefill portable s':>18} {'native s':>9} {'decode portable s':>17} "
+              f"{'native s':>9}", file=out)
+        for j, n in enumerate(doc["lengths"]):
+            pf, dc = doc["prefill_s"], doc["decode_s"]
+            print(f"{n:>8} {pf['portable'][j]:18.4f} {pf['native'][j]:9.4f} {dc['portable'][j]:17.5f} "
+                  f"{dc['native'][j]:9.5f}", file=out)
+        print(f"portable / native: prefill {doc['portable_vs_native_prefill']:.3f}, "
+              f"decode {doc['portable_vs_native_decode']:.3f}", file=out)
+    else:
+        enter_numerics(args.numerics, "benchmarks.bench_model", argv)
+        torch.set_num_threads(args.threads)
+        lengths = tuple(int(x) for x in args.lengths.split(",") if x)
+        print(f"bench_model: preset {args.preset}, device {args.device}, "
+              f"kernel backend {args.kernel_backend}, {args.threads} thread(s), "
+              f"{args.new_tokens} new tokens, median of {args.repeats}, "
+              f"numerics {numerics_record()['cpu_path']}", file=out)
+        print(HEADER, file=out, flush=True)
+        doc = run(
+            preset=args.preset, device=args.device, kernel_backend=args.kernel_backend, lengths=lengths,
+            repeats=args.repeats, new_tokens=args.new_tokens, decode_steps=args.decode_steps, seed=args.seed,
+            progress=lambda r: print(format_row(r), file=out, flush=True),
+        )
+        print(
+            f"load average {doc['load_avg_start']} -> {doc['load_avg_end']}; "
+            f"ru_maxrss {doc['ru_maxrss_mb']} MB",
+            file=out,
+        )
     text = json.dumps(doc, indent=1)
     if to_stdout:
         print(text)

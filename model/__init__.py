@@ -35,6 +35,12 @@ from model.kv_bytes import (
     main_kv_entry_bytes,
     window_kv_entry_bytes,
 )
+from model.numerics import (
+    NumericsProfile,
+    configure_torch,
+    torch_cpu_problems,
+    torch_cpu_state,
+)
 from model.presets import PRESET_NAMES, load_preset
 from model.rope import apply_rope, rope_table
 from model.state import ModelState, SourceCache
@@ -87,6 +93,10 @@ __all__ = [
     "MAIN_KV_SCALE_GROUP",
     "ModelConfig",
     "ModelError",
+    "NumericsProfile",
+    "configure_torch",
+    "torch_cpu_problems",
+    "torch_cpu_state",
     "PRESET_NAMES",
     "save_state_dict",
     "SAVEABLE_DTYPES",

@@ -27,6 +27,7 @@ import torch
 from kernels import dequantize_fp4_e4m3, dequantize_fp8_ue8m0, dequantize_mxfp4
 from model.checkpoint import weights_fingerprint
 from model.errors import CacheFormatError
+from model.numerics import NumericsProfile
 from model.state import ModelState, SourceCache
 from model.transformer import Transformer
 
@@ -37,16 +38,18 @@ _HEADER = struct.Struct("<4sHH32sQQQ16s")
 HEADER_BYTES = _HEADER.size
 
 
-def model_fingerprint(model: Transformer, numerics: str = "torch-cpu-bf16") -> bytes:
+def model_fingerprint(model: Transformer, numerics: NumericsProfile | None = None) -> bytes:
     """32-byte digest of the config, the weights, the cache format version and the numerics profile.
 
     Args:
-        numerics: compute profile label (dtype, device class); caches from another profile are misses.
+        numerics: the arithmetic the caches are computed with (default: the portable CPU profile of the
+            torch kernels); caches from another profile are misses.
     """
+    numerics = numerics if numerics is not None else NumericsProfile()
     h = hashlib.sha256(b"kvresume.model_fingerprint.v1\0")
     h.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
     h.update(weights_fingerprint(model.state_dict()).encode())
-    h.update(f"\0format={CACHE_FORMAT_VERSION}\0numerics={numerics}".encode())
+    h.update(f"\0format={CACHE_FORMAT_VERSION}\0{numerics.label}".encode())
     return h.digest()
 
 

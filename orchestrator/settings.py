@@ -73,8 +73,13 @@ class Settings:
     # Tokens per stored global-KV chunk (a multiple of every served model's compression ratios).
     kv_chunk_tokens: int = 256
     kv_capacity_bytes: int = 100 * 1024 * _MIB
-    # Intra-op threads for model compute (0: torch's default); set by the entry point, once per process.
+    # Intra-op threads for model compute (0: every core); set by the entry point, once per process. Not
+    # part of the numerics profile: exports are byte-identical at 1 and 2 threads (model/README.md).
     torch_threads: int = 0
+    # The served models' CPU code path: "portable" (the pinned AVX2 profile of the conformance vectors,
+    # applied by `kvresume serve` before torch loads) or "native" (the caller's environment). Part of the
+    # caches' numerics fingerprint: caches written under the other one are misses.
+    model_numerics: str = "portable"
     # Where served models run ("cpu", "cuda", "cuda:1"); part of the caches' numerics fingerprint.
     model_device: str = "cpu"
     # Kernels of the served models: "torch" (reference ops) or "triton" (CUDA kernels); the two give
@@ -116,6 +121,9 @@ class Settings:
             raise ValueError(
                 f"model_kernel_backend={self.model_kernel_backend!r} must be 'torch' or 'triton'"
             )
+        # model.numerics.CPU_PATHS, spelled out for the same reason.
+        if self.model_numerics not in ("portable", "native"):
+            raise ValueError(f"model_numerics={self.model_numerics!r} must be 'portable' or 'native'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

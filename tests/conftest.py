@@ -1,8 +1,37 @@
-"""Suite-wide pytest hooks: `gpu` tests skip without CUDA."""
+"""Suite-wide pytest hooks: the suite runs under the portable numerics profile, and `gpu` tests skip
+without CUDA.
+
+The profile's environment (orchestrator/numerics_env.py) is set here, at import, before any test module
+imports torch: the conformance vectors match bitwise only under it, and served models refuse to
+fingerprint a profile the process does not compute with. A process that loaded torch before this file
+cannot be repaired in place, so the suite stops with the reason instead of failing test by test.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+from orchestrator.numerics_env import PORTABLE_ENV, cpu_flags, env_mismatches, portable_refusal
+
+_TORCH_PRELOADED = "torch" in sys.modules and bool(env_mismatches())
+if not _TORCH_PRELOADED and portable_refusal(cpu_flags()) is None:
+    os.environ.update(PORTABLE_ENV)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _TORCH_PRELOADED:
+        raise pytest.UsageError(
+            "torch was imported before tests/conftest.py could set the portable numerics profile "
+            f"({dict(PORTABLE_ENV)}); run pytest in a fresh interpreter"
+        )
+    from model import configure_torch
+
+    # The in-process half of the profile: oneDNN off. Threads are left to each test module (exports do
+    # not depend on them).
+    configure_torch("portable")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # The arguments again, for commands that must re-run under a numerics profile (None: sys.argv).
+    args.command_argv = None if argv is None else list(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

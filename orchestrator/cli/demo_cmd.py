@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
+from model import configure_torch
 from orchestrator.api import build_server, configure_logging
+from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
 from orchestrator.engine import (
     DEFAULT_SIBLINGS,
     KVMapperApplier,
@@ -32,6 +33,7 @@ from orchestrator.engine import (
     registration_of,
     repo_root,
 )
+from orchestrator.numerics_env import describe, profile_report
 from orchestrator.settings import Settings
 
 __all__ = ["DemoTurn", "run_demo", "DEMO_SCRIPT"]
@@ -270,17 +272,22 @@ def _row_text(t: DemoTurn) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    rc = enter_numerics(args, args.numerics)
+    if rc is not None:
+        return rc
     configure_logging(level=40 if not args.verbose else 20)
     # One intra-op thread: small passes on a few shared cores run far faster without oversubscription.
-    torch.set_num_threads(args.threads)
+    configure_torch(args.numerics, threads=args.threads)
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="kvresume-demo-")) if own_dir else Path(args.data_dir)
-    registry = ModelRegistry.from_sources({})
+    registry = ModelRegistry.from_sources({}, cpu_path=args.numerics)
     mapper_dirs = [Path(d) for d in args.mapper] if args.mapper else shipped_mapper_dirs()
     names = registry.names
     registered: list[dict[str, Any]] = []
     if not args.json:
-        print("kvresume demo: one agent session over gRPC on loopback; models:")
+        print("kvresume demo: one agent session over gRPC on loopback")
+        print(describe(profile_report(args.numerics)))
+        print("models:")
         for name in registry.names:
             spec = registry.spec(name)
             assert spec is not None
@@ -351,4 +358,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shipped under checkpoints/mappers/)",
     )
     parser.add_argument("--verbose", action="store_true", help="service log lines on stderr")
+    add_numerics_flag(parser, default="portable", what="the demo's models")
     parser.set_defaults(handler=_run)

@@ -11,6 +11,8 @@ import sys
 from fractions import Fraction
 
 from model import PRESET_NAMES, KVBytes, ModelConfig, kv_bytes, load_preset
+from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
+from orchestrator.numerics_env import describe, profile_report
 
 
 def _load_config(args: argparse.Namespace) -> tuple[str, ModelConfig]:
@@ -82,25 +84,46 @@ def _register_bytes(model_subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    rc = enter_numerics(args, args.numerics)
+    if rc is not None:
+        return rc
     # imported here: the check pulls in torch, which `model bytes` does not need
-    from model import ModelError, check_conformance
+    from model import ModelError, check_conformance, configure_torch
 
+    portable = args.numerics == "portable"
+    # The vectors' profile runs one intra-op thread; native keeps the caller's threads.
+    configure_torch(args.numerics, threads=1 if portable else None)
+    profile = profile_report(args.numerics)
+    if not profile["in_force"]:
+        print(f"kvresume model check: error: the portable numerics profile is not in force: "
+              f"{'; '.join(profile['problems'])}", file=sys.stderr)  # type: ignore[arg-type]
+        return 1
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
     try:
         reports = check_conformance(args.checkpoint, args.vectors, device=args.device, prompts=prompts)
     except ModelError as exc:
         print(f"kvresume model check: error: {exc}", file=sys.stderr)
         return 1
+    agree = all(r.ok for r in reports)
     if args.json:
-        print(json.dumps([
-            {
-                "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
-                "generated": r.generated, "reference_generated": r.reference_generated,
-                "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
-            }
-            for r in reports
-        ], indent=2))
+        print(json.dumps({
+            "numerics": profile,
+            "conformance_claimed": portable,
+            "ok": agree,
+            "prompts": [
+                {
+                    "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
+                    "generated": r.generated, "reference_generated": r.reference_generated,
+                    "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
+                }
+                for r in reports
+            ],
+        }, indent=2))
     else:
+        print(describe(profile))
+        if not portable:
+            print("  the vectors were made under the portable profile: under native numerics bitwise "
+                  "agreement is not expected and no conformance is claimed")
         for r in reports:
             same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
             print(
@@ -113,7 +136,13 @@ def _run_check(args: argparse.Namespace) -> int:
                     print(f"    {d.name}: max err {d.max_abs:.3e}")
             for failure in r.failures:
                 print(f"  FAIL {failure}")
-    return 0 if all(r.ok for r in reports) else 1
+        if portable:
+            print("conformance: " + ("PASS (bitwise under the portable profile)" if agree else "FAIL"))
+        else:
+            print("native numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
+                                         else "differs from the vectors (run without --numerics native "
+                                         "for the conformance check)"))
+    return 0 if agree else 1
 
 
 def _register_check(model_subparsers: argparse._SubParsersAction) -> None:
@@ -126,6 +155,7 @@ def _register_check(model_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompts", help="comma-separated prompt indices (default: every prompt)")
     parser.add_argument("--verbose", action="store_true", help="list every cache tensor's error")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_numerics_flag(parser, default="portable", what="the check")
     parser.set_defaults(handler=_run_check)
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from collections.abc import Callable
 
 import structlog
-import torch
 
+from model import configure_torch
 from orchestrator.api import RunningServer, ServiceContext, build_server, configure_logging
+from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
 from orchestrator.engine import build_node
+from orchestrator.numerics_env import profile_report
 from orchestrator.settings import Settings, load_settings
 
 log = structlog.get_logger(__name__)
@@ -29,6 +32,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "metrics_port": getattr(args, "metrics_port", None),
             "region": getattr(args, "region", None),
             "served_models": getattr(args, "models", None),
+            "model_numerics": getattr(args, "numerics", None),
         },
     )
 
@@ -83,13 +87,16 @@ def serve(
 
 
 def _run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    rc = enter_numerics(args, settings.model_numerics)
+    if rc is not None:
+        return rc
     configure_logging(json=True if args.json_logs else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    settings = settings_from_args(args)
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    configure_torch(settings.model_numerics, threads=settings.torch_threads or len(os.sched_getaffinity(0)))
+    log.info("numerics_profile", **profile_report(settings.model_numerics))
     serve(settings, stop, preload=True)
     return 0
 
@@ -107,4 +114,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: the sibling family; env KVRESUME_SERVED_MODELS)",
     )
     parser.add_argument("--json-logs", action="store_true", help="JSON log lines even on a TTY")
+    add_numerics_flag(parser, default=None, what="the served models")
     parser.set_defaults(handler=_run)

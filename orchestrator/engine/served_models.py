@@ -18,6 +18,7 @@ import torch
 from model import (
     KERNEL_BACKENDS,
     ModelConfig,
+    NumericsProfile,
     Transformer,
     init_random,
     load_model,
@@ -25,6 +26,7 @@ from model import (
     model_fingerprint,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
+from orchestrator.numerics_env import CPU_PATHS, in_force_problems
 from orchestrator.planner import ModelGeometry
 
 __all__ = [
@@ -132,11 +134,12 @@ def _group(cfg: ModelConfig) -> int:
 @dataclass(kw_only=True, eq=False)
 class ServedModel:
     """A loaded model. `lock` serialises its forward passes (one pass at a time per model; sessions
-    interleave between passes). `fingerprint_hex` is the store's model id."""
+    interleave between passes). `fingerprint_hex` is the store's model id; it covers `numerics`."""
 
     spec: ServedModelSpec
     model: Transformer
     fingerprint: bytes
+    numerics: NumericsProfile
     codec: TextCodec
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -159,21 +162,30 @@ class ServedModel:
 
 
 def load_served(
-    spec: ServedModelSpec, *, device: str = "cpu", kernel_backend: str = "torch", numerics: str | None = None
+    spec: ServedModelSpec, *, device: str = "cpu", kernel_backend: str = "torch", cpu_path: str = "portable"
 ) -> ServedModel:
-    """Load weights (or init the stand-in), fingerprint them, and pick the tokenizer.
+    """Load weights (or init the stand-in), fingerprint them under the numerics profile, and pick the
+    tokenizer.
 
     Args:
         device: where the model runs.
         kernel_backend: the model's kernels, "torch" or "triton" (Transformer's `kernel_backend`).
-        numerics: the fingerprint's numerics profile (default `<kernel_backend>-<device type>-bf16`:
-            caches computed with other kernels or on another device class are misses, because neither
-            is bit-for-bit interchangeable).
+        cpu_path: the CPU code path ("portable" or "native"), which must be in force in this process: a
+            fingerprint that named a profile the process does not compute with would let caches of
+            another arithmetic hit.
 
     Raises:
         FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
-        ValueError: an unknown kernel_backend.
+        ValueError: an unknown kernel_backend or cpu path, or a portable path that is not in force
+            (naming what differs).
     """
+    problems = in_force_problems(cpu_path)
+    if problems:
+        raise ValueError(
+            f"model {spec.name}: the {cpu_path} numerics profile is not in force in this process "
+            f"({'; '.join(problems)}); start it through `kvresume` (which applies it) or serve "
+            "model_numerics='native'"
+        )
     root = repo_root()
     if spec.checkpoint is not None:
         model = load_model(spec.checkpoint, device=device)
@@ -187,13 +199,14 @@ def load_served(
         model = init_random(model, seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
     model.eval()
-    numerics = numerics or f"{model.kernel_backend}-{torch.device(device).type}-bf16"
+    numerics = NumericsProfile.for_device(device, kernel_backend=model.kernel_backend, cpu_path=cpu_path)
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
     return ServedModel(
         spec=spec,
         model=model,
         fingerprint=fingerprint,
+        numerics=numerics,
         codec=choose_codec(model.cfg.vocab_size, candidates),
     )
 
@@ -202,7 +215,12 @@ class ModelRegistry:
     """Served models by name, loaded on first use (thread-safe)."""
 
     def __init__(
-        self, specs: Mapping[str, ServedModelSpec], *, device: str = "cpu", kernel_backend: str = "torch"
+        self,
+        specs: Mapping[str, ServedModelSpec],
+        *,
+        device: str = "cpu",
+        kernel_backend: str = "torch",
+        cpu_path: str = "portable",
     ) -> None:
         for name, spec in specs.items():
             if name != spec.name:
@@ -211,13 +229,21 @@ class ModelRegistry:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
         self._specs = dict(specs)
         self._device = device
+        if cpu_path not in CPU_PATHS:
+            raise ValueError(f"numerics cpu path must be one of {CPU_PATHS}, got {cpu_path!r}")
         self._kernel_backend = kernel_backend
+        self._cpu_path = cpu_path
         self._loaded: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def from_sources(
-        cls, sources: Mapping[str, str], *, device: str = "cpu", kernel_backend: str = "torch"
+        cls,
+        sources: Mapping[str, str],
+        *,
+        device: str = "cpu",
+        kernel_backend: str = "torch",
+        cpu_path: str = "portable",
     ) -> ModelRegistry:
         """From settings' name -> source strings; empty: `default_model_specs()`."""
         specs = (
@@ -225,11 +251,15 @@ class ModelRegistry:
             if not sources
             else {n: ServedModelSpec.parse(n, s) for n, s in sources.items()}
         )
-        return cls(specs, device=device, kernel_backend=kernel_backend)
+        return cls(specs, device=device, kernel_backend=kernel_backend, cpu_path=cpu_path)
 
     @property
     def kernel_backend(self) -> str:
         return self._kernel_backend
+
+    @property
+    def cpu_path(self) -> str:
+        return self._cpu_path
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -246,6 +276,8 @@ class ModelRegistry:
         with self._lock:
             served = self._loaded.get(name)
             if served is None:
-                served = load_served(spec, device=self._device, kernel_backend=self._kernel_backend)
+                served = load_served(
+                    spec, device=self._device, kernel_backend=self._kernel_backend, cpu_path=self._cpu_path
+                )
                 self._loaded[name] = served
             return served

@@ -176,7 +176,10 @@ def build_node(
         registry
         if registry is not None
         else ModelRegistry.from_sources(
-            settings.served_models, device=settings.model_device, kernel_backend=settings.model_kernel_backend
+            settings.served_models,
+            device=settings.model_device,
+            kernel_backend=settings.model_kernel_backend,
+            cpu_path=settings.model_numerics,
         )
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import load_preset, model_fingerprint, weights_fingerprint
+from model import NumericsProfile, load_preset, model_fingerprint, weights_fingerprint
 from orchestrator.engine import (
     DEFAULT_SIBLINGS,
     ByteCodec,
@@ -83,8 +83,13 @@ def test_load_served_fingerprint_names_the_kernel_backend() -> None:
     assert (on_torch.model.kernel_backend, on_triton.model.kernel_backend) == ("torch", "triton")
     assert on_torch.fingerprint != on_triton.fingerprint
     with torch.inference_mode():
-        assert on_torch.fingerprint == model_fingerprint(on_torch.model, numerics="torch-cpu-bf16")
-        assert on_triton.fingerprint == model_fingerprint(on_triton.model, numerics="triton-cpu-bf16")
+        assert on_torch.fingerprint == model_fingerprint(on_torch.model, numerics=NumericsProfile())
+        assert on_triton.fingerprint == model_fingerprint(
+            on_triton.model, numerics=NumericsProfile(kernel_backend="triton")
+        )
+    assert on_triton.numerics.label == (
+        "numerics.v1 device=cpu dtype=bf16 kernels=triton cpu=portable math=exact batching=invariant"
+    )
     # Same weights either way: only the numerics label differs.
     same = weights_fingerprint(on_torch.model.state_dict())
     assert same == weights_fingerprint(on_triton.model.state_dict())

@@ -1,0 +1,184 @@
+"""The process half of the pinned CPU numerics profile: the environment torch must find when it loads.
+
+Knows nothing of models and never imports torch at module level (it runs before torch loads); the
+in-process half (threads, oneDNN, the dispatch check) and the fingerprint schema are `model.numerics`.
+Why the profile exists and how it was measured: model/README.md, "The numerics profile".
+
+The `portable` CPU path is the one the official-reference conformance vectors were generated under
+(shared/conformance/*/manifest.json, `numerics_profile`): ATen's vectorised kernels at the AVX2 level, MKL's
+AVX2 code branch, OpenMP started with one thread. `native` is whatever the caller's environment gives.
+ATEN_CPU_CAPABILITY and MKL_CBWR are read when torch and MKL initialise, so they must be in the
+environment before `import torch`: a process that has already loaded torch re-runs its command in a
+process that starts under the profile.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "CPU_PATHS",
+    "PORTABLE_ENV",
+    "PORTABLE_CPU_FLAGS",
+    "cpu_flags",
+    "portable_refusal",
+    "env_mismatches",
+    "enter_cpu_path",
+    "in_force_problems",
+    "profile_report",
+    "describe",
+]
+
+# Spelled out here (and checked against model.numerics.CPU_PATHS by a test): this module stays free of torch.
+CPU_PATHS = ("portable", "native")
+
+# Exactly the variables of the vectors' manifest; the in-process settings (torch.set_num_threads,
+# torch.backends.mkldnn.enabled = False) are model.numerics.configure_torch.
+PORTABLE_ENV: Mapping[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1"}
+
+# What the AVX2 code paths execute. torch trusts ATEN_CPU_CAPABILITY=avx2 without checking the CPU, so a
+# CPU without these would die of an illegal instruction instead of being refused.
+PORTABLE_CPU_FLAGS = ("avx2", "fma")
+
+# Marks a child started by `enter_cpu_path`, so a child that still finds the profile wrong fails
+# instead of starting another child.
+_CHILD_MARK = "KVRESUME_NUMERICS_CHILD"
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The CPU feature flags of the first processor in `cpuinfo` (Linux), or None when unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+def portable_refusal(flags: frozenset[str] | None, machine: str | None = None) -> str | None:
+    """Why this CPU cannot run the `portable` path, or None when it can.
+
+    Args:
+        flags: the CPU's feature flags (`cpu_flags()`); None when they could not be read.
+        machine: `platform.machine()` (default: this machine's).
+    """
+    machine = machine if machine is not None else platform.machine()
+    if machine.lower() not in ("x86_64", "amd64"):
+        return (
+            f"the portable numerics profile needs an x86-64 CPU with {' and '.join(PORTABLE_CPU_FLAGS)}; "
+            f"this machine is {machine}: use --numerics native (no bitwise conformance)"
+        )
+    if flags is None:
+        return (
+            "the portable numerics profile needs AVX2 and FMA, and this CPU's flags could not be read "
+            "from /proc/cpuinfo: use --numerics native (no bitwise conformance)"
+        )
+    missing = [f for f in PORTABLE_CPU_FLAGS if f not in flags]
+    if missing:
+        return (
+            f"the portable numerics profile needs {' and '.join(PORTABLE_CPU_FLAGS)}; this CPU lacks "
+            f"{', '.join(missing)}: use --numerics native (no bitwise conformance)"
+        )
+    return None
+
+
+def env_mismatches(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The profile's variables that `environ` (default: this process's) does not set as required,
+    with the value found (None: unset)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ.get(k) for k, v in PORTABLE_ENV.items() if environ.get(k) != v}
+
+
+def in_force_problems(cpu_path: str) -> list[str]:
+    """What keeps `cpu_path` from being what this process computes with (empty: it is in force).
+
+    `native` is always in force. For `portable`: the environment variables, and what torch reports
+    (its CPU capability and oneDNN; imports torch).
+    """
+    if cpu_path not in CPU_PATHS:
+        raise ValueError(f"cpu path must be one of {CPU_PATHS}, got {cpu_path!r}")
+    if cpu_path == "native":
+        return []
+    problems = [f"{k}={v!r} (profile: {PORTABLE_ENV[k]!r})" for k, v in env_mismatches().items()]
+    from model.numerics import torch_cpu_problems
+
+    return problems + torch_cpu_problems(cpu_path)
+
+
+def enter_cpu_path(
+    cpu_path: str, argv: Sequence[str] | None, *, module: str = "orchestrator.cli"
+) -> int | None:
+    """Make `cpu_path`'s environment hold for the command `argv` before torch computes anything.
+
+    Args:
+        cpu_path: "portable" or "native" (native changes nothing).
+        argv: the command's arguments (without the program name), or None when this process is the
+            command line itself (`sys.argv`): then a re-run replaces this process (same PID and signals).
+        module: what a re-run runs, as `python -m <module> <argv>`.
+
+    Returns:
+        None when the caller may go on in this process: the profile was in force already, or torch had
+        not loaded and the variables were set now. Otherwise the exit code of a child process that ran the
+        same command under the profile (its output is this process's stdout and stderr).
+
+    Raises:
+        ValueError: the CPU cannot run the portable path (naming what is missing), or a child started
+            for the profile still does not have it in force.
+    """
+    if cpu_path not in CPU_PATHS:
+        raise ValueError(f"numerics cpu path must be one of {CPU_PATHS}, got {cpu_path!r}")
+    if cpu_path == "native":
+        return None
+    refusal = portable_refusal(cpu_flags())
+    if refusal is not None:
+        raise ValueError(refusal)
+    if not env_mismatches():
+        return None
+    if os.environ.get(_CHILD_MARK):
+        raise ValueError(f"the portable numerics profile is still not in force: {env_mismatches()}")
+    if "torch" not in sys.modules:
+        os.environ.update(PORTABLE_ENV)
+        return None
+    env = {**os.environ, **PORTABLE_ENV, _CHILD_MARK: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if argv is None:
+        command = [sys.executable, "-m", module, *sys.argv[1:]]
+        os.execve(command[0], command, env)
+    command = [sys.executable, "-m", module, *argv]
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def profile_report(cpu_path: str) -> dict[str, object]:
+    """What this process computes with, for reports and benchmark JSON: the cpu path, whether it is in
+    force, the profile's environment variables as found, and what torch reports (imports torch)."""
+    from model.numerics import torch_cpu_state
+
+    problems = in_force_problems(cpu_path)
+    return {
+        "cpu_path": cpu_path,
+        "in_force": not problems,
+        "problems": problems,
+        "env": {k: os.environ.get(k) for k in PORTABLE_ENV},
+        **torch_cpu_state(),
+    }
+
+
+def describe(report: Mapping[str, object]) -> str:
+    """One line for a `profile_report`."""
+    env = report["env"]
+    assert isinstance(env, Mapping)
+    env_text = " ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in env.items())
+    mkldnn = "on" if report["mkldnn_enabled"] else "off"
+    return (
+        f"numerics {report['cpu_path']}: {env_text}; torch {report['torch']} capability "
+        f"{report['torch_cpu_capability']}, oneDNN {mkldnn}, {report['threads']} thread(s)"
+    )
