@@ -232,6 +232,9 @@ class CacheSegment(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     model: Mapped[str] = mapped_column(String(128))
     fingerprint: Mapped[str] = mapped_column(String(128))
+    # The numerics profile's label (model.NumericsProfile.label) the chunks were computed under; the
+    # fingerprint covers it, this names it in miss reasons.
+    numerics: Mapped[str] = mapped_column(String(256), default="", server_default="")
     start_pos: Mapped[int] = mapped_column(Integer)
     end_pos: Mapped[int] = mapped_column(Integer)
     nbytes: Mapped[int] = mapped_column(Integer)

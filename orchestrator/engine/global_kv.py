@@ -206,6 +206,7 @@ def persist_chunks(
             expires_at=expires,
             node=node,
             region=store.config.region,
+            numerics=served.numerics.label,
         )
         for s in spans
     )

@@ -183,9 +183,14 @@ class TurnPreparation:
                 default_ceiling_s=settings.retention_ceiling_s,
             )
             own_stored = 0
+            # Chunks of this model computed under another fingerprint: other weights, or another
+            # numerics profile (another node's CPU path or kernels); either way a miss here.
+            foreign: set[str] = set()
             for seg in SegmentRepository(s).for_session(row.id):
                 if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
                     own_stored = seg.end_pos
+                elif seg.model == name and seg.fingerprint != served.fingerprint_hex:
+                    foreign.add(seg.numerics)
             last = view.last_model
             candidates: list[tuple[MapperArtifact, MapperInfo]] = []
             if last is not None and last != name:
@@ -225,6 +230,8 @@ class TurnPreparation:
             history=history,
             compute=self.compute,
         )
+        if foreign and prefix.n_tokens < len(history):
+            prefix = dataclasses.replace(prefix, miss_reason=_foreign_reason(served, foreign, prefix))
         sender = sender_prefix = None
         infos: list[MapperInfo] = []
         artifacts: dict[str, MapperArtifact] = {}
@@ -283,6 +290,21 @@ class TurnPreparation:
             full_hit_state=full_state,
             artifacts=artifacts,
         )
+
+
+def _foreign_reason(served: ServedModel, foreign: set[str], prefix: StoredPrefix) -> str:
+    """Why chunks the registry holds for this model do not count: the profile they were computed under
+    (a cache that cannot be proven bit-identical to this node's computation is a miss)."""
+    others = sorted(label for label in foreign if label != served.numerics.label)
+    if others:
+        named = "; ".join(label or "(unrecorded, older version)" for label in others)
+        why = (
+            f"stored KV of {served.name} was computed under numerics profile {named}, this node computes "
+            f"under {served.numerics.label}: not bit-compatible, a miss"
+        )
+    else:
+        why = f"stored KV of {served.name} was computed by other weights of it (another fingerprint)"
+    return f"{why}; {prefix.miss_reason}" if prefix.miss_reason else why
 
 
 def _with_reason(plan: Plan, reason: str) -> Plan:

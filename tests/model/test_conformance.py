@@ -1,8 +1,17 @@
-"""`check_conformance` and `kvresume model check` on the shared v41-tiny vectors, with negative controls."""
+"""`check_conformance` and `kvresume model check` on the shared v41-tiny vectors, with negative controls.
+
+The vectors match bitwise only under the portable numerics profile. In this process it is in force
+because tests/conftest.py set it before torch loaded; the `kvresume` runs below start with none of its
+variables, as a caller's shell would, so they prove the command applies the profile by itself.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +20,17 @@ from safetensors.torch import load_file, save_file
 
 from model import check_conformance
 from orchestrator.cli import main
-from tests.shared_vectors import conformance_vectors
+from orchestrator.numerics_env import PORTABLE_ENV
+from tests.shared_vectors import REPO, conformance_vectors
+
+
+def _kvresume(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kvresume ARGS` in a fresh process whose environment has none of the profile's variables."""
+    script = Path(sys.executable).parent / "kvresume"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
+    return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -91,3 +110,44 @@ def test_model_check_cli_missing_vectors_fails(tmp_path: Path, capsys: pytest.Ca
     rc = main(["model", "check", "--checkpoint", str(tmp_path), "--vectors", str(tmp_path / "nope")])
     assert rc == 1
     assert "no vectors folder" in capsys.readouterr().err
+
+
+def test_kvresume_model_check_applies_the_profile_itself(vectors: Path) -> None:
+    done = _kvresume("model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["ok"] and doc["conformance_claimed"]
+    assert doc["numerics"]["env"] == dict(PORTABLE_ENV) and doc["numerics"]["in_force"]
+    assert doc["numerics"]["torch_cpu_capability"] == "AVX2" and not doc["numerics"]["mkldnn_enabled"]
+    assert [p["logits_rel_err"] for p in doc["prompts"]] == [0.0, 0.0, 0.0]
+
+
+def test_kvresume_model_check_fails_on_a_perturbed_logit(vectors: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "vectors"
+    _copy_prompt2(vectors, folder)
+    _perturb(folder / "p2_logits.safetensors", "decode.logits", (1, 3))
+    done = _kvresume("model", "check", "--checkpoint", str(folder), "--vectors", str(folder))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "numerics portable: ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 OMP_NUM_THREADS=1" in done.stdout
+    assert "FAIL decode.logits[1]" in done.stdout and "conformance: FAIL" in done.stdout
+
+
+def test_model_check_reruns_in_a_child_when_torch_is_loaded_without_the_profile(
+    vectors: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # This process has torch loaded; without MKL_CBWR the profile is not in force, so the command runs
+    # in a child that starts under it (its output goes to this process's stdout).
+    monkeypatch.delenv("MKL_CBWR")
+    rc = main(["model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--prompts", "1"])
+    out = capfd.readouterr().out
+    assert rc == 0, out
+    assert "MKL_CBWR=AVX2" in out and "conformance: PASS" in out
+
+
+def test_model_check_native_claims_no_conformance(vectors: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--prompts", "2",
+               "--numerics", "native", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["conformance_claimed"] is False and doc["numerics"]["cpu_path"] == "native"
+    # this process does run under the profile (conftest), so native agrees here; the verdict is the exit code
+    assert rc == (0 if doc["ok"] else 1)

@@ -33,6 +33,7 @@ class DurableSegment:
     expires_at: dt.datetime
     node: str = ""
     region: str = ""
+    numerics: str = ""
 
     def __post_init__(self) -> None:
         if not self.store_key:
@@ -65,6 +66,7 @@ class SegmentRepository:
                 tenant_id=segment.tenant_id,
                 model=segment.model,
                 fingerprint=segment.fingerprint,
+                numerics=segment.numerics,
                 start_pos=segment.start_pos,
                 end_pos=segment.end_pos,
                 nbytes=segment.nbytes,

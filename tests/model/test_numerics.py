@@ -1,0 +1,104 @@
+"""model.numerics (the profile schema in the fingerprint, the in-process settings) and caches across
+processes: a fresh process under the same profile gets a full hit bit-identical to the uninterrupted run,
+one under another profile a miss; exports do not depend on the thread count. The processes start with
+no profile variables (tests/model/numerics_child.py enters the profile itself, as `kvresume` does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import NumericsProfile, Transformer, configure_torch, init_random, load_preset, model_fingerprint
+from model.numerics import CPU_PATHS, torch_cpu_problems
+from orchestrator import numerics_env
+from tests.shared_vectors import REPO
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in numerics_env.PORTABLE_ENV}
+
+
+def _child(mode: str, folder: Path, cpu_path: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.model.numerics_child", mode, str(folder), cpu_path],
+        cwd=REPO, env=_plain_env(), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_profile_label_names_every_field() -> None:
+    assert NumericsProfile().label == (
+        "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=portable math=exact batching=invariant"
+    )
+    assert NumericsProfile.for_device("cuda:1", kernel_backend="triton").device == "cuda"
+    assert CPU_PATHS == numerics_env.CPU_PATHS
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("device", "tpu"), ("dtype", "fp16"), ("kernel_backend", "cuda-graphs"), ("cpu_path", "avx512"),
+     ("math", "fast"), ("batching", "fast")],
+)
+def test_profile_rejects_unknown_values(field: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=f"numerics {field} must be one of .*{bad!r}"):
+        NumericsProfile(**{field: bad})
+
+
+@torch.inference_mode()
+def test_fingerprint_differs_for_every_profile_field() -> None:
+    model = init_random(Transformer(load_preset("v41-tiny")), seed=0).eval()
+    base = NumericsProfile()
+    others = [
+        dataclasses.replace(base, cpu_path="native"),
+        dataclasses.replace(base, device="cuda"),
+        dataclasses.replace(base, kernel_backend="triton"),
+    ]
+    prints = {model_fingerprint(model, numerics=p) for p in [base, *others]}
+    assert len(prints) == 4
+    assert model_fingerprint(model) == model_fingerprint(model, numerics=base)
+
+
+def test_configure_torch_turns_onednn_off_for_portable_only() -> None:
+    before = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = True
+        configure_torch("native")
+        assert torch.backends.mkldnn.enabled
+        assert torch_cpu_problems("portable") == ["torch.backends.mkldnn.enabled is True (profile: False)"]
+        configure_torch("portable")
+        assert not torch.backends.mkldnn.enabled
+        # the suite runs under the profile (tests/conftest.py), so torch reports nothing against it
+        assert torch_cpu_problems("portable") == []
+        assert numerics_env.in_force_problems("portable") == []
+    finally:
+        torch.backends.mkldnn.enabled = before
+    with pytest.raises(ValueError, match="'avx512'"):
+        configure_torch("avx512")
+    with pytest.raises(ValueError, match="threads=-1"):
+        configure_torch("portable", threads=-1)
+
+
+def test_cache_from_a_fresh_process_is_a_bitwise_full_hit(tmp_path: Path) -> None:
+    wrote = _child("write", tmp_path, "portable")
+    assert wrote["numerics"]["in_force"] and wrote["numerics"]["env"] == dict(numerics_env.PORTABLE_ENV)
+    read = _child("read", tmp_path, "portable")
+    assert read == {"numerics": read["numerics"], "bitwise": True}
+
+
+def test_cache_written_under_one_profile_is_a_miss_under_another(tmp_path: Path) -> None:
+    _child("write", tmp_path, "portable")
+    read = _child("read", tmp_path, "native")
+    assert read["numerics"]["cpu_path"] == "native"
+    assert read["miss"] == "cache blob was written by another model fingerprint"
+
+
+def test_exports_are_identical_at_one_and_two_threads(tmp_path: Path) -> None:
+    assert _child("threads", tmp_path, "portable")["identical"] is True
