@@ -22,6 +22,7 @@ from functools import partial
 
 import torch
 
+from benchmarks.hardware import numerics_record
 from kernels import index_score, sparse_attn
 
 # (name, B, T, H, D, N, K): v41-tiny prefill/decode, then released-config prefill chunk and decode.
@@ -140,7 +141,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:12s} {r['shape']:24s} {r['backend']:7s} {r['median_ms']:10.3f} ms "
               f"{r['tflops']:8.3f} TFLOPS {r['gb_per_s']:9.2f} GB/s")
-    text = json.dumps(rows, indent=1)
+    text = json.dumps({"numerics": numerics_record(), "rows": rows}, indent=1)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)

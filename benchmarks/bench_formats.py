@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 import kernels
+from benchmarks.hardware import numerics_record
 
 D = 512
 FORMATS: dict[str, tuple[Callable, Callable, Callable]] = {
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": args.runs,
         "shape": ["N", D],
         "gb_per_s_counts": "bytes of the bf16 tensor (quantize input / dequantize output)",
+        "numerics": numerics_record(),
     }
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))

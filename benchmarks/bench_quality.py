@@ -15,13 +15,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from benchmarks.hardware import enter_numerics, numerics_record
 from model import add_eval_arguments, eval_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quality", description="answer quality")
     add_eval_arguments(p)
-    return eval_from_args(p.parse_args(argv))
+    p.add_argument("--numerics", choices=("portable", "native"), default="portable",
+                   help="CPU code path to compute under (default portable, the served default)")
+    args = p.parse_args(argv)
+    enter_numerics(args.numerics, "benchmarks.bench_quality", argv)
+    return eval_from_args(args, numerics=numerics_record())
 
 
 if __name__ == "__main__":

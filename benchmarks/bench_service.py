@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import torch
 
-from benchmarks.hardware import cpu_model
+from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from model import CacheFormatError, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=12, help="turns of the agent-session replay")
     parser.add_argument("--overhead-turns", type=int, default=4, help="measured turns per session")
     args = parser.parse_args(argv)
+    # the served default; the replay's real model refuses a profile that is not in force
+    enter_numerics("portable", "benchmarks.bench_service", argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvresume-bench-") as tmp:
         root = Path(tmp)
@@ -335,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "load_avg_1m": os.getloadavg()[0],
         },
+        "numerics": numerics_record(),
     }
     print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn")
     print(f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s}")

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.hardware import cpu_model
+from benchmarks.hardware import cpu_model, numerics_record
 from storage import GlobalKVStore, MissReason, StoreConfig
 
 TOKENS = 256
@@ -205,6 +205,7 @@ def main() -> None:
         ]
         disk_per_token = statistics.median(disk) / (n * TOKENS)
         result = {
+            "numerics": numerics_record(),
             "workload": {
                 "chunks_per_run": n,
                 "payload_bytes_per_chunk": PAYLOAD,

@@ -108,7 +108,7 @@ def in_force_problems(cpu_path: str) -> list[str]:
     if cpu_path == "native":
         return []
     problems = [f"{k}={v!r} (profile: {PORTABLE_ENV[k]!r})" for k, v in env_mismatches().items()]
-    from model.numerics import torch_cpu_problems
+    from model import torch_cpu_problems
 
     return problems + torch_cpu_problems(cpu_path)
 
@@ -160,7 +160,7 @@ def enter_cpu_path(
 def profile_report(cpu_path: str) -> dict[str, object]:
     """What this process computes with, for reports and benchmark JSON: the cpu path, whether it is in
     force, the profile's environment variables as found, and what torch reports (imports torch)."""
-    from model.numerics import torch_cpu_state
+    from model import torch_cpu_state
 
     problems = in_force_problems(cpu_path)
     return {

@@ -14,6 +14,7 @@ import argparse
 import json
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,8 +171,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
 
 
-def eval_from_args(args: argparse.Namespace) -> int:
-    """Run the harness from parsed options: tables on stdout, progress on stderr. Returns the exit code."""
+def eval_from_args(args: argparse.Namespace, *, numerics: Mapping[str, object] | None = None) -> int:
+    """Run the harness from parsed options: tables on stdout, progress on stderr. Returns the exit code.
+
+    Args:
+        numerics: the numerics profile the run computes under, recorded in the JSON document.
+    """
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = QualitySpec(
@@ -182,6 +187,8 @@ def eval_from_args(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     doc = run(args.models, spec, write_eval=args.write_eval, progress=lambda s: print(s, file=sys.stderr))
+    if numerics is not None:
+        doc["numerics"] = dict(numerics)
     for name, res in doc["models"].items():
         print(table(name, res))
         print()

@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import argparse
 
-from model import add_eval_arguments, eval_from_args
+from model import add_eval_arguments, configure_torch, eval_from_args
+from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
+from orchestrator.numerics_env import profile_report
+
+
+def _run(args: argparse.Namespace) -> int:
+    rc = enter_numerics(args, args.numerics)
+    if rc is not None:
+        return rc
+    configure_torch(args.numerics)
+    return eval_from_args(args, numerics=profile_report(args.numerics))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="answer quality of the sibling checkpoints per resume path")
     add_eval_arguments(parser)
-    parser.set_defaults(handler=eval_from_args)
+    add_numerics_flag(parser, default="portable", what="the harness")
+    parser.set_defaults(handler=_run)
