@@ -106,7 +106,13 @@ def _sync_policies(ctx: ServiceContext, store: GlobalKVStore) -> int:
         ]
     pushed = 0
     for policy in policies:
-        wanted = _store_policy(policy)
+        try:
+            wanted = _store_policy(policy)
+        except ValueError as exc:
+            # A row the store cannot hold (written by an older version that validated less) must not
+            # stop the node: the store keeps its current copy, and the admin can set a valid policy.
+            log.error("policy_sync_refused", tenant=policy.tenant_id, error=str(exc))
+            continue
         # Equal copies are skipped so that a restart does not write one audit record per tenant.
         if store.get_policy(policy.tenant_id) != wanted:
             store.set_policy(policy.tenant_id, wanted, actor="node_start", reason="sync_from_registry")

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from structlog.testing import capture_logs
 
-from orchestrator.db import PolicyRepository, make_engine
-from orchestrator.db.models import CacheSegment
+from orchestrator.db import PolicyRepository, TenantRepository, make_engine
+from orchestrator.db.models import CacheSegment, Policy
 from storage import AuditAction, MissReason, RetentionPolicy
-from tests.orchestrator.engine.node_harness import md, registry, run_turn, start_node
+from tests.orchestrator.engine.node_harness import admin_md, md, registry, run_turn, start_node
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -92,3 +93,31 @@ def test_build_node_syncs_policies_changed_while_down(tmp_path: Path) -> None:
         assert len(_policy_records(third)) == seen
     finally:
         third.stop()
+
+
+def test_a_policy_row_the_store_refuses_does_not_stop_a_restart(tmp_path: Path) -> None:
+    # An older version stored ceiling_s=inf (it validated only > 0); every start-up sync then exited 1.
+    torch.set_num_threads(1)
+    models = registry()
+    first = start_node(tmp_path, models)
+    first.stop()
+    engine = make_engine(f"sqlite:///{tmp_path / 'registry.sqlite3'}")
+    with Session(engine) as s, s.begin():
+        TenantRepository(s).ensure("acme")
+        s.add(Policy(tenant_id="acme", retention_floor_s=1.0, retention_ceiling_s=float("inf"),
+                     allowed_regions=[]))
+    engine.dispose()
+    with capture_logs() as logs:
+        second = start_node(tmp_path, models)
+    try:
+        refused = [e for e in logs if e["event"] == "policy_sync_refused"]
+        assert [e["tenant"] for e in refused] == ["acme"] and "ceiling_s" in refused[0]["error"]
+        # the node serves, and an admin can replace the bad row with a valid one
+        pb = second.pb
+        got = second.admin.SetRetentionPolicy(
+            pb.admin.RetentionPolicy(tenant_id="acme", floor_s=1.0, ceiling_s=3600.0), metadata=admin_md()
+        )
+        assert got.ceiling_s == 3600.0
+        assert second.service.store.get_policy("acme") == RetentionPolicy(floor_s=1.0, ceiling_s=3600.0)
+    finally:
+        second.stop()

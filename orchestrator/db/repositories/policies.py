@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,10 +81,14 @@ class PolicyRepository:
         """Store the tenant's policy (the tenant row must exist).
 
         Raises:
-            ValueError: a negative floor, a non-positive ceiling, or an empty region label.
+            ValueError: a floor that is not finite and >= 0, a ceiling that is not finite and > 0 (the
+                store refuses both, and a row it refuses would stop every later start-up sync), or an
+                empty region label.
         """
-        if floor_s < 0 or ceiling_s <= 0:
-            raise ValueError(f"retention floor_s={floor_s} must be >= 0 and ceiling_s={ceiling_s} > 0")
+        if not (math.isfinite(floor_s) and floor_s >= 0):
+            raise ValueError(f"retention floor_s={floor_s} must be finite and >= 0")
+        if not (math.isfinite(ceiling_s) and ceiling_s > 0):
+            raise ValueError(f"retention ceiling_s={ceiling_s} must be finite and > 0")
         if any(not r for r in allowed_regions):
             raise ValueError(f"allowed_regions={list(allowed_regions)} contains an empty label")
         row = self.get(tenant_id)

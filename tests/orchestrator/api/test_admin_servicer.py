@@ -6,7 +6,7 @@ import datetime as dt
 
 import grpc
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, SegmentRepository
@@ -222,3 +222,37 @@ def test_health_and_reflection_list_our_services(service) -> None:
         "kvresume.v1.Mappers",
         "grpc.health.v1.Health",
     } <= names
+
+
+@pytest.mark.parametrize(
+    ("floor_s", "ceiling_s", "named"),
+    [
+        (1.0, float("inf"), "ceiling_s=inf"),
+        (float("inf"), 3600.0, "floor_s=inf"),
+        (float("nan"), 3600.0, "floor_s=nan"),
+        (1.0, float("nan"), "ceiling_s=nan"),
+        (-1.0, 3600.0, "floor_s=-1.0"),
+    ],
+    ids=["inf-ceiling", "inf-floor", "nan-floor", "nan-ceiling", "negative-floor"],
+)
+def test_set_retention_policy_rejects_non_finite_values_storing_nothing(
+    service, floor_s: float, ceiling_s: float, named: str
+) -> None:
+    pb, admin = service.pb, service.admin()
+    tenant = f"hooli-{named}"
+    applied = []
+    service.ctx.on_policy_change = lambda policy, actor: applied.append(policy)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            admin.SetRetentionPolicy(
+                pb.admin.RetentionPolicy(tenant_id=tenant, floor_s=floor_s, ceiling_s=ceiling_s),
+                metadata=ADMIN,
+            )
+    finally:
+        service.ctx.on_policy_change = None
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in info.value.details()
+    assert applied == []
+    got = admin.GetRetentionPolicy(pb.admin.TenantRef(tenant_id=tenant), metadata=ADMIN)
+    assert got.is_default
+    with service.ctx.sessions() as s:
+        assert s.scalars(select(AuditRow).where(AuditRow.tenant == tenant)).all() == []
