@@ -6,6 +6,7 @@ Protobuf types stop at the servicer (STYLE rule 3); the engine sees only these d
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,8 +40,8 @@ class GenerationSpec:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be positive")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature={self.temperature} must be finite and >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must lie in (0, 1]")
         if self.top_k < 0:

@@ -33,7 +33,9 @@ class Sampler:
         spec = self._spec
         if self._gen is None:
             return int(row.argmax())
-        row = row / spec.temperature
+        # Shift by the max before dividing: every scaled logit is then <= 0, so a tiny temperature
+        # (1e-38) sends the others to -inf instead of overflowing to inf - inf = NaN in the softmax.
+        row = (row - row.max()) / spec.temperature
         if spec.top_k > 0 and spec.top_k < row.numel():
             kth = torch.topk(row, spec.top_k).values[-1]
             row = row.masked_fill(row < kth, -torch.inf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from orchestrator.api import GenerationSpec
@@ -23,3 +24,20 @@ def test_sampler_greedy_and_seeded() -> None:
     # with the full distribution, some draws differ from the argmax (the sampler does sample)
     full = Sampler(GenerationSpec(max_new_tokens=1, temperature=5.0, seed=3))
     assert [full(x) for x in logits] != [int(x.argmax()) for x in logits]
+
+
+def test_sampler_tiny_temperature_is_greedy_not_nan() -> None:
+    # 1e-38 used to overflow logits / T to inf, and softmax(inf - inf) drew from NaN probabilities
+    g = torch.Generator().manual_seed(1)
+    logits = [torch.randn(1, 97, generator=g) * 30 for _ in range(20)]
+    for temperature in (1e-38, 1e-30, 1e-6):
+        for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9)):
+            tiny = Sampler(GenerationSpec(max_new_tokens=1, temperature=temperature, top_k=top_k,
+                                          top_p=top_p, seed=7))
+            assert [tiny(x) for x in logits] == [int(x.argmax()) for x in logits]
+
+
+def test_generation_spec_rejects_non_finite_temperature() -> None:
+    for bad in (float("inf"), float("nan"), -1e-9):
+        with pytest.raises(ValueError, match=f"temperature={bad} must be finite and >= 0"):
+            GenerationSpec(max_new_tokens=1, temperature=bad)
