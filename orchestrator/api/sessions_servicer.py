@@ -72,6 +72,11 @@ class SessionsServicer:
             raise NotFoundError(f"session {session_id} not found")
         return row
 
+    def _check_owned(self, session_id: str, tenant_id: str) -> None:
+        """NotFoundError unless `tenant_id` owns the session (read-only; before acting on its turn)."""
+        with self._ctx.sessions() as s:
+            self._get_owned(s, session_id, tenant_id)
+
     @unary_errors
     def CreateSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.tenant(context)
@@ -155,6 +160,8 @@ class SessionsServicer:
             SessionRepository(s).close(row)
             return self._ctx.convert.session(row)
 
+        # Ownership first: another tenant naming this id gets NOT_FOUND and must not cancel its turn.
+        self._check_owned(request.session_id, caller.tenant_id)
         self._ctx.running.abort(request.session_id, "session closed")
         return run_serializable(self._ctx.serializable, work)
 
@@ -183,8 +190,7 @@ class SessionsServicer:
     @unary_errors
     def DeleteSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.tenant(context)
-        if not request.session_id:
-            raise InvalidRequestError("session_id is required")
+        self._check_owned(request.session_id, caller.tenant_id)
         self._ctx.running.abort(request.session_id, "session deleted")
         outcome = self._ctx.purger.purge_session(
             request.session_id, tenant_id=caller.tenant_id, actor=caller.actor, reason="tenant_request"
@@ -198,8 +204,7 @@ class SessionsServicer:
     @unary_errors
     def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.tenant(context)
-        with self._ctx.sessions() as s:
-            self._get_owned(s, request.session_id, caller.tenant_id)
+        self._check_owned(request.session_id, caller.tenant_id)
         aborted = self._ctx.running.abort(request.session_id, request.reason or "aborted by caller")
         log.info("turn_abort_requested", session_id=request.session_id, aborted=aborted)
         return self._pb.AbortResponse(aborted=aborted)

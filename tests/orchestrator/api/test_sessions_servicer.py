@@ -302,11 +302,17 @@ def test_abort_cancels_the_running_turn(service, engine) -> None:
         _code(stub.Turn, pb.sessions.TurnRequest(session_id=sid, text="x"), metadata=bearer("tok-initech"))
         == grpc.StatusCode.FAILED_PRECONDITION
     )
-    # Another tenant cannot abort it (the session reads as absent).
+    # Another tenant cannot abort it (the session reads as absent), nor cancel it by closing or deleting
+    # the id: a cancel would keep its first reason, so the owner's reason below proves none happened.
     assert (
         _code(stub.Abort, pb.sessions.AbortRequest(session_id=sid), metadata=bearer("tok-acme"))
         == grpc.StatusCode.NOT_FOUND
     )
+    for call, request in (
+        (stub.CloseSession, pb.sessions.CloseSessionRequest(session_id=sid)),
+        (stub.DeleteSession, pb.sessions.DeleteSessionRequest(session_id=sid)),
+    ):
+        assert _code(call, request, metadata=bearer("tok-acme")) == grpc.StatusCode.NOT_FOUND
     assert stub.Abort(
         pb.sessions.AbortRequest(session_id=sid, reason="user hit stop"), metadata=bearer("tok-initech")
     ).aborted
