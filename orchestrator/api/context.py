@@ -61,6 +61,8 @@ class ServiceContext:
     pool_stats: Callable[[], PoolStats] | None = None
     # Called after a policy change commits (e.g. to apply it to the store: GlobalKVStore.set_policy).
     on_policy_change: Callable[[EffectivePolicy, str], None] | None = None
+    # Names of the models this node serves (None: not known here, nothing is checked at CreateSession).
+    served_models: tuple[str, ...] | None = None
 
     def close(self) -> None:
         self.engine.dispose()

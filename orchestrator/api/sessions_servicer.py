@@ -53,6 +53,18 @@ def _after(token: str) -> tuple[dt.datetime, str] | None:
         raise InvalidRequestError(f"bad page_token {token!r}") from exc
 
 
+# The registry's columns for ids and model names are 128 characters; longer values are refused before
+# any lookup, and their text is never echoed (a 100 KB name in an error detail overflows gRPC's metadata).
+_MAX_NAME_CHARS = 128
+
+
+def _check_length(field: str, value: str) -> None:
+    if len(value) > _MAX_NAME_CHARS:
+        raise InvalidRequestError(
+            f"{field} of {len(value)} characters exceeds the limit of {_MAX_NAME_CHARS}"
+        )
+
+
 def servicer_class(ctx: ServiceContext) -> type:
     """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED."""
     base = ctx.stubs.sessions_grpc.SessionsServicer
@@ -67,10 +79,19 @@ class SessionsServicer:
     def _get_owned(self, s: Any, session_id: str, tenant_id: str) -> Any:
         if not session_id:
             raise InvalidRequestError("session_id is required")
+        _check_length("session_id", session_id)
         row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
         if row is None:
             raise NotFoundError(f"session {session_id} not found")
         return row
+
+    def _check_served(self, model: str) -> None:
+        """A model name this node serves (when it knows its models): refused at once, not at the first
+        turn, and never echoed past its length limit."""
+        _check_length("model", model)
+        served = self._ctx.served_models
+        if served is not None and model not in served:
+            raise NotFoundError(f"model {model!r} is not served here (served: {', '.join(served)})")
 
     def _check_owned(self, session_id: str, tenant_id: str) -> None:
         """NotFoundError unless `tenant_id` owns the session (read-only; before acting on its turn)."""
@@ -83,6 +104,7 @@ class SessionsServicer:
         settings = self._ctx.settings
         if not request.model:
             raise InvalidRequestError("model is required")
+        self._check_served(request.model)
         hint = request.retention.retention_s if request.retention.HasField("retention_s") else None
         if hint is not None and not hint > 0:
             raise InvalidRequestError(f"retention_s={hint} must be positive")
@@ -222,6 +244,8 @@ class SessionsServicer:
             )
         if text is not None and len(text.encode()) > settings.max_turn_tokens * 4:
             raise ResourceExhaustedError(f"turn text of {len(text.encode())} bytes exceeds the limit")
+        if request.model:
+            self._check_served(request.model)
         g = request.generation
         max_new = g.max_new_tokens or min(256, settings.max_new_tokens)
         if max_new > settings.max_new_tokens:

@@ -54,8 +54,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Status details travel in gRPC metadata (8 KiB by default); a message quoting a huge input would turn
+# the status into RESOURCE_EXHAUSTED, so details are cut to this many characters.
+_MAX_DETAIL_CHARS = 1024
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     code, message = status_for(exc)
+    if len(message) > _MAX_DETAIL_CHARS:
+        message = message[:_MAX_DETAIL_CHARS] + f"... ({len(message)} characters)"
     if code == grpc.StatusCode.INTERNAL:
         log.exception("rpc_failed", method=method, code=code.name)
     else:

@@ -236,6 +236,7 @@ def build_node(
         prefill_chunk_tokens=prefill_chunk_tokens,
     )
     ctx.turn_handler = engine
+    ctx.served_models = registry.names
     stale = _drop_stale_turns(ctx)
     # Before reconciling: a synced policy may purge (residency) or expire chunks the rows still name.
     policies_synced = _sync_policies(ctx, store)

@@ -238,3 +238,44 @@ def test_a_closed_store_is_unavailable(tmp_path: Path) -> None:
         n.channel.close()
         n.server.stop(grace_s=None)
         n.service.ctx.close()
+
+
+def _details(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not hasattr(result, "ListFields"):
+            list(result)
+    return info.value.code(), info.value.details()
+
+
+def test_unknown_and_oversized_names_are_refused_at_once(node) -> None:
+    pb, st = node.pb, node.sessions
+
+    def create(model: str):
+        return lambda: st.CreateSession(pb.sessions.CreateSessionRequest(model=model), metadata=md())
+
+    def sessions() -> int:
+        with node.service.ctx.sessions() as s:
+            return SessionRepository(s).count(tenant_id="acme")
+
+    before = sessions()
+
+    # an unknown model is refused at CreateSession, not at the first turn
+    code, details = _details(create("not-served"))
+    assert code == grpc.StatusCode.NOT_FOUND and "'not-served' is not served here (served: a, b)" in details
+    # names past the registry's 128 characters are refused without echoing them (a 100 KB detail used to
+    # overflow gRPC's metadata and come back as RESOURCE_EXHAUSTED)
+    huge = "m" * (1 << 20)
+    code, details = _details(create(huge))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "model of 1048576 characters exceeds the limit of 128"
+    sid = _session(node)
+    code, details = _details(lambda: st.Turn(_turn_request(node, sid, _ids(1, 5), model="x" * 100_000),
+                                             metadata=md()))
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
+                               "model of 100000 characters exceeds the limit of 128")
+    code, details = _details(lambda: st.Turn(_turn_request(node, "s" * 100_000, _ids(1, 5)), metadata=md()))
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
+                               "session_id of 100000 characters exceeds the limit of 128")
+    assert _state(node, sid) == (0, [])
+    assert sessions() == before + 1
