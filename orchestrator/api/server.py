@@ -47,6 +47,9 @@ def build_server(ctx: ServiceContext, *, host: str | None = None, port: int | No
     options = [
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", settings.max_request_bytes),
+        # gRPC sets SO_REUSEPORT by default, so a second server on a taken port binds too and the two
+        # split the calls between them (seen: four `session list` calls returned 13, 0, 0, 0 sessions).
+        ("grpc.so_reuseport", 0),
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers),
@@ -71,11 +74,17 @@ def build_server(ctx: ServiceContext, *, host: str | None = None, port: int | No
         creds = grpc.ssl_server_credentials(
             [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())]
         )
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        bound = (
+            server.add_secure_port(address, creds)
+            if settings.tls_enabled
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError as exc:
+        # grpcio raises RuntimeError("Failed to bind ...") where older versions returned 0
+        raise OSError(f"could not bind the gRPC server to {address} (in use?): {exc}") from exc
     if bound == 0:
-        raise OSError(f"could not bind the gRPC server to {address}")
+        raise OSError(f"could not bind the gRPC server to {address} (in use?)")
     server.start()
     for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 
@@ -86,11 +87,32 @@ def serve(
         node.close()
 
 
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Fail before the models load (minutes on a large one) when `host:port` is taken; port 0 is any.
+
+    Raises:
+        OSError: naming the address; the server's own bind still decides (this probe can race).
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # REUSEADDR: a port left in TIME_WAIT by a stopped server is free; a listening one is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"{what} address {host}:{port} is not available: {exc.strerror}") from exc
+
+
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     rc = enter_numerics(args, settings.model_numerics)
     if rc is not None:
         return rc
+    check_port_free(settings.grpc_host, settings.grpc_port, "gRPC")
+    if settings.metrics_enabled:
+        check_port_free(settings.grpc_host, settings.metrics_port, "metrics")
     configure_logging(json=True if args.json_logs else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
