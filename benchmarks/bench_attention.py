@@ -1,6 +1,6 @@
 """Latency of the sparse attention and indexer-score ops, torch reference vs Triton, as JSON.
 
-Run: `python -m benchmarks.bench_attention [--device cuda|cpu] [--out FILE]`. On CPU only the torch
+Run: `python -m benchmarks.bench_attention [--device cuda|cpu] [--json PATH|-]`. On CPU only the torch
 reference is timed (the Triton interpreter is a correctness tool, not a speed one). Triton is timed only
 after it matches the reference on a fresh input within the test tolerance; otherwise the run stops.
 
@@ -13,7 +13,6 @@ FLOP/byte model (bf16 inputs):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from functools import partial
 import torch
 
 from benchmarks.hardware import numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
 from kernels import index_score, sparse_attn
 
 # (name, B, T, H, D, N, K): v41-tiny prefill/decode, then released-config prefill chunk and decode.
@@ -135,18 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--out", default=None, help="also write the JSON rows to this file")
+    add_json_flag(parser)
     args = parser.parse_args()
     rows = run(args.device, args.reps)
+    out = table_stream(args.json)
     for r in rows:
         print(f"{r['op']:12s} {r['shape']:24s} {r['backend']:7s} {r['median_ms']:10.3f} ms "
-              f"{r['tflops']:8.3f} TFLOPS {r['gb_per_s']:9.2f} GB/s")
-    text = json.dumps({"numerics": numerics_record(), "rows": rows}, indent=1)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-    else:
-        print(text)
+              f"{r['tflops']:8.3f} TFLOPS {r['gb_per_s']:9.2f} GB/s", file=out)
+    write_json({"numerics": numerics_record(), "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

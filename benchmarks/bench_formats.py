@@ -1,6 +1,6 @@
 """Throughput of the block-format quantizers and dequantizers beside the same machine's copy bandwidth.
 
-Run: `python -m benchmarks.bench_formats [--json] [--size-mb 64] [--cuda-size-mb 1024] [--runs 5]`.
+Run: `python -m benchmarks.bench_formats [--json PATH|-] [--size-mb 64] [--cuda-size-mb 1024] [--runs 5]`.
 On CPU the torch reference is timed (the Triton interpreter is a correctness tool, not a speed one); on
 CUDA, when present, both backends are timed against a device-to-device `copy_`. Before timing, each
 timed backend must match the torch reference bitwise on a fresh input (and QDQ must equal
@@ -15,7 +15,6 @@ The packed side adds 0.5625 (FP4-E4M3), 0.53125 (MXFP4) or 1.03125 (FP8) bytes p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 import kernels
 from benchmarks.hardware import numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
 
 D = 512
 FORMATS: dict[str, tuple[Callable, Callable, Callable]] = {
@@ -103,7 +103,7 @@ def _measure(device: str, backends: list[str], size_mb: int, runs: int) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_json_flag(parser)
     parser.add_argument("--size-mb", type=int, default=64, help="bf16 tensor size on CPU (>= 64)")
     parser.add_argument("--cuda-size-mb", type=int, default=1024, help="bf16 tensor size on CUDA")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per op; the median is reported")
@@ -133,17 +133,18 @@ def main(argv: list[str] | None = None) -> int:
         "gb_per_s_counts": "bytes of the bf16 tensor (quantize input / dequantize output)",
         "numerics": numerics_record(),
     }
-    if args.json:
-        print(json.dumps({"meta": meta, "results": results}, indent=2))
-        return 0
-    print(f"# torch {meta['torch']}, {meta['threads']} threads, cuda {meta['cuda_device']}, runs {args.runs}")
+    out = table_stream(args.json)
+    print(f"# torch {meta['torch']}, {meta['threads']} threads, cuda {meta['cuda_device']}, runs {args.runs}",
+          file=out)
     header = ("device", "format", "op", "backend", "MB", "ms", "GB/s", "vs copy")
-    print("{:6} {:10} {:10} {:7} {:>6} {:>9} {:>8} {:>8}".format(*header))
+    print("{:6} {:10} {:10} {:7} {:>6} {:>9} {:>8} {:>8}".format(*header), file=out)
     for r in results:
         print(
             f"{r['device']:6} {r['format']:10} {r['op']:10} {r['backend']:7} {r['mb']:6.0f} "
-            f"{r['median_ms']:9.3f} {r['gb_per_s']:8.2f} {r['vs_copy']:8.3f}"
+            f"{r['median_ms']:9.3f} {r['gb_per_s']:8.2f} {r['vs_copy']:8.3f}",
+            file=out,
         )
+    write_json({"meta": meta, "results": results}, args.json)
     return 0
 
 

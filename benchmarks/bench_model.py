@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
 from model import (
     NumericsProfile,
     PassStats,
@@ -607,10 +608,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="time portable against native in alternating child processes")
     parser.add_argument("--numerics-rounds", type=int, default=3,
                         help="child runs per path (--compare-numerics)")
-    parser.add_argument("--json", default=None, help="write the JSON document to PATH, or '-' for stdout")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
-    to_stdout = args.json == "-"
-    out = sys.stderr if to_stdout else sys.stdout
+    out = table_stream(args.json)
     if args.compare_numerics:
         passed = [
             f"--preset={args.preset}", f"--device={args.device}", f"--kernel-backend={args.kernel_backend}",
@@ -647,12 +647,7 @@ def main(argv: list[str] | None = None) -> None:
             f"ru_maxrss {doc['ru_maxrss_mb']} MB",
             file=out,
         )
-    text = json.dumps(doc, indent=1)
-    if to_stdout:
-        print(text)
-    elif args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text + "\n")
+    write_json(doc, args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 and 64 concurrent sessions, with the model replaced by a NO-OP STAND-IN; (2) an agent-session replay
 comparing, turn by turn, kvresume's time to first token against re-prefilling the whole history.
 
-Run: `python -m benchmarks.bench_service [--json-out PATH] [--turns 12] [--overhead-turns 4]`.
+Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhead-turns 4]`.
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import random
@@ -40,6 +39,7 @@ import grpc
 import torch
 
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
+from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
 from model import CacheFormatError, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
@@ -310,10 +310,11 @@ def _turn_tokens(node: Any, sid: str, index: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json-out", default="bench_service.json", help="where to write the JSON")
+    add_json_flag(parser)
     parser.add_argument("--turns", type=int, default=12, help="turns of the agent-session replay")
     parser.add_argument("--overhead-turns", type=int, default=4, help="measured turns per session")
     args = parser.parse_args(argv)
+    logs_to_stderr()
     # the served default; the replay's real model refuses a profile that is not in force
     enter_numerics("portable", "benchmarks.bench_service", argv)
     torch.set_num_threads(1)
@@ -339,26 +340,33 @@ def main(argv: list[str] | None = None) -> int:
         },
         "numerics": numerics_record(),
     }
-    print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn")
-    print(f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s}")
+    out = table_stream(args.json)
+    print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
+          file=out)
+    print(f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s}", file=out)
     for s in sweeps:
         print(
             f"{s['concurrency']:>8d} {s['turns_measured']:>6d} {s['p50_ms']:>9.1f} {s['p99_ms']:>9.1f} "
-            f"{s['turns_per_s']:>8.1f}"
+            f"{s['turns_per_s']:>8.1f}",
+            file=out,
         )
-    print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history")
+    print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history",
+          file=out)
     print(
-        f"{'turn':>4s} {'path':<14s} {'prompt':>6s} {'kvresume ms':>11s} {'re-prefill ms':>13s} {'ratio':>6s}"
+        f"{'turn':>4s} {'path':<14s} {'prompt':>6s} {'kvresume ms':>11s} {'re-prefill ms':>13s} "
+        f"{'ratio':>6s}",
+        file=out,
     )
     for r in session_replay["turns"]:
         mark = " (after idle)" if r["idle_before"] else ""
         print(
             f"{r['turn']:>4d} {r['path']:<14s} {r['prompt_tokens']:>6d} {r['kvresume_ttft_ms']:>11.1f} "
-            f"{r['reprefill_ttft_ms']:>13.1f} {r['ratio']:>6.2f}{mark}"
+            f"{r['reprefill_ttft_ms']:>13.1f} {r['ratio']:>6.2f}{mark}",
+            file=out,
         )
-    print(f"median ratio over turns after the first: {result['ttft_ratio_vs_reprefill']:.3f}")
-    print(f"hardware: {result['hardware']}")
-    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    print(f"median ratio over turns after the first: {result['ttft_ratio_vs_reprefill']:.3f}", file=out)
+    print(f"hardware: {result['hardware']}", file=out)
+    write_json(result, args.json)
     return 0
 
 

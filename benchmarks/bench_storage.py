@@ -16,14 +16,13 @@ and 1M tokens, p50/p99 over repeated calls; the 1M-token chain uses 1 KiB payloa
 reads them. Disk bytes per token: everything under the store's db directory after close, divided by
 the tokens stored, against the 890 B payload per token.
 
-Run: python -m benchmarks.bench_storage [--dir DIR] [--runs 5] [--mb 105] [--json PATH]
+Run: python -m benchmarks.bench_storage [--dir DIR] [--runs 5] [--mb 105] [--json PATH|-]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks.hardware import cpu_model, numerics_record
+from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
 from storage import GlobalKVStore, MissReason, StoreConfig
 
 TOKENS = 256
@@ -172,8 +172,9 @@ def main() -> None:
     parser.add_argument(
         "--mb", type=float, default=105.0, help="MB of payload per run (>= 100 for the record)"
     )
-    parser.add_argument("--json", default=None, help="also write the JSON result here")
+    add_json_flag(parser)
     args = parser.parse_args()
+    logs_to_stderr()
     root = Path(tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir))
     try:
         _check_correctness(root)
@@ -228,18 +229,22 @@ def main() -> None:
                 "dir": str(root),
             },
         }
-        print(f"{'':24s}{'store':>12s}{'plain files':>14s}{'ratio':>8s}")
+        out = table_stream(args.json)
+        print(f"{'':24s}{'store':>12s}{'plain files':>14s}{'ratio':>8s}", file=out)
         print(
             f"{'write MB/s (synced)':24s}{result['store_write_mb_s']:12.1f}{result['file_write_mb_s']:14.1f}"
-            f"{result['write_ratio_vs_file']:8.2f}"
+            f"{result['write_ratio_vs_file']:8.2f}",
+            file=out,
         )
         print(
             f"{'read MB/s (verified)':24s}{result['store_read_mb_s']:12.1f}{result['file_read_mb_s']:14.1f}"
-            f"{result['read_ratio_vs_file']:8.2f}"
+            f"{result['read_ratio_vs_file']:8.2f}",
+            file=out,
         )
         print(
             f"disk bytes/token {disk_per_token:.1f} vs {BYTES_PER_TOKEN} payload "
-            f"(x{result['disk_overhead_ratio']:.4f})"
+            f"(x{result['disk_overhead_ratio']:.4f})",
+            file=out,
         )
         for row in lookups:
             extra = (
@@ -247,12 +252,10 @@ def main() -> None:
             )
             print(
                 f"lookup {row['tokens']:>8d} tokens: p50 {row['lookup_p50_ms']:.3f} ms  "
-                f"p99 {row['lookup_p99_ms']:.3f} ms{extra}"
+                f"p99 {row['lookup_p99_ms']:.3f} ms{extra}",
+                file=out,
             )
-        text = json.dumps(result, indent=2)
-        print(text)
-        if args.json:
-            Path(args.json).write_text(text + "\n")
+        write_json(result, args.json)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -165,7 +165,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-hit-episodes", type=int, default=QualitySpec().full_hit_episodes)
     p.add_argument("--lm-windows", type=int, default=QualitySpec().lm_windows)
     p.add_argument("--seed", type=int, default=QualitySpec().seed)
-    p.add_argument("--json", type=Path, default=None, help="write the JSON document here")
+    p.add_argument("--json", default=None, metavar="PATH|-",
+                   help="write the JSON document to PATH, or '-' for stdout (the tables then go to stderr)")
     p.add_argument("--png", type=Path, default=None, help="write the recall-vs-distance plot here")
     p.add_argument("--write-eval", action="store_true", help="write eval.json into each checkpoint dir")
     p.add_argument("--threads", type=int, default=None)
@@ -189,11 +190,14 @@ def eval_from_args(args: argparse.Namespace, *, numerics: Mapping[str, object] |
     doc = run(args.models, spec, write_eval=args.write_eval, progress=lambda s: print(s, file=sys.stderr))
     if numerics is not None:
         doc["numerics"] = dict(numerics)
+    out = sys.stderr if args.json == "-" else sys.stdout
     for name, res in doc["models"].items():
-        print(table(name, res))
-        print()
-    if args.json is not None:
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(table(name, res), file=out)
+        print(file=out)
+    if args.json == "-":
+        print(json.dumps(doc, indent=1))
+    elif args.json is not None:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.png is not None:
         plot(doc["models"], args.png)
     if not all(r["full_hit_identical"] for r in doc["models"].values()):
