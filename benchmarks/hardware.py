@@ -4,12 +4,11 @@ profile), and entering a numerics profile before a benchmark computes."""
 from __future__ import annotations
 
 import os
-import platform
 import sys
-from pathlib import Path
 
 from orchestrator.numerics_env import (
     PORTABLE_ENV,
+    cpu_model_name,
     enter_cpu_path,
     env_mismatches,
     in_force_problems,
@@ -21,13 +20,7 @@ __all__ = ["cpu_model", "enter_numerics", "numerics_record"]
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model_name()
 
 
 def enter_numerics(cpu_path: str, module: str, argv: list[str] | None) -> None:

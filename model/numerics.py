@@ -45,7 +45,9 @@ class NumericsProfile:
     GEMM) that another kernel dispatch changes its outputs, so such a cache is a miss, never a hit.
 
     Thread count is not a field: exports were measured byte-identical at 1 and 2 threads under the
-    portable path (model/README.md).
+    portable path (model/README.md). `native_host` names what a `native` path ran on (torch's CPU
+    capability, the CPU model, the dispatch variables as found), so two native nodes share caches only
+    when those agree; the portable path needs none (that is its point).
     """
 
     device: str = "cpu"
@@ -54,6 +56,7 @@ class NumericsProfile:
     cpu_path: str = "portable"
     math: str = "exact"
     batching: str = "invariant"
+    native_host: str = ""
 
     def __post_init__(self) -> None:
         allowed = {
@@ -67,13 +70,16 @@ class NumericsProfile:
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"numerics {name} must be one of {values}, got {getattr(self, name)!r}")
+        if self.cpu_path == "portable" and self.native_host:
+            raise ValueError(f"numerics native_host={self.native_host!r} is only for the native cpu path")
 
     @property
     def label(self) -> str:
         """Canonical text of the profile (what the fingerprint hashes and the registry records)."""
+        cpu = f"native[{self.native_host}]" if self.native_host else self.cpu_path
         return (
             f"numerics.v{NUMERICS_SCHEMA} device={self.device} dtype={self.dtype} "
-            f"kernels={self.kernel_backend} cpu={self.cpu_path} math={self.math} batching={self.batching}"
+            f"kernels={self.kernel_backend} cpu={cpu} math={self.math} batching={self.batching}"
         )
 
     @classmethod

@@ -30,6 +30,8 @@ __all__ = [
     "env_mismatches",
     "enter_cpu_path",
     "in_force_problems",
+    "native_host_id",
+    "cpu_model_name",
     "profile_report",
     "describe",
 ]
@@ -95,6 +97,27 @@ def env_mismatches(environ: Mapping[str, str] | None = None) -> dict[str, str | 
     with the value found (None: unset)."""
     environ = os.environ if environ is None else environ
     return {k: environ.get(k) for k, v in PORTABLE_ENV.items() if environ.get(k) != v}
+
+
+def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first processor's model name (Linux), else what `platform` knows."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def native_host_id() -> str:
+    """What a `native` path computes on, for its fingerprint (imports torch): torch's CPU capability,
+    the CPU model and the dispatch variables as found. Nodes whose ids differ do not share caches."""
+    from model import torch_cpu_state
+
+    env = ",".join(f"{k}={os.environ.get(k, '')}" for k in PORTABLE_ENV if k != "OMP_NUM_THREADS")
+    return f"{torch_cpu_state()['torch_cpu_capability']};{cpu_model_name()};{env}"
 
 
 def in_force_problems(cpu_path: str) -> list[str]:

@@ -26,7 +26,7 @@ from model import (
     model_fingerprint,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
-from orchestrator.numerics_env import CPU_PATHS, in_force_problems
+from orchestrator.numerics_env import CPU_PATHS, in_force_problems, native_host_id
 from orchestrator.planner import ModelGeometry
 
 __all__ = [
@@ -199,7 +199,12 @@ def load_served(
         model = init_random(model, seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
     model.eval()
-    numerics = NumericsProfile.for_device(device, kernel_backend=model.kernel_backend, cpu_path=cpu_path)
+    numerics = NumericsProfile.for_device(
+        device,
+        kernel_backend=model.kernel_backend,
+        cpu_path=cpu_path,
+        native_host=native_host_id() if cpu_path == "native" else "",
+    )
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
     return ServedModel(

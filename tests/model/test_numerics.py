@@ -39,6 +39,10 @@ def test_profile_label_names_every_field() -> None:
         "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=portable math=exact batching=invariant"
     )
     assert NumericsProfile.for_device("cuda:1", kernel_backend="triton").device == "cuda"
+    native = NumericsProfile(cpu_path="native", native_host="AVX2;AMD EPYC;MKL_CBWR=")
+    assert "cpu=native[AVX2;AMD EPYC;MKL_CBWR=] math=exact" in native.label
+    with pytest.raises(ValueError, match="only for the native cpu path"):
+        NumericsProfile(native_host="AVX2;AMD EPYC")
     assert CPU_PATHS == numerics_env.CPU_PATHS
 
 
@@ -60,9 +64,10 @@ def test_fingerprint_differs_for_every_profile_field() -> None:
         dataclasses.replace(base, cpu_path="native"),
         dataclasses.replace(base, device="cuda"),
         dataclasses.replace(base, kernel_backend="triton"),
+        dataclasses.replace(base, cpu_path="native", native_host="AVX512;Intel Xeon;MKL_CBWR="),
     ]
     prints = {model_fingerprint(model, numerics=p) for p in [base, *others]}
-    assert len(prints) == 4
+    assert len(prints) == 5
     assert model_fingerprint(model) == model_fingerprint(model, numerics=base)
 
 

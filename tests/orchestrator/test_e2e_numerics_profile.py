@@ -13,7 +13,8 @@ from orchestrator.engine import ModelRegistry, ServedModelSpec
 from tests.orchestrator.engine.node_harness import md, run_turn, start_node
 
 _PORTABLE = "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=portable math=exact batching=invariant"
-_NATIVE = "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=native math=exact batching=invariant"
+# a native node's label names what it computes on (torch capability; CPU model; dispatch variables)
+_NATIVE = "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=native[AVX2;"
 
 
 def _registry(cpu_path: str) -> ModelRegistry:
