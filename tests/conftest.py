@@ -29,9 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     from model import configure_torch
 
-    # The in-process half of the profile: oneDNN off. Threads are left to each test module (exports do
-    # not depend on them).
-    configure_torch("portable")
+    # The in-process half of the profile: oneDNN off. OMP_NUM_THREADS=1 would also make torch's default
+    # one thread; give tests that set none the cores they had before (exports do not depend on threads,
+    # tests/model/test_numerics.py), and let each module pick its own.
+    configure_torch("portable", threads=len(os.sched_getaffinity(0)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
