@@ -314,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=12, help="turns of the agent-session replay")
     parser.add_argument("--overhead-turns", type=int, default=4, help="measured turns per session")
     args = parser.parse_args(argv)
+    # the replay checks turn 1 as a full hit and puts the idle gap at turn n // 2; p99 needs two samples
+    if args.turns < 4:
+        parser.error(f"--turns={args.turns} must be >= 4 (turn 1 is checked as a full hit, before the idle)")
+    if args.overhead_turns < 2:
+        parser.error(f"--overhead-turns={args.overhead_turns} must be >= 2 (quantiles need two turns)")
     logs_to_stderr()
     # the served default; the replay's real model refuses a profile that is not in force
     enter_numerics("portable", "benchmarks.bench_service", argv)
