@@ -52,17 +52,23 @@ PORTABLE_CPU_FLAGS = ("avx2", "fma")
 _CHILD_MARK = "KVRESUME_NUMERICS_CHILD"
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
-    """The CPU feature flags of the first processor in `cpuinfo` (Linux), or None when unreadable."""
+def _cpuinfo_field(name: str, cpuinfo: Path) -> str | None:
+    """The first processor's `name` field in a /proc/cpuinfo-style file, or None when absent/unreadable."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
+        if key.strip() == name:
+            return value.strip()
     return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The CPU feature flags of the first processor in `cpuinfo` (Linux), or None when unreadable."""
+    flags = _cpuinfo_field("flags", cpuinfo)
+    return None if flags is None else frozenset(flags.split())
 
 
 def portable_refusal(flags: frozenset[str] | None, machine: str | None = None) -> str | None:
@@ -101,14 +107,7 @@ def env_mismatches(environ: Mapping[str, str] | None = None) -> dict[str, str | 
 
 def cpu_model_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The first processor's model name (Linux), else what `platform` knows."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo_field("model name", cpuinfo) or platform.processor() or platform.machine()
 
 
 def native_host_id() -> str:
