@@ -48,7 +48,8 @@ class Settings:
     grpc_host: str = "127.0.0.1"
     grpc_port: int = 50051
     # Port 0 binds any free port (tests); metrics_enabled=False serves no /metrics at all.
-    metrics_port: int = 9090
+    # 50052, beside gRPC's 50051: 9090 is Prometheus's own port (and LMCache's), taken where one runs.
+    metrics_port: int = 50052
     metrics_enabled: bool = True
     region: str = "local"
     # This node's name in the registry (which store holds a session's cache); empty: the host name.

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.api.auth import Authenticator
 from orchestrator.api.convert import Converter
-from orchestrator.api.metrics import ServiceMetrics
+from orchestrator.api.metrics import ServiceMetrics, StorageCounts
 from orchestrator.api.running_turns import RunningTurns
 from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
@@ -29,21 +29,29 @@ from orchestrator.db import (
     upgrade,
 )
 from orchestrator.settings import Settings
+from storage import StoreStats
 
 __all__ = ["ServiceContext", "PoolStats", "build_context"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class PoolStats:
+    """The window pool now, and its cumulative drops since start (for the metrics)."""
+
     bytes_used: int
     budget_bytes: int
     entries: int
+    # Entries dropped idle past the TTL, and least recently used ones dropped to fit the budget.
+    expired: int = 0
+    evicted_lru: int = 0
+    # Puts refused because the value alone exceeds the budget.
+    refused: int = 0
 
 
 @dataclass(kw_only=True)
 class ServiceContext:
-    """Shared service state. `turn_handler`, `pool_stats` and `on_policy_change` are wired by whoever
-    owns the turn engine, the pool and the store."""
+    """Shared service state. `turn_handler`, `pool_stats`, `store_stats`, `on_policy_change` and
+    `served_models` are wired by whoever owns the turn engine, the pool and the store."""
 
     settings: Settings
     engine: Engine
@@ -63,6 +71,8 @@ class ServiceContext:
     on_policy_change: Callable[[EffectivePolicy, str], None] | None = None
     # Names of the models this node serves (None: not known here, nothing is checked at CreateSession).
     served_models: tuple[str, ...] | None = None
+    # The store's node-wide counters (read at scrape time for the eviction, expiry and refusal counters).
+    store_stats: Callable[[], StoreStats] | None = None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -105,16 +115,40 @@ def build_context(
     return ctx
 
 
+def _storage_counts(ctx: ServiceContext) -> StorageCounts:
+    """The pool's and the store's cumulative counts, from whichever of the two is wired by now."""
+    pool = ctx.pool_stats() if ctx.pool_stats is not None else None
+    store = ctx.store_stats() if ctx.store_stats is not None else None
+    return StorageCounts(
+        pool_expired=pool.expired if pool is not None else None,
+        pool_evicted_lru=pool.evicted_lru if pool is not None else None,
+        pool_refused=pool.refused if pool is not None else None,
+        store_expired_chunks=store.expired_chunks if store is not None else None,
+        store_evicted_chunks=store.evicted_chunks if store is not None else None,
+        store_refusals=dict(store.refusals) if store is not None else {},
+    )
+
+
 def _wire_gauges(ctx: ServiceContext) -> None:
-    """Gauges read at scrape time: stored bytes from the registry, pool occupancy from its owner."""
+    """Gauges read at scrape time: stored bytes from the registry, pool occupancy from its owner; the
+    storage counters through `ctx.pool_stats` / `ctx.store_stats` (looked up at each scrape, since the
+    store is attached after the context is built); the static build and capacity gauges."""
     m = ctx.metrics
+    settings = ctx.settings
 
     def stored_bytes() -> float:
         with ctx.sessions() as s:
             return float(SegmentRepository(s).totals().bytes)
 
     m.stored_bytes.set_function(stored_bytes)
-    m.pool_budget_bytes.set(ctx.settings.pool_budget_bytes)
+    m.store_capacity_bytes.set(settings.kv_capacity_bytes)
+    m.read_storage_counts(lambda: _storage_counts(ctx))
+    m.set_build_info(
+        numerics=settings.model_numerics,
+        device=settings.model_device,
+        kernel_backend=settings.model_kernel_backend,
+    )
+    m.pool_budget_bytes.set(settings.pool_budget_bytes)
     m.running_turns.set_function(lambda: float(len(ctx.running)))
     if ctx.pool_stats is not None:
         pool = ctx.pool_stats

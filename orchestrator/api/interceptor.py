@@ -26,11 +26,20 @@ def _request_id(context: grpc.ServicerContext) -> str:
     return uuid.uuid4().hex
 
 
-def _code_name(context: grpc.ServicerContext, failed: bool) -> str:
+def _code_name(context: grpc.ServicerContext, failed: bool, *, gone: bool = False) -> str:
+    """The status the caller got: the one set, else CANCELLED (or DEADLINE_EXCEEDED) when the call ended
+    on the client's side first, else OK or, for an exception that set no status, UNKNOWN.
+
+    Args:
+        gone: gRPC closed the response stream (GeneratorExit): the client went away mid-stream.
+    """
     code = context.code()
-    if code is None:
-        return "UNKNOWN" if failed else "OK"
-    return code.name
+    if code is not None:
+        return code.name
+    if gone or not context.is_active():
+        # gRPC reports the remaining time as 0 once the deadline passed; without a deadline it is huge.
+        return "DEADLINE_EXCEEDED" if context.time_remaining() <= 0 else "CANCELLED"
+    return "UNKNOWN" if failed else "OK"
 
 
 class RequestInterceptor(grpc.ServerInterceptor):
@@ -71,11 +80,16 @@ class RequestInterceptor(grpc.ServerInterceptor):
             def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 structlog.contextvars.bind_contextvars(request_id=_request_id(context), rpc=method)
                 failed = True
+                gone = False
                 try:
                     yield from inner_stream(request, context)
                     failed = False
+                except GeneratorExit:
+                    # gRPC closes the generator when a response could not be sent: the client is gone.
+                    gone = True
+                    raise
                 finally:
-                    counter.labels(method=method, code=_code_name(context, failed)).inc()
+                    counter.labels(method=method, code=_code_name(context, failed, gone=gone)).inc()
                     structlog.contextvars.unbind_contextvars("request_id", "rpc")
 
             return grpc.unary_stream_rpc_method_handler(

@@ -26,7 +26,14 @@ from orchestrator.api.errors import (
 )
 from orchestrator.api.status_table import stream_errors, unary_errors
 from orchestrator.api.turn_log import log_turn_decision
-from orchestrator.api.turn_types import GenerationSpec, PlanEvent, TokenChunkEvent, TurnInput, TurnStatsEvent
+from orchestrator.api.turn_types import (
+    FinishReason,
+    GenerationSpec,
+    PlanEvent,
+    TokenChunkEvent,
+    TurnInput,
+    TurnStatsEvent,
+)
 from orchestrator.db import PolicyRepository, SessionRepository, TenantRepository, run_serializable
 from orchestrator.db.models import SessionStatus
 
@@ -293,6 +300,8 @@ class SessionsServicer:
         outcome = "failed"
         stats: TurnStatsEvent | None = None
         generated = 0
+        # Seconds from `started` at which each token chunk was streamed (TTFT and inter-token latency).
+        chunk_at: list[float] = []
         try:
             for event in handler.run_turn(turn, handle):
                 # The stream contract (plan first, stats last) is what callers parse; enforce it here.
@@ -303,6 +312,7 @@ class SessionsServicer:
                     structlog.contextvars.bind_contextvars(turn_id=event.turn_index)
                 elif isinstance(event, TokenChunkEvent):
                     generated += len(event.ids)
+                    chunk_at.append(time.perf_counter() - started)
                 else:
                     stats = event
                 yield self._ctx.convert.turn_event(event)
@@ -316,7 +326,9 @@ class SessionsServicer:
         finally:
             self._ctx.running.finish(handle)
             if plan_event is not None:
-                self._report(turn, plan_event, stats, outcome, generated, time.perf_counter() - started)
+                self._report(
+                    turn, plan_event, stats, outcome, generated, time.perf_counter() - started, chunk_at
+                )
             structlog.contextvars.unbind_contextvars("session_id", "request_id", "turn_id")
 
     def _report(
@@ -327,23 +339,44 @@ class SessionsServicer:
         outcome: str,
         generated: int,
         elapsed_s: float,
+        chunk_at: list[float],
     ) -> None:
+        """Metrics and the canonical log line of a turn that got as far as its plan.
+
+        Args:
+            chunk_at: seconds after the servicer took the turn at which each token chunk was streamed;
+                the first is the TTFT of a turn that ended without stats (aborted, failed).
+        """
         plan = plan_event.plan
         m = self._ctx.metrics
-        path = str(plan.path)
-        m.turns.labels(path=path, outcome=outcome).inc()
+        path, model = str(plan.path), plan.model
+        m.turns.labels(model=model, path=path, outcome=outcome).inc()
         for kind in ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped"):
-            m.turn_tokens.labels(kind=kind).inc(getattr(plan.counts, kind))
-        m.turn_latency.labels(path=path).observe(stats.total_s if stats else elapsed_s)
+            m.turn_tokens.labels(model=model, kind=kind).inc(getattr(plan.counts, kind))
+        m.turn_latency.labels(model=model, path=path).observe(stats.total_s if stats else elapsed_s)
+        ttft = stats.ttft_s if stats is not None else (chunk_at[0] if chunk_at else None)
+        if ttft is not None:
+            m.ttft.labels(model=model, path=path).observe(ttft)
+        m.generated_tokens.labels(model=model).inc(generated)
+        itl = m.inter_token.labels(model=model)
+        for before, after in zip(chunk_at, chunk_at[1:], strict=False):
+            itl.observe(after - before)
+        # Residency (plan.persist False) is a policy, not a failure; a refused or failed store write is.
+        if stats is not None and plan.persist and not stats.persisted:
+            m.persist_failures.labels(model=model).inc()
         if stats is not None:
-            m.ttft.labels(path=path).observe(stats.ttft_s)
+            finish: str | None = str(stats.finish_reason)
+        else:
+            finish = str(FinishReason.ABORTED) if outcome == "aborted" else None
         log_turn_decision(
             session_id=turn.session_id,
+            tenant=turn.tenant_id,
             turn_index=plan_event.turn_index,
             request_id=turn.request_id,
             plan=plan,
             outcome=outcome,
-            ttft_s=stats.ttft_s if stats else None,
+            finish_reason=finish,
+            ttft_s=ttft,
             decode_tokens_per_s=stats.decode_tokens_per_s if stats else None,
             total_s=stats.total_s if stats else elapsed_s,
             generated_tokens=generated,

@@ -21,21 +21,29 @@ log = structlog.get_logger(__name__)
 def log_turn_decision(
     *,
     session_id: str,
+    tenant: str,
     turn_index: int,
     request_id: str,
     plan: Plan,
     outcome: str,
+    finish_reason: str | None,
     ttft_s: float | None,
     decode_tokens_per_s: float | None,
     total_s: float | None,
     generated_tokens: int,
     persisted: bool,
 ) -> None:
-    """Emit the one canonical line of a turn: ids, path, reason, counts and timings as fields."""
+    """Emit the one canonical line of a turn: ids, path, reason, counts and timings as fields.
+
+    Args:
+        finish_reason: "length", "stop" or "aborted"; None for a turn that failed before it finished.
+        ttft_s: time to the first streamed token (also of an aborted turn); None when none was streamed.
+    """
     c = plan.counts
     log.info(
         TURN_EVENT,
         session_id=session_id,
+        tenant=tenant,
         turn=turn_index,
         request_id=request_id,
         path=str(plan.path),
@@ -54,6 +62,7 @@ def log_turn_decision(
         total_s=total_s,
         persisted=persisted,
         outcome=outcome,
+        finish_reason=finish_reason,
     )
 
 

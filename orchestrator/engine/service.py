@@ -82,6 +82,15 @@ def _ratios(registry: ModelRegistry) -> tuple[int, ...]:
     return tuple(sorted(ratios)) or (1,)
 
 
+def _model_labels(registry: ModelRegistry, name: str, *, loaded: bool) -> dict[str, str]:
+    """Labels of a served model's info series; its fingerprint only when it was loaded at start (a model
+    loaded on its first turn is not loaded here just to label a metric)."""
+    spec = registry.spec(name)
+    assert spec is not None
+    served = registry.get(name) if loaded else None
+    return {"source": spec.source, "fingerprint": served.fingerprint_hex if served is not None else ""}
+
+
 def _store_policy(policy: EffectivePolicy) -> RetentionPolicy:
     """The store's form of a registry policy (an empty region list there means: anywhere)."""
     regions = tuple(policy.allowed_regions) if policy.allowed_regions else None
@@ -200,7 +209,14 @@ def build_node(
 
     def pool_stats() -> PoolStats:
         p = pool.stats()
-        return PoolStats(bytes_used=p.bytes_used, budget_bytes=p.budget_bytes, entries=p.entries)
+        return PoolStats(
+            bytes_used=p.bytes_used,
+            budget_bytes=p.budget_bytes,
+            entries=p.entries,
+            expired=p.expired,
+            evicted_lru=p.evicted_lru,
+            refused=p.refused,
+        )
 
     fanout = PurgeFanout(pool)
     ctx = build_context(settings, migrate=migrate, store=fanout, pool_stats=pool_stats)
@@ -214,6 +230,7 @@ def build_node(
     # The SQL audit log is authoritative while the service runs: every store record is mirrored there.
     store = GlobalKVStore(store_cfg, clock=clock, on_audit=ctx.audit.mirror)
     fanout.store = store
+    ctx.store_stats = store.stats
 
     def on_policy_change(policy: EffectivePolicy, actor: str) -> None:
         store.set_policy(policy.tenant_id, _store_policy(policy), actor=actor)
@@ -246,6 +263,7 @@ def build_node(
     if preload:
         for name in registry.names:
             registry.get(name)
+    ctx.metrics.set_served_models({n: _model_labels(registry, n, loaded=preload) for n in registry.names})
     if maintenance:
         store.start_maintenance()
     log.info(

@@ -278,7 +278,7 @@ def test_turn_streams_plan_then_tokens_then_stats(service, engine) -> None:
     )
     assert (line["prefilled"], line["cached"], line["generated"]) == (3, 0, 3)
     text = service.ctx.metrics.exposition().decode()
-    assert 'kvresume_turns_total{outcome="done",path="COLD_PREFILL"}' in text
+    assert 'kvresume_turns_total{model="small",outcome="done",path="COLD_PREFILL"}' in text
     assert 'kvresume_rpcs_total{code="OK",method="/kvresume.v1.Sessions/Turn"}' in text
     assert "kvresume_running_turns 0.0" in text
     # Second turn: the history holds 6 tokens and the planner, with nothing stored, says why it is cold.
