@@ -169,7 +169,7 @@ class _Client:
                 stats = ev.stats
         elapsed = time.perf_counter() - t0
         assert plan is not None and stats is not None
-        return pb.common.ResumePath.Name(plan.path), stats, elapsed
+        return pb.common.ResumePath.Name(plan.path).removeprefix("RESUME_PATH_"), stats, elapsed
 
 
 def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:

@@ -17,10 +17,11 @@ from orchestrator.api.errors import (
     UnavailableError,
 )
 from orchestrator.api.metrics import ServiceMetrics
+from orchestrator.api.model_catalog import ModelCatalog, ModelDescription
 from orchestrator.api.running_turns import RunningTurns, TurnHandle
 from orchestrator.api.server import RunningServer, build_server
 from orchestrator.api.status_table import STATUS_TABLE, status_for
-from orchestrator.api.stubs import Stubs, build_stubs, load_stubs
+from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_log import configure_logging, log_turn_decision
 from orchestrator.api.turn_types import (
     FinishReason,
@@ -42,6 +43,8 @@ __all__ = [
     "FinishReason",
     "GenerationSpec",
     "InvalidRequestError",
+    "ModelCatalog",
+    "ModelDescription",
     "NotFoundError",
     "PermissionDeniedError",
     "PlanEvent",
@@ -63,7 +66,6 @@ __all__ = [
     "UnavailableError",
     "build_context",
     "build_server",
-    "build_stubs",
     "configure_logging",
     "load_stubs",
     "log_turn_decision",

@@ -62,7 +62,8 @@ class AdminServicer:
     def GetResidencyPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._ctx.auth.admin(context)
         with self._ctx.sessions() as s:
-            return self._ctx.convert.residency(self._effective(s, self._tenant_id(request.tenant_id)))
+            policy = self._effective(s, self._tenant_id(request.tenant_id))
+        return self._ctx.convert.residency(policy, node_region=self._ctx.settings.region, warn=True)
 
     def _set_policy(
         self,
@@ -117,7 +118,7 @@ class AdminServicer:
         policy = self._set_policy(
             context, request.tenant_id, retention=None, regions=list(request.allowed_regions)
         )
-        return self._ctx.convert.residency(policy)
+        return self._ctx.convert.residency(policy, node_region=self._ctx.settings.region, warn=True)
 
     @unary_errors
     def Purge(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from orchestrator.api.auth import Authenticator
 from orchestrator.api.convert import Converter
 from orchestrator.api.metrics import ServiceMetrics, StorageCounts
+from orchestrator.api.model_catalog import ModelCatalog
 from orchestrator.api.running_turns import RunningTurns
 from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
@@ -73,6 +74,8 @@ class ServiceContext:
     served_models: tuple[str, ...] | None = None
     # The store's node-wide counters (read at scrape time for the eviction, expiry and refusal counters).
     store_stats: Callable[[], StoreStats] | None = None
+    # The served models for the Models service (None: the service answers UNIMPLEMENTED).
+    model_catalog: ModelCatalog | None = None
 
     def close(self) -> None:
         self.engine.dispose()

@@ -35,7 +35,7 @@ class Converter:
             session_id=row.id,
             tenant_id=row.tenant_id,
             model=row.model,
-            status=c.SESSION_OPEN if row.status == SessionStatus.OPEN else c.SESSION_CLOSED,
+            status=c.SESSION_STATUS_OPEN if row.status == SessionStatus.OPEN else c.SESSION_STATUS_CLOSED,
             turn_count=row.turn_count,
             history_tokens=row.history_tokens,
             retention_s=row.retention_s,
@@ -56,14 +56,16 @@ class Converter:
             mapped=counts.mapped,
         )
 
-    def turn_event(self, event: PlanEvent | TokenChunkEvent | TurnStatsEvent) -> Any:
+    def turn_event(self, event: PlanEvent | TokenChunkEvent | TurnStatsEvent, *, request_id: str = "") -> Any:
         s = self.pb.sessions
         if isinstance(event, PlanEvent):
             p = event.plan
             plan = self.pb.common.Plan(
-                path=self.pb.common.ResumePath.Value(str(p.path)),
+                path=self.pb.common.ResumePath.Value(f"RESUME_PATH_{p.path}"),
                 model=p.model,
                 reason=p.reason,
+                reason_code=self.pb.common.PlanReason.Value(f"PLAN_REASON_{p.reason_code}"),
+                prompt_tokens=p.counts.prompt_tokens,
                 counts=self.counts(p.counts),
                 source_model=p.source_model or "",
                 mapper_id=p.mapper_id or "",
@@ -75,9 +77,9 @@ class Converter:
         if isinstance(event, TokenChunkEvent):
             return s.TurnEvent(tokens=s.TokenChunk(ids=list(event.ids), text=event.text))
         finish = {
-            FinishReason.LENGTH: s.FINISH_LENGTH,
-            FinishReason.STOP: s.FINISH_STOP,
-            FinishReason.ABORTED: s.FINISH_ABORTED,
+            FinishReason.LENGTH: s.FINISH_REASON_LENGTH,
+            FinishReason.STOP: s.FINISH_REASON_STOP,
+            FinishReason.ABORTED: s.FINISH_REASON_ABORTED,
         }[event.finish_reason]
         stats = s.TurnStats(
             turn_index=event.turn_index,
@@ -88,6 +90,10 @@ class Converter:
             finish_reason=finish,
             total_s=event.total_s,
             persisted=event.persisted,
+            prompt_tokens=event.prompt_tokens or event.counts.prompt_tokens,
+            stored_tokens=event.stored_tokens,
+            kept=event.kept,
+            request_id=request_id,
         )
         return s.TurnEvent(stats=stats)
 
@@ -99,12 +105,21 @@ class Converter:
             is_default=policy.is_default,
         )
 
-    def residency(self, policy: EffectivePolicy) -> Any:
-        return self.pb.admin.ResidencyPolicy(
+    def residency(self, policy: EffectivePolicy, *, node_region: str, warn: bool = False) -> Any:
+        """The policy as seen from a node in `node_region`; `warn`: say so when it excludes that node."""
+        msg = self.pb.admin.ResidencyPolicy(
             tenant_id=policy.tenant_id,
             allowed_regions=list(policy.allowed_regions),
             is_default=policy.is_default,
+            node_region=node_region,
         )
+        if warn and not policy.may_store_in(node_region):
+            msg.warning = (
+                f"this node is in region {node_region!r}, which {policy.tenant_id}'s residency "
+                f"{sorted(policy.allowed_regions)} excludes: its turns here are served without persisting "
+                "(Plan.persist=false); start the node with --region in the list to keep persisting"
+            )
+        return msg
 
     def audit_record(self, rec: AuditRecord) -> Any:
         return self.pb.admin.AuditRecord(

@@ -52,5 +52,5 @@ class MappersServicer:
         with self._ctx.sessions() as s:
             row = MapperRepository(s).get(request.mapper_id)
             if row is None:
-                raise NotFoundError(f"mapper {request.mapper_id} not found")
+                raise NotFoundError(f"mapper {request.mapper_id} not found", reason="MAPPER_NOT_FOUND")
             return self._ctx.convert.mapper(row)

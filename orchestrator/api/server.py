@@ -1,4 +1,4 @@
-"""Server assembly: our three services plus the standard gRPC health and reflection services.
+"""Server assembly: our four services plus the standard gRPC health and reflection services.
 
 Knows nothing of the turn engine beyond the TurnHandler protocol carried by the context.
 """
@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrator.api import admin_servicer, mappers_servicer, sessions_servicer
+from orchestrator.api import admin_servicer, mappers_servicer, models_servicer, sessions_servicer
 from orchestrator.api.context import ServiceContext
 from orchestrator.api.interceptor import RequestInterceptor
 
@@ -60,6 +60,7 @@ def build_server(ctx: ServiceContext, *, host: str | None = None, port: int | No
     stubs.sessions_grpc.add_SessionsServicer_to_server(sessions_servicer.servicer_class(ctx)(ctx), server)
     stubs.admin_grpc.add_AdminServicer_to_server(admin_servicer.servicer_class(ctx)(ctx), server)
     stubs.mappers_grpc.add_MappersServicer_to_server(mappers_servicer.servicer_class(ctx)(ctx), server)
+    stubs.models_grpc.add_ModelsServicer_to_server(models_servicer.servicer_class(ctx)(ctx), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = stubs.service_names

@@ -57,7 +57,7 @@ def _after(token: str) -> tuple[dt.datetime, str] | None:
         when, _, session_id = base64.urlsafe_b64decode(token.encode()).decode().partition("|")
         return dt.datetime.fromisoformat(when), session_id
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"bad page_token {token!r}") from exc
+        raise InvalidRequestError(f"bad page_token {token!r}", field="page_token") from exc
 
 
 # The registry's columns for ids and model names are 128 characters; longer values are refused before
@@ -68,7 +68,7 @@ _MAX_NAME_CHARS = 128
 def _check_length(field: str, value: str) -> None:
     if len(value) > _MAX_NAME_CHARS:
         raise InvalidRequestError(
-            f"{field} of {len(value)} characters exceeds the limit of {_MAX_NAME_CHARS}"
+            f"{field} of {len(value)} characters exceeds the limit of {_MAX_NAME_CHARS}", field=field
         )
 
 
@@ -85,7 +85,7 @@ class SessionsServicer:
 
     def _get_owned(self, s: Any, session_id: str, tenant_id: str) -> Any:
         if not session_id:
-            raise InvalidRequestError("session_id is required")
+            raise InvalidRequestError("session_id is required", field="session_id")
         _check_length("session_id", session_id)
         row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
         if row is None:
@@ -98,7 +98,9 @@ class SessionsServicer:
         _check_length("model", model)
         served = self._ctx.served_models
         if served is not None and model not in served:
-            raise NotFoundError(f"model {model!r} is not served here (served: {', '.join(served)})")
+            raise NotFoundError(
+                f"model {model!r} is not served here (served: {', '.join(served)})", reason="MODEL_NOT_SERVED"
+            )
 
     def _check_owned(self, session_id: str, tenant_id: str) -> None:
         """NotFoundError unless `tenant_id` owns the session (read-only; before acting on its turn)."""
@@ -110,18 +112,20 @@ class SessionsServicer:
         caller = self._ctx.auth.tenant(context)
         settings = self._ctx.settings
         if not request.model:
-            raise InvalidRequestError("model is required")
+            raise InvalidRequestError("model is required", field="model")
         self._check_served(request.model)
         hint = request.retention.retention_s if request.retention.HasField("retention_s") else None
         if hint is not None and not hint > 0:
-            raise InvalidRequestError(f"retention_s={hint} must be positive")
+            raise InvalidRequestError(f"retention_s={hint} must be positive", field="retention.retention_s")
 
         def work(s: Any) -> tuple[Any, float]:
             tenant = TenantRepository(s).ensure(caller.tenant_id)
             repo = SessionRepository(s)
             if repo.count(tenant_id=tenant.id) >= settings.max_sessions_per_tenant:
                 raise ResourceExhaustedError(
-                    f"tenant {tenant.id} has {settings.max_sessions_per_tenant} sessions, the limit"
+                    f"tenant {tenant.id} has {settings.max_sessions_per_tenant} sessions, the limit",
+                    reason="SESSION_LIMIT",
+                    retry_after_s=60.0,
                 )
             policy = PolicyRepository(s).effective(
                 tenant.id,
@@ -142,9 +146,9 @@ class SessionsServicer:
         session, granted = run_serializable(self._ctx.serializable, work)
         c = self._ctx.stubs.common
         if hint is None:
-            outcome = c.RETENTION_DEFAULTED
+            outcome = c.RETENTION_OUTCOME_DEFAULTED
         else:
-            outcome = c.RETENTION_ACCEPTED if granted == hint else c.RETENTION_CLIPPED
+            outcome = c.RETENTION_OUTCOME_ACCEPTED if granted == hint else c.RETENTION_OUTCOME_CLIPPED
         response = self._pb.CreateSessionResponse(session=session, retention_outcome=outcome)
         if hint is not None:
             response.requested_retention_s = hint
@@ -164,7 +168,7 @@ class SessionsServicer:
         caller = self._ctx.auth.tenant(context)
         size = request.page_size or _DEFAULT_PAGE
         if size > _MAX_PAGE:
-            raise InvalidRequestError(f"page_size={size} exceeds {_MAX_PAGE}")
+            raise InvalidRequestError(f"page_size={size} exceeds {_MAX_PAGE}", field="page_size")
         after = _after(request.page_token)
         with self._ctx.sessions() as s:
             rows = SessionRepository(s).list(
@@ -202,7 +206,8 @@ class SessionsServicer:
             parent = self._get_owned(s, request.session_id, caller.tenant_id)
             if request.at_turn > parent.turn_count:
                 raise InvalidRequestError(
-                    f"at_turn={request.at_turn} is past session {parent.id}'s {parent.turn_count} turns"
+                    f"at_turn={request.at_turn} is past session {parent.id}'s {parent.turn_count} turns",
+                    field="at_turn",
                 )
             child = SessionRepository(s).fork(parent, at_turn=request.at_turn)
             return self._ctx.convert.session(child)
@@ -233,10 +238,29 @@ class SessionsServicer:
     @unary_errors
     def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.tenant(context)
-        self._check_owned(request.session_id, caller.tenant_id)
-        aborted = self._ctx.running.abort(request.session_id, request.reason or "aborted by caller")
-        log.info("turn_abort_requested", session_id=request.session_id, aborted=aborted)
-        return self._pb.AbortResponse(aborted=aborted)
+        if not request.session_id and not request.request_id:
+            raise InvalidRequestError("Abort needs session_id or request_id", field="session_id")
+        _check_length("request_id", request.request_id)
+        if request.session_id:
+            # Another tenant's session reads as absent; it must not learn whether a turn runs there.
+            self._check_owned(request.session_id, caller.tenant_id)
+        handle = self._ctx.running.find(
+            tenant_id=caller.tenant_id, session_id=request.session_id, request_id=request.request_id
+        )
+        if handle is not None:
+            handle.cancel(request.reason or "aborted by caller", keep_partial=request.keep_partial)
+        log.info(
+            "turn_abort_requested",
+            session_id=request.session_id or (handle.session_id if handle else ""),
+            abort_request_id=request.request_id,
+            keep_partial=request.keep_partial,
+            aborted=handle is not None,
+        )
+        if handle is None:
+            return self._pb.AbortResponse(aborted=False)
+        return self._pb.AbortResponse(
+            aborted=True, session_id=handle.session_id, request_id=handle.request_id
+        )
 
     def _turn_input(self, request: Any, tenant_id: str, remaining_s: float | None = None) -> TurnInput:
         settings = self._ctx.settings
@@ -244,19 +268,31 @@ class SessionsServicer:
         tokens = tuple(request.tokens.ids) if which == "tokens" else None
         text = request.text if which == "text" else None
         if which is None or not (tokens or text):
-            raise InvalidRequestError(f"empty turn for session {request.session_id}: no tokens and no text")
+            raise InvalidRequestError(
+                f"empty turn for session {request.session_id}: no tokens and no text", field="input"
+            )
         if tokens is not None and len(tokens) > settings.max_turn_tokens:
             raise ResourceExhaustedError(
-                f"turn of {len(tokens)} tokens exceeds the limit {settings.max_turn_tokens}"
+                f"turn of {len(tokens)} tokens exceeds the limit {settings.max_turn_tokens}",
+                reason="REQUEST_TOO_LARGE",
+                field="tokens",
             )
         if text is not None and len(text.encode()) > settings.max_turn_tokens * 4:
-            raise ResourceExhaustedError(f"turn text of {len(text.encode())} bytes exceeds the limit")
+            raise ResourceExhaustedError(
+                f"turn text of {len(text.encode())} bytes exceeds the limit {settings.max_turn_tokens * 4}",
+                reason="REQUEST_TOO_LARGE",
+                field="text",
+            )
         if request.model:
             self._check_served(request.model)
+        _check_length("request_id", request.request_id)
         g = request.generation
         max_new = g.max_new_tokens or min(256, settings.max_new_tokens)
         if max_new > settings.max_new_tokens:
-            raise InvalidRequestError(f"max_new_tokens={max_new} exceeds the limit {settings.max_new_tokens}")
+            raise InvalidRequestError(
+                f"max_new_tokens={max_new} exceeds the limit {settings.max_new_tokens}",
+                field="generation.max_new_tokens",
+            )
         try:
             spec = GenerationSpec(
                 max_new_tokens=max_new,
@@ -288,11 +324,11 @@ class SessionsServicer:
         with self._ctx.sessions() as s:
             row = self._get_owned(s, request.session_id, caller.tenant_id)
             if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed")
+                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
         handler = self._ctx.turn_handler
         if handler is None:
             raise NotImplementedError("this server has no turn engine configured")
-        handle = self._ctx.running.start(turn.session_id, turn.request_id)
+        handle = self._ctx.running.start(turn.session_id, turn.request_id, caller.tenant_id)
         context.add_callback(lambda: handle.cancel("client cancelled"))
         structlog.contextvars.bind_contextvars(session_id=turn.session_id, request_id=turn.request_id)
         started = time.perf_counter()
@@ -315,12 +351,31 @@ class SessionsServicer:
                     chunk_at.append(time.perf_counter() - started)
                 else:
                     stats = event
-                yield self._ctx.convert.turn_event(event)
-            if handle.cancelled:
-                raise CancelledError(f"turn aborted: {handle.reason}")
-            outcome = "done"
-        except (CancelledError, GeneratorExit):
-            # GeneratorExit: the client went away mid-stream (gRPC closes the generator).
+                yield self._ctx.convert.turn_event(event, request_id=turn.request_id)
+            if stats is None:
+                raise RuntimeError("turn engine ended the stream without its stats")
+            outcome = "aborted" if stats.finish_reason == FinishReason.ABORTED else "done"
+        except CancelledError:
+            outcome = "aborted"
+            if plan_event is None:
+                raise
+            # A handler that stops by raising after its plan: the stream still ends with the turn's
+            # record (ABORTED, nothing kept), as the TurnHandler contract promises callers.
+            stats = TurnStatsEvent(
+                turn_index=plan_event.turn_index,
+                ttft_s=chunk_at[0] if chunk_at else 0.0,
+                decode_tokens_per_s=0.0,
+                counts=plan_event.plan.counts,
+                generated_tokens=generated,
+                finish_reason=FinishReason.ABORTED,
+                total_s=time.perf_counter() - started,
+                persisted=False,
+                prompt_tokens=plan_event.plan.counts.prompt_tokens,
+                kept=False,
+            )
+            yield self._ctx.convert.turn_event(stats, request_id=turn.request_id)
+        except GeneratorExit:
+            # The client went away mid-stream (gRPC closes the generator).
             outcome = "aborted"
             raise
         finally:
@@ -361,8 +416,9 @@ class SessionsServicer:
         itl = m.inter_token.labels(model=model)
         for before, after in zip(chunk_at, chunk_at[1:], strict=False):
             itl.observe(after - before)
-        # Residency (plan.persist False) is a policy, not a failure; a refused or failed store write is.
-        if stats is not None and plan.persist and not stats.persisted:
+        # Residency (plan.persist False) and an abort that keeps nothing are not failures; a refused or
+        # failed store write is.
+        if stats is not None and stats.kept and plan.persist and not stats.persisted:
             m.persist_failures.labels(model=model).inc()
         if stats is not None:
             finish: str | None = str(stats.finish_reason)

@@ -1,54 +1,118 @@
 """The one table from exceptions to gRPC status codes, and the decorators servicers use to apply it.
 
-Only orchestrator/ maps exceptions to status codes (STYLE rule 14), and only here.
+Only orchestrator/ maps exceptions to status codes (STYLE rule 14), and only here. Every failed call carries
+google.rpc.Status details: an ErrorInfo (stable reason, domain kvresume.v1, the field at fault) and, on
+RESOURCE_EXHAUSTED, UNAVAILABLE and a concurrent turn, a RetryInfo.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 from sqlalchemy.exc import OperationalError
 
 from orchestrator.api import errors
+from orchestrator.errors import OrchestratorError
 from storage import StorageError, StoreClosedError
 
-__all__ = ["STATUS_TABLE", "status_for", "unary_errors", "stream_errors"]
+__all__ = [
+    "STATUS_TABLE",
+    "ERROR_DOMAIN",
+    "CallerError",
+    "error_for",
+    "rich_status",
+    "status_for",
+    "unary_errors",
+    "stream_errors",
+]
 
 log = structlog.get_logger(__name__)
 
-# Most specific first: status_for walks the table in order and takes the first isinstance match.
-STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (StoreClosedError, grpc.StatusCode.UNAVAILABLE),
-    (OperationalError, grpc.StatusCode.UNAVAILABLE),
-    (errors.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.CancelledError, grpc.StatusCode.CANCELLED),
-    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
-    (StorageError, grpc.StatusCode.INTERNAL),
+# Most specific first: status_for walks the table in order and takes the first isinstance match. The
+# third column is the ErrorInfo reason of exceptions that are not OrchestratorErrors (those carry their own).
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
+    (errors.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND, "SESSION_NOT_FOUND"),
+    (errors.UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED"),
+    (errors.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED"),
+    (errors.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION, "STATE_CHANGED"),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY"),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+    (StoreClosedError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+    (OperationalError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+    (errors.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
+    (errors.CancelledError, grpc.StatusCode.CANCELLED, "CANCELLED"),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED, "UNIMPLEMENTED"),
+    (StorageError, grpc.StatusCode.INTERNAL, "INTERNAL"),
 )
+# The ErrorInfo domain of every error (kvresume.client.ERROR_DOMAIN says the same to clients).
+ERROR_DOMAIN = "kvresume.v1"
+# When the caller may retry an UNAVAILABLE registry or store.
+_UNAVAILABLE_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallerError:
+    """What a failed call tells its caller: status code, message and the machine-readable details."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str
+    field: str | None = None
+    retry_after_s: float | None = None
+
+
+def error_for(exc: BaseException) -> CallerError:
+    """The caller-facing form of an exception (INTERNAL for anything unexpected)."""
+    for cls, code, reason in STATUS_TABLE:
+        if isinstance(exc, cls):
+            message = str(exc)
+            if isinstance(exc, OperationalError):
+                # Driver messages can carry connection strings; say only what the caller needs.
+                message = "registry database unavailable"
+            field = retry = None
+            if isinstance(exc, OrchestratorError):
+                reason, field, retry = exc.reason, exc.field, exc.retry_after_s
+            if code == grpc.StatusCode.UNAVAILABLE and retry is None:
+                retry = _UNAVAILABLE_RETRY_S
+            return CallerError(code=code, message=message, reason=reason, field=field, retry_after_s=retry)
+    return CallerError(code=grpc.StatusCode.INTERNAL, message="internal error", reason="INTERNAL")
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and caller-facing message of an exception (INTERNAL for anything unexpected)."""
-    for cls, code in STATUS_TABLE:
-        if isinstance(exc, cls):
-            if isinstance(exc, OperationalError):
-                # Driver messages can carry connection strings; say only what the caller needs.
-                return code, "registry database unavailable"
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, "internal error"
+    err = error_for(exc)
+    return err.code, err.message
+
+
+def rich_status(err: CallerError) -> grpc.Status:
+    """A grpc.Status whose trailer carries google.rpc.Status with ErrorInfo (and RetryInfo)."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN)
+    if err.field:
+        info.metadata["field"] = err.field
+    details = [info]
+    if err.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(err.retry_after_s * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    packed = []
+    for d in details:
+        wrapped = any_pb2.Any()
+        wrapped.Pack(d)
+        packed.append(wrapped)
+    status = status_pb2.Status(code=err.code.value[0], message=err.message, details=packed)
+    return rpc_status.to_status(status)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -60,14 +124,15 @@ _MAX_DETAIL_CHARS = 1024
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
-    code, message = status_for(exc)
-    if len(message) > _MAX_DETAIL_CHARS:
-        message = message[:_MAX_DETAIL_CHARS] + f"... ({len(message)} characters)"
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("rpc_failed", method=method, code=code.name)
+    err = error_for(exc)
+    if len(err.message) > _MAX_DETAIL_CHARS:
+        cut = err.message[:_MAX_DETAIL_CHARS] + f"... ({len(err.message)} characters)"
+        err = dataclasses.replace(err, message=cut)
+    if err.code == grpc.StatusCode.INTERNAL:
+        log.exception("rpc_failed", method=method, code=err.code.name)
     else:
-        log.info("rpc_rejected", method=method, code=code.name, detail=message)
-    context.abort(code, message)
+        log.info("rpc_rejected", method=method, code=err.code.name, reason=err.reason, detail=err.message)
+    context.abort_with_status(rich_status(err))
 
 
 def unary_errors(method: F) -> F:

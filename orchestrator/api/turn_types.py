@@ -98,6 +98,12 @@ class TurnStatsEvent:
     finish_reason: FinishReason
     total_s: float
     persisted: bool
+    # History plus new tokens of the turn.
+    prompt_tokens: int = 0
+    # Tokens of the session's history whose global KV is stored after the turn.
+    stored_tokens: int = 0
+    # False when the turn was aborted without keep_partial: the session stays at its previous turn.
+    kept: bool = True
 
 
 TurnEvent = PlanEvent | TokenChunkEvent | TurnStatsEvent
@@ -107,9 +113,12 @@ class TurnHandler(Protocol):
     """The turn engine as the Sessions servicer sees it.
 
     `run_turn` yields one PlanEvent first, then TokenChunkEvents, then one TurnStatsEvent. It checks
-    `handle.cancelled` between steps and, when set, stops and raises `CancelledError` (nothing of the
-    turn is kept). It raises the errors of `orchestrator.api.errors` for expected failures
-    (InvalidRequestError for a token id outside the vocabulary, NotFoundError for an unknown model).
+    `handle.cancelled` between steps and, when set after the plan, stops and ends with a TurnStatsEvent
+    whose finish_reason is ABORTED: with `handle.keep_partial` and at least one token generated, the turn
+    is recorded up to the tokens already streamed (kept=True); otherwise nothing of it is kept
+    (kept=False). A cancel before the plan raises `CancelledError`. It raises the errors of
+    `orchestrator.api.errors` for expected failures (InvalidRequestError for a token id outside the
+    vocabulary, NotFoundError for an unknown model).
     """
 
     def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent]: ...

@@ -206,7 +206,7 @@ def run_demo(
             row = DemoTurn(
                 turn=i,
                 step=step.label,
-                path=pb.common.ResumePath.Name(plan.path),
+                path=pb.common.ResumePath.Name(plan.path).removeprefix("RESUME_PATH_"),
                 model=plan.model,
                 reason=plan.reason,
                 new_tokens=int(c.cached + c.mapped + c.prefilled) - _history(turns),

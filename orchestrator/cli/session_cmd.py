@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from orchestrator.api.client import bearer_metadata, message_json, open_channel, rpc_error_text
+from kvresume.client import bearer_metadata, message_json, open_channel, rpc_error_text
 from orchestrator.api.stubs import load_stubs
 from orchestrator.cli.serve_cmd import add_settings_flags, settings_from_args
 

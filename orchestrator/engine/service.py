@@ -26,6 +26,7 @@ from orchestrator.db import (
     run_serializable,
 )
 from orchestrator.db.models import SessionRow, TurnRow, TurnStatus
+from orchestrator.engine.model_catalog import RegistryCatalog
 from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
@@ -254,6 +255,7 @@ def build_node(
     )
     ctx.turn_handler = engine
     ctx.served_models = registry.names
+    ctx.model_catalog = RegistryCatalog(registry)
     stale = _drop_stale_turns(ctx)
     # Before reconciling: a synced policy may purge (residency) or expire chunks the rows still name.
     policies_synced = _sync_policies(ctx, store)

@@ -2,8 +2,9 @@
 model, streams tokens, and at turn end persists global KV chunks, the registry rows and the pool entry.
 
 Implements the API's `TurnHandler` (plan first, tokens, stats last). Knows nothing of protobuf. A turn
-that fails, is aborted or misses its deadline leaves the session at its last completed turn: its row is
-removed, nothing is linked in the registry and the pool keeps the previous entry.
+that fails, misses its deadline or is aborted without keep_partial leaves the session at its last
+completed turn: its row is removed, nothing is linked in the registry and the pool keeps the previous
+entry. An abort with keep_partial during generation ends the turn as if generation had stopped there.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def actual_counts(
     )
 
 
+def _stored_tokens(outcome: Any, stored_before: int) -> int:
+    """Tokens of the history covered by stored chunks after the turn (what was there before when the
+    turn stored nothing)."""
+    if outcome is None or not outcome.persisted or not outcome.segments:
+        return stored_before
+    return max(seg.end_pos for seg in outcome.segments)
+
+
 class TurnEngine:
     """Runs turns for the Sessions servicer (many sessions at once; one turn per session is enforced by
     the servicer's RunningTurns and by the registry's unique turn index).
@@ -126,8 +135,10 @@ class TurnEngine:
         )
 
     @staticmethod
-    def _check(turn: TurnInput, handle: TurnHandle) -> None:
-        if handle.cancelled:
+    def _check(turn: TurnInput, handle: TurnHandle, *, finishing_partial: bool = False) -> None:
+        """Raise when the turn must stop: cancelled (unless it is already finishing a kept partial turn)
+        or past its deadline."""
+        if handle.cancelled and not finishing_partial:
             raise CancelledError(f"turn aborted: {handle.reason}")
         if turn.deadline_monotonic is not None and time.monotonic() > turn.deadline_monotonic:
             raise DeadlineError(f"turn of session {turn.session_id} passed its deadline")
@@ -142,7 +153,7 @@ class TurnEngine:
             if row is None:
                 raise NotFoundError(f"session {f.session_id} not found")
             if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed")
+                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
             if row.turn_count != f.turn_count:
                 raise PreconditionError(f"session {row.id} advanced to turn {row.turn_count} meanwhile")
             running = s.scalars(
@@ -151,7 +162,11 @@ class TurnEngine:
             if running is not None:
                 # Another replica runs a turn on this session (this process's RunningTurns refused its
                 # own twin already); a crashed node's leftovers are removed when that node starts.
-                raise PreconditionError(f"session {row.id} has a turn running on another node")
+                raise PreconditionError(
+                    f"session {row.id} has a turn running on another node",
+                    reason="TURN_RUNNING",
+                    retry_after_s=1.0,
+                )
             turns = TurnRepository(s)
             try:
                 t = turns.begin(row, model=plan.model, input_tokens=f.new_tokens)
@@ -235,6 +250,8 @@ class TurnEngine:
         self._check(turn, handle)
         turn_id, index = self._reserve(f)
         status = TurnStatus.FAILED
+        output: list[int] = []
+        ttft = 0.0
         try:
             yield PlanEvent(plan=f.plan, turn_index=index)
             plan, served = f.plan, f.served
@@ -249,7 +266,6 @@ class TurnEngine:
                 log.warning("turn_counts_differ_from_plan", planned=str(plan.counts), actual=str(counts))
             sampler = Sampler(turn.generation)
             stops = set(turn.generation.stop_token_ids)
-            output: list[int] = []
             token = sampler(logits)
             ttft = time.perf_counter() - started
             finish = FinishReason.LENGTH
@@ -262,6 +278,9 @@ class TurnEngine:
                     break
                 if len(output) >= turn.generation.max_new_tokens:
                     break
+                if handle.cancelled and handle.keep_partial:
+                    finish = FinishReason.ABORTED
+                    break
                 self._check(turn, handle)
                 out = self.compute.decode(served, token, state)
                 state = out.state
@@ -270,12 +289,13 @@ class TurnEngine:
             full = prompt + output
             persisted = False
             outcome = None
-            self._check(turn, handle)
+            partial = finish == FinishReason.ABORTED
+            self._check(turn, handle, finishing_partial=partial)
             if plan.persist:
                 # The last sampled token has not run through the model yet; run it so the stored
                 # global KV covers the whole history the next turn resumes.
                 state = self.compute.decode(served, output[-1], state).state
-                self._check(turn, handle)
+                self._check(turn, handle, finishing_partial=partial)
                 outcome = persist_chunks(
                     self.store,
                     tenant=f.tenant_id,
@@ -290,7 +310,7 @@ class TurnEngine:
                     compute=self.compute,
                 )
                 persisted = outcome.persisted
-            self._check(turn, handle)
+            self._check(turn, handle, finishing_partial=partial)
             total = time.perf_counter() - started
             rate = (len(output) - 1) / decode_s if len(output) > 1 and decode_s > 0 else 0.0
             self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
@@ -308,8 +328,28 @@ class TurnEngine:
                 finish_reason=finish,
                 total_s=total,
                 persisted=persisted,
+                prompt_tokens=len(prompt),
+                stored_tokens=_stored_tokens(outcome, f.own_stored),
             )
-        except (CancelledError, GeneratorExit):
+        except CancelledError:
+            if status != TurnStatus.DONE:
+                self._abandon(f, turn_id, TurnStatus.ABORTED)
+            # The plan went out: the stream ends with the turn's record, saying nothing of it was kept.
+            yield TurnStatsEvent(
+                turn_index=index,
+                ttft_s=ttft if output else 0.0,
+                decode_tokens_per_s=0.0,
+                counts=f.plan.counts,
+                generated_tokens=len(output),
+                finish_reason=FinishReason.ABORTED,
+                total_s=time.perf_counter() - started,
+                persisted=False,
+                prompt_tokens=len(f.history) + len(f.new_tokens),
+                stored_tokens=f.own_stored,
+                kept=False,
+            )
+        except GeneratorExit:
+            # The client went away: nobody reads a final event.
             if status != TurnStatus.DONE:
                 self._abandon(f, turn_id, TurnStatus.ABORTED)
             raise

@@ -93,7 +93,8 @@ class TurnPreparation:
         served = self.registry.get(name)
         if served is None:
             raise NotFoundError(
-                f"model {name!r} is not served here (served: {', '.join(self.registry.names)})"
+                f"model {name!r} is not served here (served: {', '.join(self.registry.names)})",
+                reason="MODEL_NOT_SERVED",
             )
         return served
 
@@ -104,11 +105,15 @@ class TurnPreparation:
             assert turn.text is not None
             tokens = served.codec.encode(turn.text)
             if not tokens:
-                raise InvalidRequestError(f"text of turn for session {turn.session_id} encodes to no tokens")
+                raise InvalidRequestError(
+                    f"text of turn for session {turn.session_id} encodes to no tokens", field="text"
+                )
         bad = [t for t in tokens if not 0 <= t < served.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary of {served.name} (size {served.vocab_size})"
+                f"token id {bad[0]} is outside the vocabulary of {served.name} (size {served.vocab_size})",
+                reason="TOKEN_OUT_OF_VOCABULARY",
+                field="tokens",
             )
         return tokens
 
@@ -160,7 +165,7 @@ class TurnPreparation:
             if row is None:
                 raise NotFoundError(f"session {turn.session_id} not found")
             if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed")
+                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
             name = turn.model or row.model
             served = self._served(name)
             new_tokens = self._new_tokens(turn, served)
@@ -174,7 +179,9 @@ class TurnPreparation:
                 # a switch to a model with a smaller vocabulary cannot read this history
                 raise InvalidRequestError(
                     f"session {row.id}'s history holds token id {max(history)}, outside the vocabulary of "
-                    f"{served.name} (size {served.vocab_size})"
+                    f"{served.name} (size {served.vocab_size})",
+                    reason="TOKEN_OUT_OF_VOCABULARY",
+                    field="model",
                 )
             view = session_view(row, new_tokens=len(new_tokens))
             policy = PolicyRepository(s).effective(

@@ -6,7 +6,7 @@ Knows nothing of SQL, storage, gRPC or the model (W and the group alignment come
 from orchestrator.planner.calibration import measure_costs
 from orchestrator.planner.costs import BUILTIN_COSTS, Costs, CostTable, estimate_seconds
 from orchestrator.planner.inputs import CacheInventory, MapperInfo, ModelGeometry, PoolState, SessionView
-from orchestrator.planner.plan import Plan, ResumePath, TokenCounts
+from orchestrator.planner.plan import Plan, PlanReason, ResumePath, TokenCounts
 from orchestrator.planner.planner import no_mapper_reason, plan_turn
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "MapperInfo",
     "ModelGeometry",
     "Plan",
+    "PlanReason",
     "PoolState",
     "ResumePath",
     "SessionView",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["ResumePath", "TokenCounts", "Plan"]
+__all__ = ["ResumePath", "PlanReason", "TokenCounts", "Plan"]
 
 
 class ResumePath(enum.StrEnum):
@@ -18,6 +18,20 @@ class ResumePath(enum.StrEnum):
     GLOBAL_REPLAY = "GLOBAL_REPLAY"
     COLD_PREFILL = "COLD_PREFILL"
     MODEL_SWAP = "MODEL_SWAP"
+
+
+class PlanReason(enum.StrEnum):
+    """Why the planner chose its path, as a stable code (values equal the proto's PlanReason names
+    without their PLAN_REASON_ prefix); `Plan.reason` says the same in words, with figures."""
+
+    NEW_SESSION = "NEW_SESSION"
+    WINDOWS_IN_POOL = "WINDOWS_IN_POOL"
+    WINDOWS_REBUILT = "WINDOWS_REBUILT"
+    NOTHING_USABLE_STORED = "NOTHING_USABLE_STORED"
+    COLD_CHEAPER = "COLD_CHEAPER"
+    NO_VALIDATED_MAPPER = "NO_VALIDATED_MAPPER"
+    NOTHING_STORED_TO_MAP = "NOTHING_STORED_TO_MAP"
+    MAPPED_FROM_LAST_MODEL = "MAPPED_FROM_LAST_MODEL"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +73,7 @@ class Plan:
         path: the resume path.
         model: the model that serves the turn (the receiver on a swap).
         reason: why this path, in words (streamed to the caller and logged).
+        reason_code: the same as a stable code.
         counts: token counts by kind.
         resume_from: first position the encoder computes from scratch (== cached + mapped).
         replay_from: first stored position re-run through the encoder to rebuild windows
@@ -74,6 +89,7 @@ class Plan:
     path: ResumePath
     model: str
     reason: str
+    reason_code: PlanReason
     counts: TokenCounts
     resume_from: int
     replay_from: int

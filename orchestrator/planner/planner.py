@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from orchestrator.planner.costs import Costs, estimate_seconds
 from orchestrator.planner.inputs import CacheInventory, MapperInfo, ModelGeometry, PoolState, SessionView
-from orchestrator.planner.plan import Plan, ResumePath, TokenCounts
+from orchestrator.planner.plan import Plan, PlanReason, ResumePath, TokenCounts
 
 __all__ = ["plan_turn", "no_mapper_reason"]
 
@@ -38,6 +38,7 @@ class _Candidate:
     resume_from: int
     replay_from: int
     reason: str
+    reason_code: PlanReason
     source_model: str | None = None
     mapper_id: str | None = None
 
@@ -52,10 +53,15 @@ def _replay_start(prefix: int, geometry: ModelGeometry) -> int:
     return start - start % geometry.group
 
 
-def _cold(session: SessionView, geometry: ModelGeometry, reason: str) -> _Candidate:
+def _cold(session: SessionView, geometry: ModelGeometry, reason: str, code: PlanReason) -> _Candidate:
     counts = TokenCounts(prefilled=session.prompt_len, replayed_decoder=_decoder_replay(session, geometry))
     return _Candidate(
-        path=ResumePath.COLD_PREFILL, counts=counts, resume_from=0, replay_from=0, reason=reason
+        path=ResumePath.COLD_PREFILL,
+        counts=counts,
+        resume_from=0,
+        replay_from=0,
+        reason=reason,
+        reason_code=code,
     )
 
 
@@ -66,6 +72,7 @@ def _from_prefix(
     *,
     path: ResumePath,
     reason: str,
+    reason_code: PlanReason,
     source_model: str,
     mapper_id: str | None = None,
 ) -> _Candidate:
@@ -83,6 +90,7 @@ def _from_prefix(
         resume_from=prefix,
         replay_from=start,
         reason=reason,
+        reason_code=reason_code,
         source_model=source_model,
         mapper_id=mapper_id,
     )
@@ -125,10 +133,11 @@ def _same_model_candidates(
     prefix = _checked_prefix(session, cache, model)
     if prefix == 0:
         why = (cache.miss_reason if cache is not None and cache.miss_reason else None) or "nothing stored"
-        return [_cold(session, geometry, f"nothing usable stored: {why}")]
+        return [_cold(session, geometry, f"nothing usable stored: {why}", PlanReason.NOTHING_USABLE_STORED)]
     assert cache is not None
     stored = _prefix_reason(prefix, session, cache)
-    out = [_cold(session, geometry, f"cold prefill is cheaper than reusing the {prefix} stored tokens")]
+    cheaper = f"cold prefill is cheaper than reusing the {prefix} stored tokens"
+    out = [_cold(session, geometry, cheaper, PlanReason.COLD_CHEAPER)]
     pool_fits = pool.model == model and pool.windows_end == session.history_len
     if prefix == session.history_len and pool_fits:
         # Windows and encoder output rows continue exactly from the end of the history: no replay.
@@ -143,6 +152,7 @@ def _same_model_candidates(
                 replay_from=prefix,
                 source_model=model,
                 reason=f"{stored}; windows in the pool",
+                reason_code=PlanReason.WINDOWS_IN_POOL,
             )
         )
         window_why = "bounded replay instead of restoring the pool windows"
@@ -156,6 +166,7 @@ def _same_model_candidates(
             path=ResumePath.GLOBAL_REPLAY,
             source_model=model,
             reason=f"{stored}; {window_why}",
+            reason_code=PlanReason.WINDOWS_REBUILT,
         )
     )
     return out
@@ -197,7 +208,7 @@ def plan_turn(
     if not model:
         raise ValueError("requested model must be non-empty")
     if session.history_len == 0:
-        candidates = [_cold(session, geometry, "new session: no history to reuse")]
+        candidates = [_cold(session, geometry, "new session: no history to reuse", PlanReason.NEW_SESSION)]
     elif session.last_model == model:
         candidates = _same_model_candidates(session, model, geometry, cache, pool)
     else:
@@ -213,11 +224,13 @@ def plan_turn(
             key=lambda m: (-m.score, m.mapper_id),
         )
         sender_prefix = _checked_prefix(session, sender_cache, sender)
+        cold_code = PlanReason.COLD_CHEAPER
         if not valid:
-            cold_reason = no_mapper_reason(sender, model)
+            cold_reason, cold_code = no_mapper_reason(sender, model), PlanReason.NO_VALIDATED_MAPPER
         elif sender_prefix == 0:
             why = sender_cache.miss_reason if sender_cache is not None and sender_cache.miss_reason else None
             cold_reason = f"nothing stored for {sender} to map: {why or 'nothing stored'}"
+            cold_code = PlanReason.NOTHING_STORED_TO_MAP
         else:
             cold_reason = (
                 f"cold prefill on {model} is cheaper than mapping {sender_prefix} tokens from {sender}"
@@ -233,9 +246,10 @@ def plan_turn(
                     source_model=sender,
                     mapper_id=valid[0].mapper_id,
                     reason=f"{sender} -> {model} via mapper {valid[0].mapper_id}: {stored} on {sender}",
+                    reason_code=PlanReason.MAPPED_FROM_LAST_MODEL,
                 )
             )
-        candidates.append(_cold(session, geometry, cold_reason))
+        candidates.append(_cold(session, geometry, cold_reason, cold_code))
     priced = sorted(
         ((estimate_seconds(c.path, c.counts, costs), _TIE_ORDER[c.path], c) for c in candidates),
         key=lambda t: (t[0], t[1]),
@@ -250,6 +264,7 @@ def plan_turn(
         path=best.path,
         model=model,
         reason=reason,
+        reason_code=best.reason_code,
         counts=best.counts,
         resume_from=best.resume_from,
         replay_from=best.replay_from,

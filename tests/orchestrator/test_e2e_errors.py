@@ -17,8 +17,16 @@ import torch
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from kvresume import error_details
 from orchestrator.db import SessionRepository, make_engine
-from tests.orchestrator.engine.node_harness import admin_md, md, registry, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    admin_md,
+    md,
+    registry,
+    run_turn,
+    start_node,
+    uninterrupted_greedy,
+)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
@@ -129,18 +137,56 @@ def test_abort_and_a_concurrent_turn_leave_the_session_at_its_last_turn(node) ->
     assert next(events).WhichOneof("event") == "plan"
     assert next(events).WhichOneof("event") == "tokens"
     # the same session cannot run a second turn meanwhile
-    assert _code(lambda: st.Turn(_turn_request(node, sid, _ids(5, 4)), metadata=md())) == (
-        grpc.StatusCode.FAILED_PRECONDITION
-    )
+    with pytest.raises(grpc.RpcError) as busy:
+        list(st.Turn(_turn_request(node, sid, _ids(5, 4)), metadata=md()))
+    assert error_details(busy.value).reason == "TURN_RUNNING"
     aborted = st.Abort(pb.sessions.AbortRequest(session_id=sid, reason="user pressed stop"), metadata=md())
     assert aborted.aborted
-    with pytest.raises(grpc.RpcError) as info:
-        list(events)
-    assert info.value.code() == grpc.StatusCode.CANCELLED
+    # the stream ends normally, with the turn's record: aborted, nothing of it kept
+    rest = list(events)
+    stats = rest[-1].stats
+    assert rest[-1].WhichOneof("event") == "stats"
+    assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and not stats.kept and not stats.persisted
+    assert stats.generated_tokens == 1 + sum(len(e.tokens.ids) for e in rest[:-1])
+    assert stats.prompt_tokens == len(before[1]) + 8
     assert _state(node, sid) == before
     # the next turn resumes from the last completed one: its stored KV and pool entry are intact
     t = run_turn(node, sid, _ids(6, 5))
     assert t.path == "FULL_HIT" and t.stats.counts.cached == len(before[1])
+
+
+def test_abort_keep_partial_keeps_the_streamed_tokens(node) -> None:
+    pb, st = node.pb, node.sessions
+    sid = _session(node)
+    first = run_turn(node, sid, _ids(30, 40))
+    history = _ids(30, 40) + first.tokens
+    new = _ids(31, 6)
+    request = _turn_request(node, sid, new, max_new=60)
+    request.request_id = "keep-me"
+    events = iter(st.Turn(request, metadata=md()))
+    plan = next(events).plan
+    assert plan.prompt_tokens == len(history) + len(new)
+    streamed = list(next(events).tokens.ids)
+    answer = st.Abort(pb.sessions.AbortRequest(request_id="keep-me", keep_partial=True), metadata=md())
+    assert answer.aborted and answer.session_id == sid and answer.request_id == "keep-me"
+    for event in events:
+        if event.WhichOneof("event") == "tokens":
+            streamed += list(event.tokens.ids)
+        else:
+            stats = event.stats
+    assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
+    assert stats.generated_tokens == len(streamed) < 60 and stats.request_id == "keep-me"
+    # the kept tokens are the uninterrupted computation's, and they joined the history
+    assert streamed == uninterrupted_greedy(node.service.registry, "a", history + new, len(streamed))
+    kept = history + new + streamed
+    assert _state(node, sid) == (2, kept)
+    # the whole kept history is stored (a partial tail chunk too; the next turn supersedes it)
+    assert stats.stored_tokens == len(kept)
+    # and the next turn resumes from it exactly, as a full hit
+    t = run_turn(node, sid, _ids(32, 5))
+    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(kept)
+    assert t.plan.reason_code == pb.common.PLAN_REASON_WINDOWS_IN_POOL
+    assert t.tokens == uninterrupted_greedy(node.service.registry, "a", kept + _ids(32, 5), 3)
 
 
 def test_deadline_leaves_the_session_at_its_last_turn(node) -> None:
@@ -196,9 +242,12 @@ def test_two_tenants_are_isolated(node) -> None:
 
 def test_residency_serves_without_persisting(node) -> None:
     pb = node.pb
-    node.admin.SetResidencyPolicy(
+    answer = node.admin.SetResidencyPolicy(
         pb.admin.ResidencyPolicy(tenant_id="globex", allowed_regions=["us-9"]), metadata=admin_md()
     )
+    # the admin is told at once that this node (eu-1) stops persisting the tenant's turns
+    assert answer.node_region == "eu-1"
+    assert "without persisting" in answer.warning and "eu-1" in answer.warning
     try:
         sid = _session(node, "globex")
         t = run_turn(node, sid, _ids(12, 40), tenant="globex")
@@ -208,7 +257,10 @@ def test_residency_serves_without_persisting(node) -> None:
         assert t.path == "COLD_PREFILL" and t.stats.counts.prefilled == 40 + 3 + 5
         assert node.service.store.tenant_stats("globex").chunks == 0
     finally:
-        node.admin.SetResidencyPolicy(pb.admin.ResidencyPolicy(tenant_id="globex"), metadata=admin_md())
+        back = node.admin.SetResidencyPolicy(
+            pb.admin.ResidencyPolicy(tenant_id="globex"), metadata=admin_md()
+        )
+        assert back.warning == ""
 
 
 def test_sessions_run_turns_in_parallel(node) -> None:

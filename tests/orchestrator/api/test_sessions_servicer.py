@@ -15,6 +15,7 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from kvresume import error_details
 from orchestrator.api import (
     CancelledError,
     FinishReason,
@@ -115,7 +116,7 @@ def test_create_session_tenant_sees_only_its_sessions(service) -> None:
     pb, stub = service.pb, service.sessions()
     a1 = _create(service, "tok-globex").session
     a2 = _create(service, "tok-globex").session
-    assert a1.tenant_id == "globex" and a1.status == pb.common.SESSION_OPEN
+    assert a1.tenant_id == "globex" and a1.status == pb.common.SESSION_STATUS_OPEN
     got = stub.GetSession(
         pb.sessions.GetSessionRequest(session_id=a1.session_id), metadata=bearer("tok-globex")
     )
@@ -142,7 +143,7 @@ def test_create_session_tenant_sees_only_its_sessions(service) -> None:
     closed = stub.CloseSession(
         pb.sessions.CloseSessionRequest(session_id=a2.session_id), metadata=bearer("tok-globex")
     )
-    assert closed.status == pb.common.SESSION_CLOSED
+    assert closed.status == pb.common.SESSION_STATUS_CLOSED
     open_only = stub.ListSessions(
         pb.sessions.ListSessionsRequest(open_only=True), metadata=bearer("tok-globex")
     )
@@ -155,12 +156,14 @@ def test_create_session_clips_retention_to_tenant_policy(service) -> None:
         pb.admin.RetentionPolicy(tenant_id="acme", floor_s=60, ceiling_s=3600), metadata=bearer(ADMIN_TOKEN)
     )
     clipped = _create(service, "tok-acme", retention_s=86400)
-    assert clipped.session.retention_s == 3600 and clipped.retention_outcome == pb.common.RETENTION_CLIPPED
+    c = pb.common
+    assert clipped.session.retention_s == 3600 and clipped.retention_outcome == c.RETENTION_OUTCOME_CLIPPED
     accepted = _create(service, "tok-acme", retention_s=600)
-    assert accepted.session.retention_s == 600 and accepted.retention_outcome == pb.common.RETENTION_ACCEPTED
+    assert accepted.session.retention_s == 600 and accepted.retention_outcome == c.RETENTION_OUTCOME_ACCEPTED
     defaulted = _create(service, "tok-acme")
     assert (
-        defaulted.session.retention_s == 3600 and defaulted.retention_outcome == pb.common.RETENTION_DEFAULTED
+        defaulted.session.retention_s == 3600
+        and defaulted.retention_outcome == c.RETENTION_OUTCOME_DEFAULTED
     )
 
 
@@ -260,11 +263,14 @@ def test_turn_streams_plan_then_tokens_then_stats(service, engine) -> None:
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds == ["plan", "tokens", "tokens", "stats"]
     plan = events[0].plan
-    assert plan.path == pb.common.COLD_PREFILL and plan.reason == "new session: no history to reuse"
+    assert plan.path == pb.common.RESUME_PATH_COLD_PREFILL
+    assert plan.reason == "new session: no history to reuse"
+    assert plan.reason_code == pb.common.PLAN_REASON_NEW_SESSION and plan.prompt_tokens == 3
     assert plan.counts.prefilled == 3 and plan.model == "small"
     assert [i for e in events[1:3] for i in e.tokens.ids] == [7, 6, 5]
     assert (
-        events[-1].stats.generated_tokens == 3 and events[-1].stats.finish_reason == pb.sessions.FINISH_LENGTH
+        events[-1].stats.generated_tokens == 3
+        and events[-1].stats.finish_reason == pb.sessions.FINISH_REASON_LENGTH
     )
     lines = [entry for entry in logs if entry["event"] == "turn_completed"]
     assert len(lines) == 1
@@ -294,33 +300,87 @@ def test_abort_cancels_the_running_turn(service, engine) -> None:
     pb, stub = service.pb, service.sessions()
     sid = _create(service, "tok-initech").session.session_id
     engine.block.set()
-    stream = stub.Turn(pb.sessions.TurnRequest(session_id=sid, text="hello"), metadata=bearer("tok-initech"))
+    stream = stub.Turn(
+        pb.sessions.TurnRequest(session_id=sid, text="hello", request_id="req-abort"),
+        metadata=bearer("tok-initech"),
+    )
     first = next(stream)
     assert first.WhichOneof("event") == "plan"
-    # A second turn on the same session while one runs is refused.
-    assert (
-        _code(stub.Turn, pb.sessions.TurnRequest(session_id=sid, text="x"), metadata=bearer("tok-initech"))
-        == grpc.StatusCode.FAILED_PRECONDITION
-    )
-    # Another tenant cannot abort it (the session reads as absent), nor cancel it by closing or deleting
-    # the id: a cancel would keep its first reason, so the owner's reason below proves none happened.
+    # A second turn on the same session while one runs is refused, with a machine-readable reason and
+    # a retry delay.
+    with pytest.raises(grpc.RpcError) as busy:
+        list(stub.Turn(pb.sessions.TurnRequest(session_id=sid, text="x"), metadata=bearer("tok-initech")))
+    details = error_details(busy.value)
+    assert details.code == "FAILED_PRECONDITION" and details.reason == "TURN_RUNNING"
+    assert details.retry_after_s is not None and details.retry_after_s > 0
+    # Another tenant cannot abort it (the session reads as absent; its request id matches nothing of
+    # theirs), nor cancel it by closing or deleting the id: a cancel would keep its first reason, so the
+    # owner's reason below proves none happened.
     assert (
         _code(stub.Abort, pb.sessions.AbortRequest(session_id=sid), metadata=bearer("tok-acme"))
         == grpc.StatusCode.NOT_FOUND
     )
+    assert not stub.Abort(
+        pb.sessions.AbortRequest(request_id="req-abort"), metadata=bearer("tok-acme")
+    ).aborted
     for call, request in (
         (stub.CloseSession, pb.sessions.CloseSessionRequest(session_id=sid)),
         (stub.DeleteSession, pb.sessions.DeleteSessionRequest(session_id=sid)),
     ):
         assert _code(call, request, metadata=bearer("tok-acme")) == grpc.StatusCode.NOT_FOUND
-    assert stub.Abort(
-        pb.sessions.AbortRequest(session_id=sid, reason="user hit stop"), metadata=bearer("tok-initech")
-    ).aborted
-    with pytest.raises(grpc.RpcError) as info:
-        next(stream)
-    assert info.value.code() == grpc.StatusCode.CANCELLED and "user hit stop" in info.value.details()
+    # Neither id given is a usage error naming the field.
+    with pytest.raises(grpc.RpcError) as empty:
+        stub.Abort(pb.sessions.AbortRequest(), metadata=bearer("tok-initech"))
+    assert error_details(empty.value).metadata == {"field": "session_id"}
+    # By request id alone (what TurnRequest.request_id is for).
+    answer = stub.Abort(
+        pb.sessions.AbortRequest(request_id="req-abort", reason="user hit stop"),
+        metadata=bearer("tok-initech"),
+    )
+    assert answer.aborted and answer.session_id == sid and answer.request_id == "req-abort"
+    # The stream ends normally with the turn's record: ABORTED, nothing kept.
+    rest = list(stream)
+    assert [e.WhichOneof("event") for e in rest] == ["stats"]
+    stats = rest[0].stats
+    assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and not stats.kept
+    assert stats.request_id == "req-abort" and not stats.persisted
     assert not stub.Abort(pb.sessions.AbortRequest(session_id=sid), metadata=bearer("tok-initech")).aborted
     assert len(service.ctx.running) == 0
+
+
+def test_errors_carry_error_info_and_retry_info(service, engine) -> None:
+    # No session is created here: the module's tenants are near their session limit.
+    pb, stub = service.pb, service.sessions()
+    too_long = pb.sessions.TurnRequest(
+        session_id="any", tokens=pb.sessions.TokenIds(ids=[1] * (service.ctx.settings.max_turn_tokens + 1))
+    )
+    cases = [
+        (
+            lambda: stub.GetSession(
+                pb.sessions.GetSessionRequest(session_id="nope"), metadata=bearer("tok-acme")
+            ),
+            ("NOT_FOUND", "SESSION_NOT_FOUND", None),
+        ),
+        (
+            lambda: stub.GetSession(pb.sessions.GetSessionRequest(), metadata=bearer("tok-acme")),
+            ("INVALID_ARGUMENT", "INVALID_ARGUMENT", "session_id"),
+        ),
+        (
+            lambda: stub.GetSession(pb.sessions.GetSessionRequest(session_id="x"), metadata=bearer("bad")),
+            ("UNAUTHENTICATED", "UNAUTHENTICATED", None),
+        ),
+        (
+            lambda: list(stub.Turn(too_long, metadata=bearer("tok-acme"))),
+            ("RESOURCE_EXHAUSTED", "REQUEST_TOO_LARGE", "tokens"),
+        ),
+    ]
+    for call, (code, reason, field) in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        d = error_details(info.value)
+        assert (d.code, d.reason, d.metadata.get("field")) == (code, reason, field), d
+        # RESOURCE_EXHAUSTED always says when a retry may help; these others say nothing.
+        assert (d.retry_after_s is not None) == (code == "RESOURCE_EXHAUSTED"), d
 
 
 def test_fork_and_delete_keep_shared_segments(service) -> None:

@@ -34,7 +34,7 @@ def test_status_for_maps_each_error_once(exc: BaseException, code: grpc.StatusCo
 
 
 def test_status_table_orders_subclasses_before_bases() -> None:
-    classes = [cls for cls, _ in STATUS_TABLE]
+    classes = [cls for cls, _, _ in STATUS_TABLE]
     for i, cls in enumerate(classes):
         for later in classes[i + 1 :]:
             assert not issubclass(later, cls), f"{later.__name__} is shadowed by {cls.__name__}"

@@ -7,8 +7,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvresume import open_channel
 from orchestrator.api import build_context, build_server
-from orchestrator.api.client import open_channel
 from tests.orchestrator.api.conftest import bearer, make_settings
 
 TLS = Path(__file__).parent / "tls"

@@ -139,7 +139,8 @@ def run_turn(
         else:
             stats = event.stats
     assert plan is not None and stats is not None
-    return TurnResult(path=pb.common.ResumePath.Name(plan.path), plan=plan, stats=stats, tokens=out)
+    path = pb.common.ResumePath.Name(plan.path).removeprefix("RESUME_PATH_")
+    return TurnResult(path=path, plan=plan, stats=stats, tokens=out)
 
 
 def counts(msg: Any) -> dict[str, int]:

@@ -1,0 +1,59 @@
+"""The served models as the Models service sees them: `RegistryCatalog` describes the registry's models.
+
+Knows nothing of protobuf; describing a model loads it (its fingerprint needs the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from model import kv_bytes
+from orchestrator.api import ModelDescription, NotFoundError
+from orchestrator.engine.served_models import ModelRegistry, ServedModel
+
+__all__ = ["RegistryCatalog"]
+
+
+class RegistryCatalog:
+    """`ModelCatalog` over a `ModelRegistry`."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self._registry = registry
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._registry.names
+
+    def _served(self, name: str) -> ServedModel:
+        served = self._registry.get(name)
+        if served is None:
+            raise NotFoundError(
+                f"model {name!r} is not served here (served: {', '.join(self.names)})",
+                reason="MODEL_NOT_SERVED",
+            )
+        return served
+
+    def describe(self, name: str) -> ModelDescription | None:
+        if name not in self._registry.names:
+            return None
+        served = self._served(name)
+        cfg = served.model.cfg
+        spec = served.spec
+        return ModelDescription(
+            name=name,
+            fingerprint=served.fingerprint_hex,
+            numerics_profile=served.numerics.label,
+            vocab_size=cfg.vocab_size,
+            window=cfg.window_size,
+            max_context_tokens=cfg.max_seq_len,
+            kv_bytes_per_token=float(kv_bytes(cfg).global_bytes_per_token),
+            tokenizer=served.codec.name,
+            source=spec.source,
+            config_name=spec.config or (spec.checkpoint.name if spec.checkpoint is not None else ""),
+        )
+
+    def tokenize(self, name: str, text: str) -> list[int]:
+        return list(self._served(name).codec.encode(text))
+
+    def detokenize(self, name: str, ids: Sequence[int]) -> str:
+        return self._served(name).codec.decode(list(ids))
