@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 TIE_BREAKS = ("reference", "deterministic")
+# +inf's bits in fp32 and bf16 (positive, so already monotone as signed integers)
+_F32_INF_BITS = 0x7F800000
+_BF16_INF_BITS = 0x7F80
 
 
 def check_tie_break(tie_break: str) -> None:
@@ -27,8 +30,47 @@ def top_indices(scores: torch.Tensor, k: int, *, tie_break: str, reference_sorte
     """
     if tie_break == "reference":
         return scores.topk(k, dim=-1, sorted=reference_sorted).indices
-    # a stable descending sort keeps equal scores in id order
+    return rank_keys(scores).topk(k, dim=-1, sorted=False).indices
+
+
+def top_indices_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Slow twin of the deterministic rule (O(N log N) per row): a stable descending sort keeps equal
+    scores in id order. Same set of ids as `top_indices(..., tie_break="deterministic")`."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def rank_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Distinct integer keys [..., N] ordered as the deterministic rule ranks entries: higher score
+    first, then lower id. `topk` on them is O(N) per row and, the keys being distinct, picks exactly the
+    ids a stable descending sort puts first.
+
+    The high bits are the score's bits made monotone as signed integers (a negative float's magnitude
+    bits flipped), the low bits (2^b - 1 - id). bf16 rows of at most 2^16 entries get int32 keys (16 + 16
+    bits), anything else int64 keys from the fp32 value (32 + 32 bits). Scores the sort treats as equal
+    are made bit-equal first: -0.0 becomes +0.0, and every NaN gets the largest key (torch's sort puts
+    NaN above +inf).
+
+    Args:
+        scores: [..., N] bf16 or fp32 (any float dtype that converts to fp32 exactly).
+
+    Returns:
+        [..., N] int32 or int64.
+    """
+    n = scores.size(-1)
+    if n > 2**32:
+        raise ValueError(f"rank_keys supports rows of at most 2^32 entries, got {n}")
+    narrow = scores.dtype == torch.bfloat16 and n <= 2**16
+    f = scores if narrow else scores.float()
+    shift, sign_mask, inf_bits = (16, 0x7FFF, _BF16_INF_BITS) if narrow else (32, 0x7FFFFFFF, _F32_INF_BITS)
+    key_dtype = torch.int32 if narrow else torch.int64
+    nan = torch.isnan(f)
+    # -0.0 + 0.0 is +0.0 under round-to-nearest; every other value keeps its bits
+    bits = (f + 0.0).view(torch.int16 if narrow else torch.int32).to(key_dtype)
+    monotone = bits ^ ((bits >> (shift - 1)) & sign_mask)
+    # +inf's bits plus one: above every score, as the sort ranks NaN
+    monotone = monotone.masked_fill(nan, inf_bits + 1)
+    ids = torch.arange(n - 1, -1, -1, device=scores.device, dtype=key_dtype) + (2**shift - n)
+    return (monotone << shift) | ids
 
 
 def as_row_counts(visible: int | torch.Tensor, scores: torch.Tensor) -> int | torch.Tensor:

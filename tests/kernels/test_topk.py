@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import candidate_blocks, select_topk
+from kernels.topk.selection import rank_keys, top_indices, top_indices_sorted
 from tests.shared_vectors import conformance_vectors
 
 # v41-tiny: compress ratio per index-source layer, index_topk, candidate source and its block pool
@@ -77,6 +79,53 @@ def test_select_topk_deterministic_matches_loop_twin(bt_n_k: tuple[int, ...], le
     got = select_topk(scores, k, visible, tie_break="deterministic")
     assert got.dtype == torch.int32 and got.shape == (b, t, k)
     assert torch.equal(got, select_topk_naive(scores, k, visible))
+
+
+def _special_values(x: torch.Tensor) -> torch.Tensor:
+    """x with NaNs of both signs, both zeros and both infinities planted in every row."""
+    x = x.clone()
+    x[..., 3], x[..., 5], x[..., 7], x[..., 9] = float("nan"), -float("nan"), -0.0, 0.0
+    x[..., 11], x[..., 13] = torch.inf, -torch.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "shape_k",
+    [
+        ((1, 1, 63), 16),
+        ((2, 5, 1000), 16),
+        ((1, 3, 1000), 1000),
+        ((1, 2, 2**16), 16),
+        ((1, 1, 2**16 + 7), 300),
+    ],
+    ids=["N63", "N1000", "k=N", "N=2^16", "N>2^16"],
+)
+@pytest.mark.parametrize("seed", [0, 1, None], ids=["seed0", "seed1", "fresh"])
+def test_top_indices_deterministic_matches_sort_twin(
+    shape_k: tuple[tuple[int, ...], int], dtype: torch.dtype, seed: int | None
+) -> None:
+    shape, k = shape_k
+    seed = seed if seed is not None else time.time_ns() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    for levels in (None, 2, 5):
+        if levels is None:
+            x = torch.randn(shape, generator=g)
+        else:
+            x = torch.randint(0, levels, shape, generator=g) - 2.0
+        x = _special_values(x.to(dtype))
+        got = top_indices(x, k, tie_break="deterministic", reference_sorted=False).sort(-1).values
+        want = top_indices_sorted(x, k).sort(-1).values
+        assert torch.equal(got, want), f"seed {seed} levels {levels}: {(got != want).sum().item()} ids differ"
+
+
+def test_rank_keys_are_distinct_and_ordered() -> None:
+    x = torch.tensor([[[1.0, -0.0, 0.0, float("nan"), -1.0, torch.inf, 1.0]]])
+    for dtype, key_dtype in ((torch.bfloat16, torch.int32), (torch.float32, torch.int64)):
+        keys = rank_keys(x.to(dtype))[0, 0]
+        assert keys.dtype == key_dtype
+        # NaN, +inf, 1.0 (id 0), 1.0 (id 6), -0.0 and +0.0 tie (ids 1, 2), -1.0
+        assert keys.argsort(descending=True).tolist() == [3, 5, 0, 6, 1, 2, 4]
 
 
 def test_select_topk_reference_equals_deterministic_without_ties() -> None:
