@@ -27,9 +27,9 @@ from kernels.formats import (
     quantize_fp8_ue8m0,
     quantize_mxfp4,
 )
-from kernels.index_score import index_score
+from kernels.index_score import index_score, index_score_at
 from kernels.sparse_attn import sparse_attn
-from kernels.topk import TIE_BREAKS, candidate_blocks, select_topk
+from kernels.topk import TIE_BREAKS, candidate_blocks, pool_ids, select_topk
 
 __all__ = [
     "E2M1_MAX",
@@ -51,6 +51,8 @@ __all__ = [
     "fp4_linear",
     "fp8_linear",
     "index_score",
+    "index_score_at",
+    "pool_ids",
     "qdq_fp4_e4m3",
     "qdq_fp8_ue8m0",
     "qdq_mxfp4",

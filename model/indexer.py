@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import candidate_blocks, index_score, qdq_mxfp4, quantize_mxfp4, select_topk
+from kernels import (
+    candidate_blocks,
+    index_score,
+    index_score_at,
+    pool_ids,
+    qdq_mxfp4,
+    quantize_mxfp4,
+    select_topk,
+)
 from model.linear import Linear
 from model.norm import RMSNorm
 from model.rope import apply_rope
@@ -106,13 +114,42 @@ class Indexer(nn.Module):
         q = apply_rope(q, freqs, self.rope_dim)
         q = qdq_mxfp4(q, backend=backend)
         weights = self.weights_proj(x) * (self.index_head_dim**-0.5 * self.n_heads**-0.5)  # [B, T, H_I]
+        k = min(self.topk, index_k.size(1))
+        if candidates is not None and not candidate_source and tie_break == "deterministic":
+            return self._select_in_pool(q, index_k, weights, visible, candidates, k, block_size * topk_blocks)
         scores = index_score(q, index_k, weights, visible=visible, backend=backend)  # [B, T, N] bf16
         pool = None
         if candidate_source:
             pool = candidate_blocks(scores, visible, block_size, topk_blocks, tie_break=tie_break)
         elif candidates is not None:
             scores = scores.masked_fill(~candidates, -torch.inf)
-        k = min(self.topk, index_k.size(1))
         # the reference keeps -inf picks as valid ids; the deterministic mode drops them (V41_SPEC §4.2)
         ids = select_topk(scores, k, visible, tie_break=tie_break, drop_neg_inf=tie_break != "reference")
         return ids, pool
+
+    @staticmethod
+    def _select_in_pool(
+        q: torch.Tensor,
+        index_k: torch.Tensor,
+        weights: torch.Tensor,
+        visible: torch.Tensor,
+        candidates: torch.Tensor,
+        k: int,
+        pool_size: int,
+    ) -> tuple[torch.Tensor, None]:
+        """A Reindex layer's deterministic top-k, scoring only its candidate pool (O(pool) per row).
+
+        Equal bit for bit to the full scan with non-candidates at -inf (tested): the pool's scores are
+        the full scan's at those ids, the pool is ascending in id so ranking by (score, pool slot) is
+        ranking by (score, id), and -inf picks become -1 in both.
+
+        q [B, T, H_I, D_I], index_k [B, N, D_I], weights [B, T, H_I] bf16; visible [T] int64; candidates
+        [B, T, N] bool -> ids [B, T, k] int32 (ascending, then -1).
+        """
+        ids = pool_ids(candidates, pool_size)  # [B, T, pool_size] int64
+        scores = index_score_at(q, index_k, weights, ids, visible=visible)  # [B, T, pool_size] bf16
+        slots = select_topk(scores, min(k, pool_size), pool_size, tie_break="deterministic")
+        picked = torch.where(slots >= 0, ids.gather(-1, slots.long().clamp_min(0)), -1)
+        if picked.size(-1) < k:
+            picked = torch.nn.functional.pad(picked, (0, k - picked.size(-1)), value=-1)
+        return picked.int(), None

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.index_score.reference import index_score_reference
+from kernels.index_score.reference import index_score_at_reference, index_score_reference
 
-__all__ = ["index_score"]
+__all__ = ["index_score", "index_score_at"]
 
 _BACKENDS = ("torch", "triton")
 
@@ -79,3 +79,32 @@ def index_score(
     from kernels.index_score.triton import index_score_triton
 
     return index_score_triton(q, k, weights, visible=visible, candidates=candidates)
+
+
+def index_score_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`index_score` at a few key ids per row (a Reindex layer's candidate pool), torch only.
+
+    Args:
+        q: [B, T, H, D] bf16; k: [B, N, D] bf16; weights: [B, T, H] bf16 (as `index_score`).
+        ids: [B, T, P] int64 key ids in [-1, N), -1 = empty slot.
+        visible: optional [T] or [B, T] int; ids >= visible[.., t] score -inf.
+
+    Returns:
+        [B, T, P] bf16: index_score(q, k, weights)[b, t, ids[b, t, p]] bit for bit, -inf at -1 and
+        invisible ids.
+
+    Raises:
+        ValueError: bad shapes or dtypes.
+    """
+    _check_inputs(q, k, weights, visible, None)
+    b, t = q.shape[:2]
+    if ids.dim() != 3 or ids.shape[:2] != (b, t) or ids.dtype != torch.int64:
+        raise ValueError(f"ids must be int64 [B={b}, T={t}, P], got {ids.dtype} {tuple(ids.shape)}")
+    return index_score_at_reference(q, k, weights, ids, visible=visible)

@@ -52,3 +52,36 @@ def index_score_reference(
     if candidates is not None:
         scores = scores.masked_fill(~candidates, -torch.inf)
     return scores
+
+
+def index_score_at_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scores `index_score_reference` gives at the named key ids only: [B, T, P], -inf at id -1.
+
+    The same bf16 products, relu, head weighting and bf16 head sum per (row, key) as the full scan, on
+    keys gathered per row, so out[b,t,p] equals full[b,t,ids[b,t,p]] bit for bit (tested) while the
+    cost is O(P) per row instead of O(N).
+
+    Args:
+        q: [B, T, H, D] bf16; k: [B, N, D] bf16; weights: [B, T, H] bf16 (as `index_score_reference`).
+        ids: [B, T, P] int64 key ids in [-1, N); -1 marks an empty slot.
+        visible: optional [T] or [B, T] int; ids >= visible[b, t] become -inf.
+
+    Returns:
+        [B, T, P] bf16 scores.
+    """
+    b = q.size(0)
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    keys = k[batch, ids.clamp_min(0)]  # [B, T, P, D]
+    scores = torch.einsum("bshd,bspd->bshp", q, keys)  # [B, T, H, P] bf16
+    scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)  # [B, T, P]
+    masked = ids < 0
+    if visible is not None:
+        masked = masked | (ids >= visible.unsqueeze(-1))
+    return scores.masked_fill_(masked, -torch.inf)

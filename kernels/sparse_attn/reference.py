@@ -46,7 +46,6 @@ def sparse_attn_reference(
     device = q.device
     scale = torch.tensor(softmax_scale, dtype=torch.float32, device=device)
     qf = q.float()
-    kvf = kv.float()
     acc_o = torch.zeros(b, t, h, d, dtype=torch.float32, device=device)
     sum_exp = torch.zeros(b, t, h, dtype=torch.float32, device=device)
     running_max = torch.full((b, t, h), RUNNING_MAX_INIT, dtype=torch.float32, device=device)
@@ -54,8 +53,9 @@ def sparse_attn_reference(
     for start in range(0, k, SPARSE_ATTN_BLOCK):
         idxs = topk_idxs[:, :, start : start + SPARSE_ATTN_BLOCK].long()
         valid = idxs != -1
-        # invalid slots gather row 0 and are zeroed by the multiply, exactly as the reference port does
-        kv_blk = kvf[batch, idxs.clamp_min(0)] * valid.unsqueeze(-1)  # [B, T, blk, D]
+        # invalid slots gather row 0 and are zeroed by the multiply, exactly as the reference port does;
+        # gathering before the (exact) fp32 conversion touches only the picked rows, not all N
+        kv_blk = kv[batch, idxs.clamp_min(0)].float() * valid.unsqueeze(-1)  # [B, T, blk, D]
         scores = torch.einsum("bmhd,bmkd->bmhk", qf, kv_blk)
         # the mask comes before the scale, as in the kernel: -inf * scale stays -inf
         scores = torch.where(valid.unsqueeze(2), scores, -torch.inf) * scale

@@ -69,3 +69,33 @@ def candidate_blocks(
     reachable = per_block.gather(-1, picks) > -torch.inf
     keep = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, picks, reachable)
     return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+
+
+def pool_ids(pool: torch.Tensor, size: int) -> torch.Tensor:
+    """The entry ids of a candidate mask, ascending per row, padded with -1: [B, T, size] int64.
+
+    O(N) per row (one `topk` on distinct keys: candidates first, then lower id).
+
+    Args:
+        pool: [B, T, N] bool, at most `size` True per row (a `candidate_blocks` mask holds at most
+            topk_blocks * block_size).
+        size: slots per row, >= 1.
+
+    Raises:
+        ValueError: a row holding more than `size` candidates, or size < 1.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    n = pool.size(-1)
+    counts = pool.sum(dim=-1)
+    if counts.numel() and int(counts.max()) > size:
+        raise ValueError(f"a row holds {int(counts.max())} candidates, more than size={size}")
+    take = min(size, n)
+    reversed_ids = torch.arange(n - 1, -1, -1, device=pool.device, dtype=torch.int64) + (2**32 - n)
+    picks = ((pool.long() << 32) | reversed_ids).topk(take, dim=-1, sorted=False).indices
+    # non-candidates picked to fill a short row sort behind the candidates, then become -1
+    picks = torch.where(pool.gather(-1, picks), picks, n).sort(dim=-1).values
+    picks = torch.where(picks == n, -1, picks)
+    if take < size:
+        picks = F.pad(picks, (0, size - take), value=-1)
+    return picks

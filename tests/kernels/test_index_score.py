@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import index_score
+from kernels import index_score, index_score_at
 
 # (B, T, H, D, N): tiny config (4 heads x 64), released-style (32 x 128), decode T = 1, odd sizes.
 SHAPES = {
@@ -139,3 +139,22 @@ def test_index_score_triton_matches_torch_on_cuda(shape: tuple[int, ...]) -> Non
     checked = topk_sets_agree_without_near_ties(plain, want_plain, min(16, n - 1), margin)
     # with a handful of rows all may be near-tied; with many, most must be clear
     assert checked > 0 or b * t < 16
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_index_score_at_equals_full_scan_at_the_ids(shape: tuple[int, ...]) -> None:
+    b, t, _, _, n = shape
+    q, k, w = make_inputs(*shape, seed=5)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(-1, n, (b, t, 33), generator=g)
+    visible = torch.randint(1, n + 1, (t,), generator=g)
+    got = index_score_at(q, k, w, ids, visible=visible)
+    full = index_score(q, k, w, visible=visible)
+    want = full.gather(-1, ids.clamp_min(0)).masked_fill(ids < 0, -torch.inf)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{(got != want).sum().item()} differ"
+
+
+def test_index_score_at_rejects_bad_ids() -> None:
+    q, k, w = make_inputs(1, 2, 4, 64, 10, seed=0)
+    with pytest.raises(ValueError, match="ids must be"):
+        index_score_at(q, k, w, torch.zeros(1, 2, 3, dtype=torch.int32))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import candidate_blocks, select_topk
+from kernels import candidate_blocks, pool_ids, select_topk
 from kernels.topk.selection import rank_keys, top_indices, top_indices_sorted
 from tests.shared_vectors import conformance_vectors
 
@@ -182,6 +182,20 @@ def test_candidate_blocks_deterministic_matches_loop_twin(shape: tuple[int, ...]
     assert torch.equal(got, candidate_blocks_naive(scores, visible, 4, 3))
     if levels is None:
         assert torch.equal(candidate_blocks(scores, visible, 4, 3), got)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 37), (2, 63, 150), (1, 5, 2**16 + 3)], ids=["T1", "T63", "N>2^16"])
+def test_pool_ids_lists_the_candidates_ascending(shape: tuple[int, ...]) -> None:
+    scores, visible = random_scores(*shape, seed=7, levels=4)
+    pool = candidate_blocks(scores, visible, 4, 3, tie_break="deterministic")
+    got = pool_ids(pool, 12)
+    assert got.shape == (*shape[:2], 12) and got.dtype == torch.int64
+    for bi in range(shape[0]):
+        for ti in range(shape[1]):
+            want = pool[bi, ti].nonzero().flatten().tolist()
+            assert got[bi, ti].tolist() == want + [-1] * (12 - len(want))
+    with pytest.raises(ValueError, match="more than size"):
+        pool_ids(pool, 2)
 
 
 def test_candidate_blocks_rejects_bad_arguments() -> None:
