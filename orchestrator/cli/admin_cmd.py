@@ -1,21 +1,23 @@
-"""`kvresume admin ...`: migrations (local), and policy, purge, audit and stats calls to a running server.
+"""`kvresume admin ...`: the Admin calls to a running server (retention, residency, purge, audit, stats;
+client: the light `kvresume` package only), and local work on this node's registry and cost table
+(migrate, downgrade, audit-local, calibrate; server install).
 
-Exit 0 on success, 1 on failure (an RPC error prints its status code and details to stderr).
+An RPC's answer prints as text, or as JSON with `--json`. `residency set` prints the server's warning
+(the policy excludes the answering node's region: its turns for the tenant stop persisting) on stderr in
+every mode; the JSON keeps it in `warning`. `audit verify` exits 1 when the chain is broken.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
-from kvresume.client import bearer_metadata, message_json, open_channel, rpc_error_text
-from orchestrator.api.stubs import load_stubs
-from orchestrator.cli.serve_cmd import add_settings_flags, settings_from_args
+from orchestrator.cli.connection import ADMIN, add_connection_flags, connect
+from orchestrator.cli.output import add_json_flag, fields_text, table_text, text_stream, write_json
+from orchestrator.cli.settings_flags import add_settings_flags, settings_from_args
 
 
 def _migrate(args: argparse.Namespace) -> int:
@@ -26,7 +28,8 @@ def _migrate(args: argparse.Namespace) -> int:
         upgrade(url, args.revision)
     else:
         downgrade(url, args.revision)
-    print(f"database at revision {args.revision}")
+    print(f"database at revision {args.revision}", file=text_stream(args.json))
+    write_json({"revision": args.revision}, args.json)
     return 0
 
 
@@ -40,31 +43,24 @@ def _audit_verify_local(args: argparse.Namespace) -> int:
         head_seq, head_hash = sink.head()
     finally:
         engine.dispose()
-    if args.json:
-        import json
-
-        print(
-            json.dumps(
-                {
-                    "ok": result.ok,
-                    "records": result.records,
-                    "first_break_seq": result.first_break_seq,
-                    "reason": result.reason,
-                    "head_seq": head_seq,
-                    "head_hash": head_hash,
-                },
-                sort_keys=True,
-            )
-        )
-    else:
-        state = "ok" if result.ok else f"BROKEN at seq {result.first_break_seq}: {result.reason}"
-        print(f"audit chain {state}; {result.records} records, head seq {head_seq}")
+    state = "ok" if result.ok else f"BROKEN at seq {result.first_break_seq}: {result.reason}"
+    print(f"audit chain {state}; {result.records} records, head seq {head_seq}", file=text_stream(args.json))
+    write_json(
+        {
+            "ok": result.ok,
+            "records": result.records,
+            "first_break_seq": result.first_break_seq,
+            "reason": result.reason,
+            "head_seq": head_seq,
+            "head_hash": head_hash,
+        },
+        args.json,
+    )
     return 0 if result.ok else 1
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     """Measure per-token costs of a model preset on this machine and merge them into the cost table."""
-    import json
     import tempfile
     from pathlib import Path
 
@@ -125,136 +121,170 @@ def _calibrate(args: argparse.Namespace) -> int:
     table = CostTable.load(out) if out.is_file() else CostTable()
     name = args.model_name or args.preset
     table.with_model(name, costs).save(out)
-    print(json.dumps({"model": name, "out": str(out), **costs.to_json()}, sort_keys=True))
+    doc = {"model": name, "out": str(out), **costs.to_json()}
+    print(f"per-token costs of {name} written to {out}:\n{fields_text(costs.to_json())}",
+          file=text_stream(args.json))
+    write_json(doc, args.json)
     return 0
 
 
-def _remote(
-    build: Callable[[Any, argparse.Namespace], tuple[str, Any]], *, ok: Callable[[Any], bool] | None = None
-):
-    """Wrap a request builder: open a channel, call Admin.<method>, print the response."""
+def _retention(args: argparse.Namespace) -> tuple[str, Any]:
+    from kvresume.v1 import admin_pb2
 
-    def run(args: argparse.Namespace) -> int:
-        pb = load_stubs()
-        settings = settings_from_args(args)
-        token = args.token or os.environ.get("KVRESUME_ADMIN_TOKEN", "") or settings.admin_token
-        target = args.target or f"{settings.grpc_host}:{settings.grpc_port}"
-        method, request = build(pb, args)
-        with open_channel(target, tls_ca_file=args.tls_ca) as channel:
-            stub = pb.admin_grpc.AdminStub(channel)
-            try:
-                response = getattr(stub, method)(
-                    request, metadata=bearer_metadata(token), timeout=args.timeout
-                )
-            except grpc.RpcError as exc:
-                print(f"kvresume admin: {rpc_error_text(exc)}", file=sys.stderr)
-                return 1
-        print(message_json(response))
-        return 0 if ok is None or ok(response) else 1
-
-    return run
-
-
-def _retention(pb: Any, args: argparse.Namespace) -> tuple[str, Any]:
     if args.action == "get":
-        return "GetRetentionPolicy", pb.admin.TenantRef(tenant_id=args.tenant)
+        return "GetRetentionPolicy", admin_pb2.TenantRef(tenant_id=args.tenant)
     if args.floor_s is None or args.ceiling_s is None:
         raise ValueError("retention set needs --floor-s and --ceiling-s")
-    return "SetRetentionPolicy", pb.admin.RetentionPolicy(
+    return "SetRetentionPolicy", admin_pb2.RetentionPolicy(
         tenant_id=args.tenant, floor_s=args.floor_s, ceiling_s=args.ceiling_s
     )
 
 
-def _residency(pb: Any, args: argparse.Namespace) -> tuple[str, Any]:
+def _residency(args: argparse.Namespace) -> tuple[str, Any]:
+    from kvresume.v1 import admin_pb2
+
     if args.action == "get":
-        return "GetResidencyPolicy", pb.admin.TenantRef(tenant_id=args.tenant)
-    regions = [r for r in (args.regions or "").split(",") if r]
-    return "SetResidencyPolicy", pb.admin.ResidencyPolicy(tenant_id=args.tenant, allowed_regions=regions)
+        return "GetResidencyPolicy", admin_pb2.TenantRef(tenant_id=args.tenant)
+    if args.regions is None:
+        raise ValueError("residency set needs --regions (an empty value means anywhere)")
+    regions = [r.strip() for r in args.regions.split(",") if r.strip()]
+    return "SetResidencyPolicy", admin_pb2.ResidencyPolicy(tenant_id=args.tenant, allowed_regions=regions)
 
 
-def _purge(pb: Any, args: argparse.Namespace) -> tuple[str, Any]:
+def _purge(args: argparse.Namespace) -> tuple[str, Any]:
+    from kvresume.v1 import admin_pb2
+
     if args.session:
-        return "Purge", pb.admin.PurgeRequest(session_id=args.session)
+        return "Purge", admin_pb2.PurgeRequest(session_id=args.session)
     if args.model:
-        return "Purge", pb.admin.PurgeRequest(model=args.model, model_tenant_id=args.tenant or "")
+        return "Purge", admin_pb2.PurgeRequest(model=args.model, model_tenant_id=args.tenant or "")
     if args.tenant:
-        return "Purge", pb.admin.PurgeRequest(tenant_id=args.tenant)
+        return "Purge", admin_pb2.PurgeRequest(tenant_id=args.tenant)
     raise ValueError("purge needs --session, --tenant, or --model")
 
 
-def _audit(pb: Any, args: argparse.Namespace) -> tuple[str, Any]:
+def _audit(args: argparse.Namespace) -> tuple[str, Any]:
+    from kvresume.v1 import admin_pb2
+
     if args.action == "verify":
-        return "VerifyAudit", pb.admin.VerifyAuditRequest()
-    return "QueryAudit", pb.admin.QueryAuditRequest(
+        return "VerifyAudit", admin_pb2.VerifyAuditRequest()
+    return "QueryAudit", admin_pb2.QueryAuditRequest(
         tenant_id=args.tenant or "", action=args.event or "", after_seq=args.after_seq, limit=args.limit
     )
 
 
-def _stats(pb: Any, args: argparse.Namespace) -> tuple[str, Any]:
-    return "GetStoreStats", pb.admin.StoreStatsRequest(tenant_id=args.tenant or "")
+def _stats(args: argparse.Namespace) -> tuple[str, Any]:
+    from kvresume.v1 import admin_pb2
+
+    return "GetStoreStats", admin_pb2.StoreStatsRequest(tenant_id=args.tenant or "")
 
 
-def _remote_flags(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser)
-    parser.add_argument("--target", help="server host:port (default: the settings' address)")
-    parser.add_argument("--token", help="admin token (default: $KVRESUME_ADMIN_TOKEN or the settings')")
-    parser.add_argument("--tls-ca", help="CA bundle for a TLS server")
-    parser.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds")
-    parser.add_argument("--json", action="store_true", help="JSON output (the default for RPC responses)")
+def _policy_text(doc: dict[str, Any]) -> str:
+    default = " (service default)" if doc.get("is_default") else ""
+    if "allowed_regions" in doc:
+        regions = ", ".join(doc["allowed_regions"]) or "anywhere"
+        node = doc["node_region"] or "-"
+        return f"residency of {doc['tenant_id']}: {regions}{default}; node region {node}"
+    floor, ceiling = doc["floor_s"], doc["ceiling_s"]
+    return f"retention of {doc['tenant_id']}: floor {floor:g} s, ceiling {ceiling:g} s{default}"
+
+
+def _audit_text(doc: dict[str, Any]) -> str:
+    if "records" in doc and isinstance(doc["records"], list):
+        columns = [(key, key) for key in ("seq", "ts_us", "actor", "action", "tenant", "subject", "nbytes")]
+        return table_text(doc["records"], columns) if doc["records"] else "no audit records"
+    state = "ok" if doc["ok"] else f"BROKEN at seq {doc.get('first_break_seq')}: {doc['reason']}"
+    return f"audit chain {state}; {doc['records']} records, head seq {doc['head_seq']}"
+
+
+_TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
+    "retention": _policy_text,
+    "residency": _policy_text,
+    "purge": lambda d: (f"purged {d['sessions_deleted']} sessions, {d['segments_deleted']} segments, "
+                        f"{d['bytes_deleted']} bytes"),
+    "audit": _audit_text,
+    "stats": fields_text,
+}
+
+
+def _remote(build: Callable[[argparse.Namespace], tuple[str, Any]]) -> Callable[[argparse.Namespace], int]:
+    """Wrap a request builder: call Admin.<method>, print the answer (text or JSON)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from kvresume import message_json
+
+        method, request = build(args)
+        with connect(args) as client:
+            doc = json.loads(message_json(client.call("admin", method, request)))
+        if doc.get("warning"):
+            print(f"kvresume admin {args.admin_command}: warning: {doc['warning']}", file=sys.stderr)
+        print(_TEXT[args.admin_command](doc), file=text_stream(args.json))
+        write_json(doc, args.json)
+        return 0 if doc.get("ok", True) else 1
+
+    return run
+
+
+def _add_remote(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=f"{help_text} (client)")
+    add_connection_flags(p, role=ADMIN)
+    add_json_flag(p, what="the response")
+    return p
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("admin", help="registry migrations, policies, purge, audit, stats")
-    sub = parser.add_subparsers(dest="admin_command", required=True)
+    parser = subparsers.add_parser(
+        "admin", help="policies, purge, audit, stats (client); registry migrations, calibrate (server)"
+    )
+    sub = parser.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
 
     for name, help_text in (
-        ("migrate", "upgrade the registry schema"),
-        ("downgrade", "downgrade the schema"),
+        ("migrate", "upgrade the registry schema (server)"),
+        ("downgrade", "downgrade the schema (server)"),
     ):
         p = sub.add_parser(name, help=help_text)
         add_settings_flags(p)
         p.add_argument(
             "--revision", default="head" if name == "migrate" else None, required=name == "downgrade"
         )
+        add_json_flag(p, what="the revision reached")
         p.set_defaults(handler=_migrate)
 
-    p = sub.add_parser("retention", help="get or set a tenant's retention floor and ceiling")
-    _remote_flags(p)
+    p = _add_remote(sub, "retention", "get or set a tenant's retention floor and ceiling")
     p.add_argument("action", choices=["get", "set"])
     p.add_argument("--tenant", required=True)
     p.add_argument("--floor-s", type=float)
     p.add_argument("--ceiling-s", type=float)
     p.set_defaults(handler=_remote(_retention))
 
-    p = sub.add_parser("residency", help="get or set the regions where a tenant's KV may be stored")
-    _remote_flags(p)
+    p = _add_remote(sub, "residency", "get or set the regions where a tenant's KV may be stored")
     p.add_argument("action", choices=["get", "set"])
     p.add_argument("--tenant", required=True)
-    p.add_argument("--regions", help="comma-separated region labels (empty: anywhere)")
+    p.add_argument("--regions", help="comma-separated region labels ('' : anywhere)")
     p.set_defaults(handler=_remote(_residency))
 
-    p = sub.add_parser("purge", help="delete a session, a tenant, or a model's stored KV")
-    _remote_flags(p)
+    p = _add_remote(sub, "purge", "delete a session, a tenant, or a model's stored KV")
     p.add_argument("--session")
     p.add_argument("--tenant", help="purge this tenant (or, with --model, restrict to it)")
     p.add_argument("--model")
     p.set_defaults(handler=_remote(_purge))
 
-    p = sub.add_parser("audit", help="query or verify the audit chain through the server")
-    _remote_flags(p)
+    p = _add_remote(sub, "audit", "query or verify the audit chain through the server")
     p.add_argument("action", choices=["verify", "query"])
     p.add_argument("--tenant")
     p.add_argument("--event", help="audit action to filter on (store, purge, policy_change, ...)")
     p.add_argument("--after-seq", type=int, default=0)
     p.add_argument("--limit", type=int, default=100)
-    p.set_defaults(handler=_remote(_audit, ok=lambda r: getattr(r, "ok", True)))
+    p.set_defaults(handler=_remote(_audit))
 
-    p = sub.add_parser("audit-local", help="verify the audit chain directly in the registry database")
+    p = sub.add_parser("audit-local", help="verify the audit chain in the registry database itself (server)")
     add_settings_flags(p)
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p, what="the verdict")
     p.set_defaults(handler=_audit_verify_local)
 
-    p = sub.add_parser("calibrate", help="measure per-token costs of a model and store them for the planner")
+    p = sub.add_parser(
+        "calibrate", help="measure per-token costs of a model and store them for the planner (server)"
+    )
     add_settings_flags(p)
     p.add_argument("--preset", required=True, help="model preset (for example v41-tiny)")
     p.add_argument("--model-name", help="name the planner knows the model by (default: the preset)")
@@ -263,9 +293,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sizes", default="32,64,128", help="comma-separated token counts to time")
     p.add_argument("--repeats", type=int, default=3)
+    add_json_flag(p, what="the measured costs")
     p.set_defaults(handler=_calibrate)
 
-    p = sub.add_parser("stats", help="store statistics")
-    _remote_flags(p)
+    p = _add_remote(sub, "stats", "store statistics")
     p.add_argument("--tenant")
     p.set_defaults(handler=_remote(_stats))

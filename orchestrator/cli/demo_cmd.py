@@ -3,13 +3,13 @@
 The script: a long first prompt, tool-result turns, an idle gap that expires the window pool (simulated
 with the pool's injected clock, so the demo does not sleep ten minutes), an admin purge of the model's
 stored KV, a switch to a sibling model, and a turn on the sibling. It prints one row per turn (path,
-model, reason, tokens by kind, time to first token) or, with --json, a list of turns.
+model, reason, tokens by kind, time to first token) and, with --json, the list of turns (server install;
+the model stack is imported when the demo runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -18,25 +18,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from model import configure_torch
-from orchestrator.api import build_server, configure_logging
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
-from orchestrator.engine import (
-    DEFAULT_SIBLINGS,
-    KVMapperApplier,
-    ModelRegistry,
-    build_node,
-    registration_of,
-    repo_root,
-)
+from orchestrator.cli.output import add_json_flag, text_stream, write_json
 from orchestrator.numerics_env import describe, profile_report
 from orchestrator.settings import Settings
 
-__all__ = ["DemoTurn", "run_demo", "DEMO_SCRIPT"]
+if TYPE_CHECKING:
+    from orchestrator.engine import KVMapperApplier, ModelRegistry
+
+__all__ = ["DemoTurn", "EXPECTED_PATHS", "expected_paths", "run_demo"]
 
 _TENANT, _TOKEN, _ADMIN = "demo-tenant", "demo-token", "demo-admin-token"
 _POOL_TTL_S = 600.0
@@ -80,7 +72,6 @@ def _script(first: str, second: str) -> tuple[_Step, ...]:
     )
 
 
-DEMO_SCRIPT = _script(*DEFAULT_SIBLINGS)
 EXPECTED_PATHS = (
     "COLD_PREFILL",
     "FULL_HIT",
@@ -103,6 +94,8 @@ def expected_paths(*, mapped_switch: bool) -> tuple[str, ...]:
 
 def shipped_mapper_dirs(root: Path | None = None) -> list[Path]:
     """Mapper artifacts shipped under `checkpoints/mappers/<name>/` (each with a mapper.json)."""
+    from orchestrator.engine import repo_root
+
     base = (root or repo_root()) / "checkpoints" / "mappers"
     return sorted(p.parent for p in base.glob("*/mapper.json"))
 
@@ -141,6 +134,10 @@ def run_demo(
         mapper_dirs: mapper artifacts to register through the Mappers API first (those whose pair is
             not served here are skipped); `on_mapper` sees each registration's fields.
     """
+    import grpc
+
+    from orchestrator.api import build_server
+    from orchestrator.engine import build_node, registration_of
     pool_now = [0.0]
     settings = Settings(
         data_dir=data_dir,
@@ -275,6 +272,10 @@ def _run(args: argparse.Namespace) -> int:
     rc = enter_numerics(args, args.numerics)
     if rc is not None:
         return rc
+    from model import configure_torch
+    from orchestrator.api import configure_logging
+    from orchestrator.engine import ModelRegistry
+
     configure_logging(level=40 if not args.verbose else 20)
     # One intra-op thread: small passes on a few shared cores run far faster without oversubscription.
     configure_torch(args.numerics, threads=args.threads)
@@ -284,34 +285,29 @@ def _run(args: argparse.Namespace) -> int:
     mapper_dirs = [Path(d) for d in args.mapper] if args.mapper else shipped_mapper_dirs()
     names = registry.names
     registered: list[dict[str, Any]] = []
-    if not args.json:
-        print("kvresume demo: one agent session over gRPC on loopback")
-        print(describe(profile_report(args.numerics)))
-        print("models:")
-        for name in registry.names:
-            spec = registry.spec(name)
-            assert spec is not None
-            label = " (random-init stand-in: no trained checkpoint yet)" if spec.is_stand_in else ""
-            print(f"  {name}: {spec.source}{label}")
-        print(" ".join(f"{name:<{w}}" for name, w in _COLUMNS) + "  reason")
+    out = text_stream(args.json)
+    print("kvresume demo: one agent session over gRPC on loopback", file=out)
+    print(describe(profile_report(args.numerics)), file=out)
+    print("models:", file=out)
+    for name in registry.names:
+        spec = registry.spec(name)
+        assert spec is not None
+        label = " (random-init stand-in: no trained checkpoint yet)" if spec.is_stand_in else ""
+        print(f"  {name}: {spec.source}{label}", file=out)
+    print(" ".join(f"{name:<{w}}" for name, w in _COLUMNS) + "  reason", file=out)
     started = time.perf_counter()
     lock = threading.Lock()
 
     def show(t: DemoTurn) -> None:
-        if not args.json:
-            with lock:
-                print(_row_text(t), flush=True)
+        with lock:
+            print(_row_text(t), file=out, flush=True)
 
     def on_mapper(fields: dict[str, Any]) -> None:
         registered.append(fields)
-        if not args.json:
-            verdict = "passed" if fields["passed_gate"] else "did not pass"
-            gate = (
-                f"{fields['gate_metric']} >= {fields['gate_threshold']}"
-                if fields["gate_metric"]
-                else "no gate"
-            )
-            print(f"registered mapper {fields['mapper_id']} ({gate}): {verdict}", flush=True)
+        verdict = "passed" if fields["passed_gate"] else "did not pass"
+        metric = fields["gate_metric"]
+        gate = f"{metric} >= {fields['gate_threshold']}" if metric else "no gate"
+        print(f"registered mapper {fields['mapper_id']} ({gate}): {verdict}", file=out, flush=True)
 
     try:
         turns = run_demo(
@@ -332,10 +328,8 @@ def _run(args: argparse.Namespace) -> int:
             (m["sender_model"], m["receiver_model"]) == switch and m["passed_gate"] for m in registered
         )
     )
-    if args.json:
-        print(json.dumps([asdict(t) for t in turns], indent=2))
-    else:
-        print(f"{len(turns)} turns in {time.perf_counter() - started:.1f} s")
+    print(f"{len(turns)} turns in {time.perf_counter() - started:.1f} s", file=out)
+    write_json([asdict(t) for t in turns], args.json)
     if paths != expected:
         print(
             f"kvresume demo: paths {list(paths)} differ from the script's {list(expected)}",
@@ -346,8 +340,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="run the scripted end-to-end demo")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser = subparsers.add_parser("demo", help="run the scripted end-to-end demo (server)")
+    add_json_flag(parser, what="the list of turns")
     parser.add_argument("--data-dir", help="keep the demo's registry and store here (default: a temp dir)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per turn")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

@@ -1,28 +1,44 @@
 """`kvresume eval`: the answer-quality harness over the sibling checkpoints (held-out loss, recall against
-distance per resume path, KL against cold prefill); the same run as `python -m benchmarks.bench_quality`.
+distance per resume path, KL against cold prefill); the same run as `python -m benchmarks.bench_quality`
+(server install).
 
-Exit code 1 when the full-hit path is not bit-identical to the uninterrupted computation.
+The harness's options live in `model` (added when the command is chosen); `--json [PATH|-]` is the
+shared one of every command. Exit code 1 when the full-hit path is not bit-identical to the
+uninterrupted computation.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from model import add_eval_arguments, configure_torch, eval_from_args
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
-from orchestrator.numerics_env import profile_report
+from orchestrator.cli.output import add_json_flag
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    from model import add_eval_arguments
+
+    add_eval_arguments(parser)
+    # The harness's own --json takes a value; the shared form (a bare --json means stdout) replaces it.
+    parser.conflict_handler = "resolve"
+    add_json_flag(parser, what="the quality document")
+    parser.conflict_handler = "error"
+    add_numerics_flag(parser, default="portable", what="the harness")
 
 
 def _run(args: argparse.Namespace) -> int:
     rc = enter_numerics(args, args.numerics)
     if rc is not None:
         return rc
+    from model import configure_torch, eval_from_args
+    from orchestrator.numerics_env import profile_report
+
     configure_torch(args.numerics)
     return eval_from_args(args, numerics=profile_report(args.numerics))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("eval", help="answer quality of the sibling checkpoints per resume path")
-    add_eval_arguments(parser)
-    add_numerics_flag(parser, default="portable", what="the harness")
+    parser = subparsers.add_parser(
+        "eval", help="answer quality of the sibling checkpoints per resume path (server)", options=_options
+    )
     parser.set_defaults(handler=_run)

@@ -1,4 +1,5 @@
-"""`kvresume mapper ...`: fit, evaluate and list cross-model KV mapper artifacts.
+"""`kvresume mapper ...`: fit, evaluate and list cross-model KV mapper artifacts (server install), and
+the mappers registered on a running server (`mapper list` without folders, `mapper get`: client).
 
 Models come from a shipped preset or a config.json (seeded random weights) or a checkpoint folder; each
 side may override config keys (`--receiver-set dim=128`) to make a sibling of another width. Calibration
@@ -14,6 +15,9 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from orchestrator.cli.connection import ANY, add_connection_flags, connect
+from orchestrator.cli.output import add_json_flag, table_text, text_stream, write_json
 
 
 def _add_model_args(parser: argparse.ArgumentParser, side: str) -> None:
@@ -140,21 +144,20 @@ def _summary(mapper, failed: list[str] | None, directory: Path | None) -> dict[s
     }
 
 
-def _print(summary: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-        return
+def _print(summary: dict[str, Any], dest: str | None) -> None:
+    out = text_stream(dest)
     where = f" at {summary['dir']}" if summary["dir"] else ""
-    print(f"mapper {summary['sender']} -> {summary['receiver']}{where}")
+    print(f"mapper {summary['sender']} -> {summary['receiver']}{where}", file=out)
     for lm in summary["layers"]:
         q = lm["quality"]
         figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(q.items()) if k.startswith(("r2_", "eval_")))
         print(f"  layer {lm['receiver_layer']} (ratio {lm['ratio']}): kv<-{lm['kv_from']} "
-              f"index<-{lm['index_from']}  {figures}")
-    print("  " + " ".join(f"{k}={v:.4g}" for k, v in sorted(summary["quality"].items())))
+              f"index<-{lm['index_from']}  {figures}", file=out)
+    print("  " + " ".join(f"{k}={v:.4g}" for k, v in sorted(summary["quality"].items())), file=out)
     verdict = "PASSED" if summary["passed_gate"] else "NOT PASSED"
     why = f" ({'; '.join(summary['gate_failures'])})" if summary["gate_failures"] else ""
-    print(f"  gate: {verdict}{why}")
+    print(f"  gate: {verdict}{why}", file=out)
+    write_json(summary, dest)
 
 
 def _task(args, mapper, sender, receiver):
@@ -251,6 +254,8 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 def _run_list(args: argparse.Namespace) -> int:
+    if not args.roots:
+        return _run_registered(args)
     from mappers import read_metadata
 
     found = []
@@ -271,17 +276,42 @@ def _run_list(args: argparse.Namespace) -> int:
                 "passed_gate": doc["passed_gate"],
                 "quality": doc["quality"],
             })
-    if args.json:
-        print(json.dumps(found, indent=2, sort_keys=True))
-        return 0
+    out = text_stream(args.json)
     for f in found:
         q = f["quality"]
         keys = ("attn_cosine_mean", "next_token_kl", "index_recall")
         figures = " ".join(f"{k}={q[k]:.4g}" for k in keys if k in q)
         print(f"{f['dir']}: {f['sender']} -> {f['receiver']}, {f['layers']} layers, "
-              f"gate {'passed' if f['passed_gate'] else 'not passed'} {figures}".rstrip())
+              f"gate {'passed' if f['passed_gate'] else 'not passed'} {figures}".rstrip(), file=out)
     if not found:
-        print("no mappers found")
+        print("no mappers found", file=out)
+    write_json(found, args.json)
+    return 0
+
+
+_REGISTERED = (
+    ("mapper", "mapper_id"), ("sender", "sender_model"), ("receiver", "receiver_model"), ("kind", "kind"),
+    ("gate", "gate_metric"), ("passed", "passed_gate"), ("artifact", "artifact_uri"),
+)  # fmt: skip
+
+
+def _run_registered(args: argparse.Namespace) -> int:
+    """`mapper list` without folders, `mapper get ID`: the server's Mappers service (light client)."""
+    from kvresume import message_json
+    from kvresume.v1 import mappers_pb2
+
+    if args.mapper_command == "get":
+        method, request = "GetMapper", mappers_pb2.GetMapperRequest(mapper_id=args.mapper_id)
+    else:
+        method = "ListMappers"
+        request = mappers_pb2.ListMappersRequest(
+            sender_model=args.sender or "", receiver_model=args.receiver or ""
+        )
+    with connect(args) as client:
+        doc = json.loads(message_json(client.call("mappers", method, request)))
+    rows = doc["mappers"] if method == "ListMappers" else [doc]
+    print(table_text(rows, _REGISTERED) if rows else "no mappers registered", file=text_stream(args.json))
+    write_json(doc, args.json)
     return 0
 
 
@@ -303,7 +333,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "corpus; 0: skip)")
     parser.add_argument("--task-distance", type=int, default=None,
                         help="evidence-to-answer distance of the episodes (default 8x the receiver's window)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json_flag(parser, what="the mapper's summary")
     parser.add_argument("--require-gate", action="store_true", help="exit 1 when the mapper fails its gate")
     _add_model_args(parser, "sender")
     _add_model_args(parser, "receiver")
@@ -324,11 +354,7 @@ def _mapper_errors_exit_1(handler):
     return run
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("mapper", help="cross-model KV mappers (fit, eval, list)")
-    sub = parser.add_subparsers(dest="mapper_command", required=True)
-
-    fit = sub.add_parser("fit", help="fit a ridge mapper between two models, evaluate, gate and save it")
+def _fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--out", required=True, help="artifact folder to write")
     fit.add_argument("--batches", type=int, default=3, help="calibration batches")
     fit.add_argument("--heldout", type=int, default=1, help="held-out batches (layer ranking, alpha)")
@@ -341,15 +367,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="index keys: separate ridge map, recomputed by the receiver's indexer, or the "
                           "better on held-out rows")
     _add_common(fit)
-    fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
 
-    ev = sub.add_parser("eval", help="evaluate a saved mapper on held-out prompts and apply the gate")
+
+def _eval_options(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("dir", help="artifact folder")
     ev.add_argument("--write", action="store_true", help="record the figures and gate in the artifact")
     _add_common(ev)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("mapper", help="cross-model KV mappers (fit, eval, list, get)")
+    sub = parser.add_subparsers(dest="mapper_command", required=True, metavar="COMMAND")
+
+    # fit's and eval's options name the model presets: added when the command is chosen (model stack).
+    fit = sub.add_parser(
+        "fit", help="fit a ridge mapper between two models, evaluate, gate and save it (server)",
+        options=_fit_options,
+    )
+    fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
+    ev = sub.add_parser(
+        "eval", help="evaluate a saved mapper on held-out prompts and apply the gate (server)",
+        options=_eval_options,
+    )
     ev.set_defaults(handler=_mapper_errors_exit_1(_run_eval))
 
-    ls = sub.add_parser("list", help="list mapper artifacts under folders")
-    ls.add_argument("roots", nargs="+", help="artifact folders or folders holding them")
-    ls.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ls = sub.add_parser(
+        "list",
+        help="mapper artifacts under folders (server), or without folders those registered on the "
+        "server (client)",
+    )
+    ls.add_argument("roots", nargs="*", help="artifact folders, or folders holding them (none: the server's)")
+    ls.add_argument("--sender", help="registered mappers from this model only")
+    ls.add_argument("--receiver", help="registered mappers to this model only")
+    add_connection_flags(ls, role=ANY)
+    add_json_flag(ls, what="the list")
     ls.set_defaults(handler=_run_list)
+
+    get = sub.add_parser("get", help="one mapper registered on the server (client)")
+    get.add_argument("mapper_id")
+    add_connection_flags(get, role=ANY)
+    add_json_flag(get, what="the mapper")
+    get.set_defaults(handler=_run_registered)

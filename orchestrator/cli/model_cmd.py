@@ -1,22 +1,28 @@
-"""`kvresume model ...`: byte accounting and conformance checks of the model package.
+"""`kvresume model ...`: byte accounting and conformance checks of the model package (server install).
 
-Sub-commands are registered by `_register_<name>(model_subparsers)` functions called from `register`.
+Sub-commands are registered by `_register_<name>(model_subparsers)` functions called from `register`;
+their options are added when the command is chosen (`bytes` names the presets of the model package).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-from model import PRESET_NAMES, KVBytes, ModelConfig, kv_bytes, load_preset
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
+from orchestrator.cli.output import add_json_flag, text_stream, write_json
 from orchestrator.numerics_env import describe, profile_report
+
+if TYPE_CHECKING:
+    from model import KVBytes, ModelConfig
 
 
 def _load_config(args: argparse.Namespace) -> tuple[str, ModelConfig]:
     """The config named by --preset or --config, with a label for output. Raises ValueError / OSError."""
+    from model import PRESET_NAMES, ModelConfig, load_preset
+
     if args.config is not None:
         return str(args.config), ModelConfig.from_json(args.config)
     if args.preset is not None:
@@ -65,21 +71,28 @@ def _table(label: str, config: ModelConfig, b: KVBytes) -> str:
 
 
 def _run_bytes(args: argparse.Namespace) -> int:
+    from model import kv_bytes
+
     label, config = _load_config(args)
     breakdown = kv_bytes(config)
-    if args.json:
-        print(json.dumps({"config": label, **breakdown.to_dict()}, indent=2))
-    else:
-        print(_table(label, config, breakdown))
+    print(_table(label, config, breakdown), file=text_stream(args.json))
+    write_json({"config": label, **breakdown.to_dict()}, args.json)
     return 0
 
 
-def _register_bytes(model_subparsers: argparse._SubParsersAction) -> None:
-    parser = model_subparsers.add_parser("bytes", help="KV-cache bytes per token and per sequence")
+def _bytes_options(parser: argparse.ArgumentParser) -> None:
+    from model import PRESET_NAMES
+
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", help=f"a shipped config: {', '.join(PRESET_NAMES)}")
     source.add_argument("--config", help="path of an inference config.json")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_flag(parser, what="the byte breakdown")
+
+
+def _register_bytes(model_subparsers: argparse._SubParsersAction) -> None:
+    parser = model_subparsers.add_parser(
+        "bytes", help="KV-cache bytes per token and per sequence", options=_bytes_options
+    )
     parser.set_defaults(handler=_run_bytes)
 
 
@@ -87,7 +100,7 @@ def _run_check(args: argparse.Namespace) -> int:
     rc = enter_numerics(args, args.numerics)
     if rc is not None:
         return rc
-    # imported here: the check pulls in torch, which `model bytes` does not need
+    # imported after entering the profile: its variables must be set before torch loads
     from model import ModelError, check_conformance, configure_torch
 
     portable = args.numerics == "portable"
@@ -105,43 +118,43 @@ def _run_check(args: argparse.Namespace) -> int:
         print(f"kvresume model check: error: {exc}", file=sys.stderr)
         return 1
     agree = all(r.ok for r in reports)
-    if args.json:
-        print(json.dumps({
-            "numerics": profile,
-            "conformance_claimed": portable,
-            "ok": agree,
-            "prompts": [
-                {
-                    "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
-                    "generated": r.generated, "reference_generated": r.reference_generated,
-                    "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
-                }
-                for r in reports
-            ],
-        }, indent=2))
+    out = text_stream(args.json)
+    print(describe(profile), file=out)
+    if not portable:
+        print("  the vectors were made under the portable profile: under native numerics bitwise "
+              "agreement is not expected and no conformance is claimed", file=out)
+    for r in reports:
+        same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
+        print(
+            f"{r.prompt} ({r.n_tokens} tokens): logits max rel err {r.logits_rel_err:.3e}; "
+            f"greedy {same}/{len(r.reference_generated)} equal; "
+            f"{len(r.caches)} caches, max err {r.cache_max_abs:.3e}: {'OK' if r.ok else 'FAIL'}",
+            file=out,
+        )
+        for d in r.caches:
+            if args.verbose or not d.ok:
+                print(f"    {d.name}: max err {d.max_abs:.3e}", file=out)
+        for failure in r.failures:
+            print(f"  FAIL {failure}", file=out)
+    if portable:
+        print("conformance: " + ("PASS (bitwise under the portable profile)" if agree else "FAIL"), file=out)
     else:
-        print(describe(profile))
-        if not portable:
-            print("  the vectors were made under the portable profile: under native numerics bitwise "
-                  "agreement is not expected and no conformance is claimed")
-        for r in reports:
-            same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
-            print(
-                f"{r.prompt} ({r.n_tokens} tokens): logits max rel err {r.logits_rel_err:.3e}; "
-                f"greedy {same}/{len(r.reference_generated)} equal; "
-                f"{len(r.caches)} caches, max err {r.cache_max_abs:.3e}: {'OK' if r.ok else 'FAIL'}"
-            )
-            for d in r.caches:
-                if args.verbose or not d.ok:
-                    print(f"    {d.name}: max err {d.max_abs:.3e}")
-            for failure in r.failures:
-                print(f"  FAIL {failure}")
-        if portable:
-            print("conformance: " + ("PASS (bitwise under the portable profile)" if agree else "FAIL"))
-        else:
-            print("native numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
-                                         else "differs from the vectors (run without --numerics native "
-                                         "for the conformance check)"))
+        print("native numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
+                                     else "differs from the vectors (run without --numerics native "
+                                     "for the conformance check)"), file=out)
+    write_json({
+        "numerics": profile,
+        "conformance_claimed": portable,
+        "ok": agree,
+        "prompts": [
+            {
+                "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
+                "generated": r.generated, "reference_generated": r.reference_generated,
+                "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
+            }
+            for r in reports
+        ],
+    }, args.json)
     return 0 if agree else 1
 
 
@@ -154,7 +167,7 @@ def _register_check(model_subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
     parser.add_argument("--prompts", help="comma-separated prompt indices (default: every prompt)")
     parser.add_argument("--verbose", action="store_true", help="list every cache tensor's error")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_json_flag(parser, what="the report")
     add_numerics_flag(parser, default="portable", what="the check")
     parser.set_defaults(handler=_run_check)
 

@@ -1,47 +1,74 @@
-"""`kvresume serve`: run the gRPC service (Sessions, Admin, Mappers, health, reflection) and /metrics."""
+"""`kvresume serve`: run the gRPC service (Sessions, Models, Admin, Mappers, health, reflection) and
+/metrics.
+
+A server without tenant tokens would refuse every call, so `serve` refuses to start without them
+(settings `tenant_tokens`, env `KVRESUME_TENANT_TOKENS='tenant=token,...'`), unless `--insecure-dev` is
+given on a loopback host: then the well-known development tokens below stand in for the missing ones.
+Both checks run before anything heavy is imported or loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
+import dataclasses
+import ipaddress
 import socket
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import structlog
-
-from model import configure_torch
-from orchestrator.api import RunningServer, ServiceContext, build_server, configure_logging
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
-from orchestrator.engine import build_node
-from orchestrator.numerics_env import profile_report
-from orchestrator.settings import Settings, load_settings
+from orchestrator.cli.output import add_json_flag, text_stream, write_json
+from orchestrator.cli.settings_flags import add_settings_flags, settings_from_args
+from orchestrator.settings import Settings
 
-log = structlog.get_logger(__name__)
+if TYPE_CHECKING:
+    from orchestrator.api import RunningServer, ServiceContext
 
+__all__ = ["DEV_ADMIN_TOKEN", "DEV_TENANT", "DEV_TOKEN", "check_port_free", "serve", "with_tokens"]
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from --config / environment / the flags shared by the service commands."""
-    return load_settings(
-        toml_path=getattr(args, "config", None),
-        overrides={
-            "database_url": getattr(args, "database_url", None),
-            "data_dir": getattr(args, "data_dir", None),
-            "grpc_host": getattr(args, "host", None),
-            "grpc_port": getattr(args, "port", None),
-            "metrics_port": getattr(args, "metrics_port", None),
-            "region": getattr(args, "region", None),
-            "served_models": getattr(args, "models", None),
-            "model_numerics": getattr(args, "numerics", None),
-        },
-    )
+# `--insecure-dev`'s stand-ins for tokens that are not configured: known to everyone, loopback only.
+DEV_TENANT, DEV_TOKEN, DEV_ADMIN_TOKEN = "dev", "dev", "dev-admin"
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="settings TOML (default: $KVRESUME_CONFIG)")
-    parser.add_argument("--database-url", help="SQLAlchemy URL of the registry (default: SQLite in data dir)")
-    parser.add_argument("--data-dir", help="data directory")
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_tokens(settings: Settings, *, insecure_dev: bool) -> Settings:
+    """The settings `serve` may start with: tenant tokens configured, or the development tokens under
+    `insecure_dev` on a loopback host (each of tenant tokens and admin token only where none is set).
+
+    Raises:
+        ValueError: no tenant tokens and no `insecure_dev`, or `insecure_dev` on a host that is not a
+            loopback address.
+    """
+    if insecure_dev:
+        if not _is_loopback(settings.grpc_host):
+            raise ValueError(
+                f"--insecure-dev serves well-known tokens, so only on a loopback host; the gRPC host is "
+                f"{settings.grpc_host!r} (use --host 127.0.0.1, or configure tenant_tokens and admin_token)"
+            )
+        changes: dict[str, object] = {}
+        if not settings.tenant_tokens:
+            changes["tenant_tokens"] = {DEV_TENANT: DEV_TOKEN}
+        if not settings.admin_token:
+            changes["admin_token"] = DEV_ADMIN_TOKEN
+        return dataclasses.replace(settings, **changes)
+    if not settings.tenant_tokens:
+        raise ValueError(
+            "no tenant tokens are configured, so every call would be refused: set tenant_tokens in the "
+            "settings TOML (--config) or KVRESUME_TENANT_TOKENS='tenant=token,...' (and admin_token / "
+            "KVRESUME_ADMIN_TOKEN for Admin calls), or pass --insecure-dev to serve the development tokens "
+            f"on a loopback host (tenant {DEV_TENANT!r} with token {DEV_TOKEN!r}, admin token "
+            f"{DEV_ADMIN_TOKEN!r})"
+        )
+    return settings
 
 
 def serve(
@@ -58,6 +85,12 @@ def serve(
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
         preload: load every served model before serving (else each on its first turn).
     """
+    import structlog
+
+    from orchestrator.api import build_server
+    from orchestrator.engine import build_node
+
+    log = structlog.get_logger(__name__)
     node = build_node(settings, maintenance=True, preload=preload)
     ctx = node.ctx
     running = build_server(ctx)
@@ -106,35 +139,86 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    configured = settings_from_args(args)
+    settings = with_tokens(configured, insecure_dev=args.insecure_dev)
     rc = enter_numerics(args, settings.model_numerics)
     if rc is not None:
         return rc
     check_port_free(settings.grpc_host, settings.grpc_port, "gRPC")
     if settings.metrics_enabled:
         check_port_free(settings.grpc_host, settings.metrics_port, "metrics")
+
+    import os
+    import signal
+
+    import structlog
+
+    from model import configure_torch
+    from orchestrator.api import configure_logging
+    from orchestrator.numerics_env import profile_report
+
     configure_logging(json=True if args.json_logs else None)
+    log = structlog.get_logger(__name__)
+    dev: dict[str, str] = {}
+    if not configured.tenant_tokens and settings.tenant_tokens:
+        dev |= {"tenant": DEV_TENANT, "token": DEV_TOKEN}
+    if not configured.admin_token and settings.admin_token:
+        dev["admin_token"] = DEV_ADMIN_TOKEN
+    if dev:
+        log.warning(
+            "insecure_dev_tokens",
+            **dev,
+            note="--insecure-dev: well-known development tokens; anyone on this host can call with them",
+        )
+    if not settings.admin_token:
+        log.warning("no_admin_token", note="Admin calls and mapper registration will be refused")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     configure_torch(settings.model_numerics, threads=settings.torch_threads or len(os.sched_getaffinity(0)))
     log.info("numerics_profile", **profile_report(settings.model_numerics))
-    serve(settings, stop, preload=True)
+
+    def on_ready(ctx: ServiceContext, running: RunningServer, metrics_port: int | None) -> None:
+        models = list(ctx.model_catalog.names) if ctx.model_catalog is not None else []
+        doc = {
+            "grpc": f"{settings.grpc_host}:{running.port}",
+            "metrics_port": metrics_port,
+            "region": settings.region,
+            "models": models,
+            "tls": settings.tls_enabled,
+            "insecure_dev": args.insecure_dev,
+        }
+        metrics = f", /metrics on port {metrics_port}" if metrics_port is not None else ""
+        print(f"kvresume serve: serving {', '.join(models) or 'no models'} on {doc['grpc']} "
+              f"(region {settings.region}{metrics}); Ctrl-C stops", file=text_stream(args.json), flush=True)
+        write_json(doc, args.json)
+
+    serve(settings, stop, on_ready=on_ready, preload=True)
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="run the gRPC service and the metrics endpoint")
+    parser = subparsers.add_parser("serve", help="run the gRPC service and the metrics endpoint (server)")
     add_settings_flags(parser)
-    parser.add_argument("--host", help="gRPC listen host")
-    parser.add_argument("--port", type=int, help="gRPC listen port (0: any free port)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: any free port)")
-    parser.add_argument("--region", help="this node's region label")
+    parser.add_argument("--host", help="gRPC listen host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="gRPC listen port (default 50051; 0: any free port)")
+    parser.add_argument(
+        "--metrics-port", type=int, help="Prometheus /metrics port (default 50052; 0: any free port)"
+    )
+    parser.add_argument("--region", help="this node's region label (default 'local')")
     parser.add_argument(
         "--models",
         help="served models as name=checkpoint:<dir> or name=random:<preset>[@seed], comma-separated "
         "(default: the sibling family; env KVRESUME_SERVED_MODELS)",
     )
+    parser.add_argument(
+        "--insecure-dev",
+        action="store_true",
+        help=f"local development only: serve on a loopback host with tenant {DEV_TENANT!r} (token "
+        f"{DEV_TOKEN!r}) and admin token {DEV_ADMIN_TOKEN!r} where no tokens are configured (without "
+        "tokens and without this flag, serve refuses to start)",
+    )
     parser.add_argument("--json-logs", action="store_true", help="JSON log lines even on a TTY")
+    add_json_flag(parser, what="the address, region and models once serving")
     add_numerics_flag(parser, default=None, what="the served models")
     parser.set_defaults(handler=_run)

@@ -3,7 +3,6 @@ so the test does not depend on other command groups)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,10 +10,11 @@ import pytest
 
 from mappers import load_mapper
 from orchestrator.cli import mapper_cmd
+from orchestrator.cli.command_parser import CommandParser
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvresume")
+    parser = CommandParser(prog="kvresume")
     mapper_cmd.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.handler(args)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import structlog
 
-from orchestrator.cli import demo_cmd, main
+import orchestrator.api
+from orchestrator.cli import main
 from orchestrator.cli.demo_cmd import EXPECTED_PATHS
 
 
@@ -20,13 +21,14 @@ def entry_point_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     sys.stderr of the moment (this test's capture, closed afterwards) and caches each logger on first
     use, so later tests in this process would log into a closed file; here loggers are not cached, and
     the defaults come back after the test."""
-    configure = demo_cmd.configure_logging
+    configure = orchestrator.api.configure_logging
 
     def uncached(**kwargs: Any) -> None:
         configure(**kwargs)
         structlog.configure(cache_logger_on_first_use=False)
 
-    monkeypatch.setattr(demo_cmd, "configure_logging", uncached)
+    # the demo imports it from orchestrator.api when it runs
+    monkeypatch.setattr(orchestrator.api, "configure_logging", uncached)
     yield
     structlog.reset_defaults()
 
