@@ -33,6 +33,14 @@ def audit_key(seq: int) -> bytes:
     return AUDIT_PREFIX + _SEQ.pack(seq)
 
 
+def unsynced_write_options() -> WriteOptions:
+    """WAL on, not synced: the write reaches the log file, and a later WAL sync makes it durable."""
+    opts = WriteOptions()
+    opts.sync = False
+    opts.disable_wal = False
+    return opts
+
+
 def synced_write_options() -> WriteOptions:
     """WAL on and synced: a write returns only after the log reached the disk."""
     opts = WriteOptions()
@@ -44,9 +52,10 @@ def synced_write_options() -> WriteOptions:
 class RocksAuditSink(AuditSink):
     """Hash-chained audit log in a raw-mode Rdict.
 
-    Standalone use: `append(event)`. Inside the store: hold `lock`, call `stage(batch, events)` to add
-    records to a write batch, write the batch, then `advance(records)`; the head moves only after the
-    batch is durable, so a failed write leaves the chain as it was. Pass the store's lock as `lock` so
+    Standalone use: `append(event)` (a synced write). Inside the store: hold `lock`, call
+    `stage(batch, events)` to add records to a write batch, write the batch, then `advance(records)`;
+    the head moves only after the write returned, so a failed write leaves the chain as it was (the
+    store makes the batch durable before its operation returns). Pass the store's lock as `lock` so
     that standalone appends and staged ones never interleave.
     """
 
@@ -104,11 +113,12 @@ class RocksAuditSink(AuditSink):
             self.advance(records)
             return records[0]
 
-    def iter_records(self) -> Iterator[AuditRecord]:
+    def iter_records(self, *, after: int = 0) -> Iterator[AuditRecord]:
+        """Every record with seq > `after`, in seq order."""
         # Stored order is key order, which is seq order; a record whose key and seq disagree (a moved
         # record) shows up as a seq break in verify_chain.
         it = self._db.iter()
-        it.seek(AUDIT_PREFIX)
+        it.seek(audit_key(after + 1) if after > 0 else AUDIT_PREFIX)
         while it.valid():
             key = it.key()
             if not key.startswith(AUDIT_PREFIX):

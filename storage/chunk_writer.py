@@ -1,5 +1,6 @@
 """Write path of the global KV store: validate chunk ranges, apply residency and capacity, and commit
-each chunk with its index entries, references and audit record in one synced batch.
+a put's chunks with their index entries, references and audit records in one batch, made durable by
+the store's group commit after the lock is released and visible only after that.
 
 A mixin of GlobalKVStore (kv_store.py), split out by concept; it uses the store's lock, database,
 index and audit sink.
@@ -8,14 +9,15 @@ index and audit sink.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 from rocksdict import WriteBatch
 
-from storage.audit_record import AuditAction, AuditEvent
+from storage.audit_record import AuditAction, AuditEvent, AuditRecord
 from storage.chunk_format import ChunkHeader, encode_chunk
-from storage.chunk_index import ChunkMeta, index_keys, ref_key, session_key
+from storage.chunk_index import REF, ChunkMeta, index_keys, ref_key, session_key
 from storage.chunk_key import (
     ADDRESS_BYTES,
     TAG_BYTES,
@@ -38,6 +40,26 @@ log = structlog.get_logger(__name__)
 ACTOR = "storage"
 
 
+@dataclass(frozen=True, kw_only=True)
+class _StagedChunk:
+    """One chunk of a written, not yet synced put: `meta` when this put wrote its value, None when it
+    only added a reference (`pending`: the meta of another put's in-flight write of it)."""
+
+    addr: bytes
+    parent: bytes
+    start: int
+    end: int
+    meta: ChunkMeta | None
+    pending: ChunkMeta | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _StagedPut:
+    items: list[_StagedChunk]
+    stag: bytes
+    evicted: int
+
+
 class ChunkWriter:
     """Write half of GlobalKVStore (see the module docstring)."""
 
@@ -50,8 +72,12 @@ class ChunkWriter:
         payloads: Mapping[tuple[int, int], bytes],
         *,
         actor: str = ACTOR,
+        audit_claim: list[AuditRecord] | None = None,
     ) -> PutResult:
         """Persist chunk payloads of a session's history, durably, under the tenant's policy.
+
+        All chunks of one call go in one write batch; the WAL sync runs after the store lock is
+        released (shared with concurrent writers), and the chunks become visible only after it.
 
         Args:
             tenant, session: owner ids; the session holds a reference on every chunk it stores.
@@ -61,6 +87,10 @@ class ChunkWriter:
                 Full chunks are [k*chunk_tokens, (k+1)*chunk_tokens); at most one partial tail chunk
                 [k*chunk_tokens, e) with e < (k+1)*chunk_tokens, the last range. A tail supersedes the
                 session's shorter tail at the same position, and a full chunk supersedes them all.
+            audit_claim: when given, this tenant's audit records of the call (durable when the call
+                returns) are appended to it instead of going to the store's consumer: the caller
+                records them (in its own SQL transaction) and then calls `ack_audit`, or hands them
+                back with `release_audit`.
 
         Returns:
             PutResult; `refusal` says why nothing was persisted (residency, capacity in floor, I/O).
@@ -75,21 +105,49 @@ class ChunkWriter:
         ranges = self._validate_ranges(len(toks) // 4, payloads)
         with self._lock:
             self._check_open()
-            policy = self._policies.get(tenant, RetentionPolicy())
-            if not policy.allows_region(self.config.region):
-                return self._refuse(
-                    tenant,
-                    session,
-                    RefusalKind.RESIDENCY,
-                    f"region {self.config.region!r} not in allowed_regions "
-                    f"{list(policy.allowed_regions or ())}",
-                    sum(len(payloads[r]) for r in ranges),
+            self._claim = (tenant, audit_claim) if audit_claim is not None else None
+            try:
+                policy = self._policies.get(tenant, RetentionPolicy())
+                if not policy.allows_region(self.config.region):
+                    return self._refuse(
+                        tenant,
+                        session,
+                        RefusalKind.RESIDENCY,
+                        f"region {self.config.region!r} not in allowed_regions "
+                        f"{list(policy.allowed_regions or ())}",
+                        sum(len(payloads[r]) for r in ranges),
+                    )
+                salt = self._salt(tenant, create=True)
+                assert salt is not None
+                staged = self._put_locked(
+                    tenant, session, model_fingerprint, toks, ranges, payloads, policy, salt, actor
                 )
-            salt = self._salt(tenant, create=True)
-            assert salt is not None
-            return self._put_locked(
-                tenant, session, model_fingerprint, toks, ranges, payloads, policy, salt, actor
+            finally:
+                self._claim = None
+            if isinstance(staged, PutResult):
+                return staged
+            # This call settles its own sync (the release hook finds nothing left to do).
+            ticket, records = self._take_pending()
+        try:
+            self._wal.wait(ticket)
+        except Exception as exc:  # noqa: BLE001 - a failed sync (disk error) becomes a refusal
+            with self._lock:
+                for item in staged.items:
+                    if item.meta is not None and self._inflight.get(item.addr) is item.meta:
+                        del self._inflight[item.addr]
+                self._stats.refusals[RefusalKind.IO_ERROR.value] += 1
+            log.error("store_sync_failed", tenant=tenant, error=str(exc))
+            return PutResult(
+                stored=[],
+                new_bytes=0,
+                shared_chunks=0,
+                evicted_chunks=staged.evicted,
+                refusal=Refusal(kind=RefusalKind.IO_ERROR, message=f"WAL sync failed: {exc}"),
             )
+        if records:
+            self._deliver(records)
+        with self._lock:
+            return self._apply_put(staged)
 
     def _validate_ranges(
         self: GlobalKVStore, n_tokens: int, payloads: Mapping[tuple[int, int], bytes]
@@ -154,7 +212,9 @@ class ChunkWriter:
         policy: RetentionPolicy,
         salt: bytes,
         actor: str,
-    ) -> PutResult:
+    ) -> _StagedPut | PutResult:
+        """Plan, evict if needed, and write the one batch of this put (unsynced); a PutResult when
+        refused. Lock held."""
         size = self.config.chunk_tokens
         now = self._now()
         ttag, stag, mtag = tenant_tag(salt), session_tag(salt, session), model_tag(fp)
@@ -163,21 +223,31 @@ class ChunkWriter:
         for k in range(1, max(s for s, _ in ranges) // size + 1):
             parent = chunk_address(parent, toks[(k - 1) * size * 4 : k * size * 4])
             parents[k * size] = parent
-        plan: list[tuple[int, int, bytes, bytes, bool]] = []
+        plan: list[tuple[int, int, bytes, bytes, bool, ChunkMeta | None]] = []
         new_bytes = 0
         replaced_bytes = 0
         for start, end in ranges:
             addr = chunk_address(parents[start], toks[start * 4 : end * 4])
             old = self._index.meta.get(addr)
-            shared = old is not None and now < old.ceiling_at
+            # A chunk another put wrote but has not made visible yet (its sync is under way) is shared:
+            # this put's own sync comes later in the log, so it covers that batch too.
+            pending = self._inflight.get(addr) if old is None else None
+            shared = (old is not None and now < old.ceiling_at) or pending is not None
             if not shared:
                 new_bytes += self._value_len(fp, len(payloads[(start, end)]))
                 replaced_bytes += old.value_len if old is not None else 0
-            plan.append((start, end, addr, parents[start], shared))
-        need = self._index.bytes_stored - replaced_bytes + new_bytes - self.config.capacity_bytes
+            plan.append((start, end, addr, parents[start], shared, pending))
+        inflight_bytes = sum(m.value_len for m in self._inflight.values())
+        need = (
+            self._index.bytes_stored
+            + inflight_bytes
+            - replaced_bytes
+            + new_bytes
+            - self.config.capacity_bytes
+        )
         evicted = 0
         if need > 0:
-            protect = {addr for _, _, addr, _, _ in plan}
+            protect = {addr for _, _, addr, _, _, _ in plan}
             victims = self._pick_victims(need, protect, now)
             if victims is None:
                 return self._refuse(
@@ -194,16 +264,13 @@ class ChunkWriter:
                 return self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes)
         floor_until = now + policy.effective_floor_s
         ceiling_at = now + policy.ceiling_s
-        stored: list[tuple[int, int]] = []
-        written = shared_count = 0
-        for start, end, addr, parent, shared in plan:
-            batch = WriteBatch(raw_mode=True)
+        batch = WriteBatch(raw_mode=True)
+        events: list[AuditEvent] = []
+        items: list[_StagedChunk] = []
+        for start, end, addr, parent, shared, pending in plan:
             batch.put(ref_key(addr, stag), b"")
             batch.put(session_key(stag, addr), b"")
-            events: list[AuditEvent] = []
-            meta = None
             if shared:
-                shared_count += 1
                 events.append(
                     AuditEvent(
                         actor=actor,
@@ -214,73 +281,109 @@ class ChunkWriter:
                         nbytes=0,
                     )
                 )
-            else:
-                old = self._index.meta.get(addr)
-                if old is not None:
-                    # Same address past its ceiling: drop the old entry before writing anew.
-                    self._stage_delete(batch, addr, old)
-                payload = bytes(payloads[(start, end)])
-                header = ChunkHeader(
-                    address=addr,
-                    tenant_tag=ttag,
-                    model_fingerprint=fp,
-                    start=start,
-                    n_tokens=end - start,
-                    created_at=now,
-                    floor_until=floor_until,
-                    ceiling_at=ceiling_at,
-                    payload_len=len(payload),
+                items.append(
+                    _StagedChunk(addr=addr, parent=parent, start=start, end=end, meta=None, pending=pending)
                 )
-                value = encode_chunk(header, payload)
-                meta = ChunkMeta(
-                    tenant_tag=ttag,
-                    model_tag=mtag,
-                    parent=parent,
-                    start=start,
-                    n_tokens=end - start,
-                    value_len=len(value),
-                    created_at=now,
-                    floor_until=floor_until,
-                    ceiling_at=ceiling_at,
-                    is_tail=end - start < size,
+                continue
+            old = self._index.meta.get(addr)
+            if old is not None:
+                # Same address past its ceiling: drop the old entry before writing anew.
+                self._stage_delete(batch, addr, old)
+            payload = bytes(payloads[(start, end)])
+            header = ChunkHeader(
+                address=addr,
+                tenant_tag=ttag,
+                model_fingerprint=fp,
+                start=start,
+                n_tokens=end - start,
+                created_at=now,
+                floor_until=floor_until,
+                ceiling_at=ceiling_at,
+                payload_len=len(payload),
+            )
+            value = encode_chunk(header, payload)
+            meta = ChunkMeta(
+                tenant_tag=ttag,
+                model_tag=mtag,
+                parent=parent,
+                start=start,
+                n_tokens=end - start,
+                value_len=len(value),
+                created_at=now,
+                floor_until=floor_until,
+                ceiling_at=ceiling_at,
+                is_tail=end - start < size,
+            )
+            keys = index_keys(addr, meta)
+            batch.put(keys[0], value)
+            batch.put(keys[1], meta.encode())
+            for key in keys[2:]:
+                batch.put(key, b"")
+            events.append(
+                AuditEvent(
+                    actor=actor,
+                    action=AuditAction.STORE,
+                    tenant=tenant,
+                    subject=f"chunk:{addr.hex()}",
+                    reason=f"session:{session} tokens:{start}-{end}",
+                    nbytes=len(value),
                 )
-                keys = index_keys(addr, meta)
-                batch.put(keys[0], value)
-                batch.put(keys[1], meta.encode())
-                for key in keys[2:]:
-                    batch.put(key, b"")
-                events.append(
-                    AuditEvent(
-                        actor=actor,
-                        action=AuditAction.STORE,
-                        tenant=tenant,
-                        subject=f"chunk:{addr.hex()}",
-                        reason=f"session:{session} tokens:{start}-{end}",
-                        nbytes=len(value),
-                    )
-                )
-            try:
-                self._commit(batch, events)
-            except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
-                result = self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes - written)
-                return PutResult(
-                    stored=stored,
-                    new_bytes=written,
-                    shared_chunks=shared_count,
-                    evicted_chunks=evicted,
-                    refusal=result.refusal,
-                )
-            if meta is not None:
-                self._index.remove(addr)
-                self._index.add(addr, meta)
-                written += meta.value_len
+            )
+            items.append(
+                _StagedChunk(addr=addr, parent=parent, start=start, end=end, meta=meta, pending=None)
+            )
+        try:
+            self._commit(batch, events)
+        except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
+            return self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes)
+        for item in items:
+            if item.meta is not None:
+                self._inflight[item.addr] = item.meta
+        for item in items:
+            # Later batches in the log than the new chunk's, so durable only with it.
+            self._supersede_tails(stag, item.addr, item.parent, item.start, item.end - item.start)
+        return _StagedPut(items=items, stag=stag, evicted=evicted)
+
+    def _apply_put(self: GlobalKVStore, staged: _StagedPut) -> PutResult:
+        """After the sync: make the put's chunks visible in the index. A chunk whose reference a purge
+        removed while the sync ran is deleted instead of indexed. Lock held."""
+        stored: list[tuple[int, int]] = []
+        written = shared_count = 0
+        drop = WriteBatch(raw_mode=True)
+        dropped = False
+        for item in staged.items:
+            mine = item.meta
+            if mine is not None and self._inflight.get(item.addr) is mine:
+                del self._inflight[item.addr]
+            meta = mine if mine is not None else self._index.meta.get(item.addr, item.pending)
+            if self._db.get(ref_key(item.addr, staged.stag)) is None:
+                if (
+                    meta is not None
+                    and item.addr not in self._index.meta
+                    and not any(True for _ in self._iter_prefix(REF + item.addr))
+                ):
+                    for key in index_keys(item.addr, meta):
+                        drop.delete(key)
+                    dropped = True
+                continue
+            if mine is not None:
+                self._index.remove(item.addr)
+                self._index.add(item.addr, mine)
+                written += mine.value_len
                 self._stats.chunks_written += 1
-                self._stats.bytes_written += meta.value_len
+                self._stats.bytes_written += mine.value_len
             else:
-                self._index.touch(addr)
-            stored.append((start, end))
-            self._supersede_tails(stag, addr, parent, start, end - start)
-        return PutResult(stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=evicted)
+                shared_count += 1
+                if item.addr in self._index.meta:
+                    self._index.touch(item.addr)
+                elif meta is not None:
+                    self._index.add(item.addr, meta)
+            stored.append((item.start, item.end))
+        if dropped:
+            self._commit(drop, [])
+        return PutResult(
+            stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=staged.evicted
+        )
 
     @staticmethod
     def _value_len(fp: str, payload_len: int) -> int:

@@ -4,8 +4,17 @@ model/. The write path is in chunk_writer.py; retention (purge, expiry, eviction
 retention.py.
 
 Invariants:
-- A chunk, its index entries, its references and its audit record commit in one synced write batch;
-  nothing is visible (in the index or to readers) before that batch returned.
+- A chunk, its index entries, its references and its audit record commit in one write batch, and
+  nothing is visible (in the index or to readers) before the WAL holding it is synced.
+- Batches are written unsynced while the store lock is held (so the audit chain's order is the lock's
+  order); the WAL sync that makes them durable runs after the lock is released, shared by every
+  writer waiting at that moment (group commit, `wal_sync.py`). Every public operation returns only
+  after its batches are durable. No callback runs, and no fsync happens, while the lock is held.
+- Audit records reach the `on_audit` consumer (the service's SQL log) after they are durable and
+  outside the lock; records a caller claims (`put_chunks(audit_claim=...)`) are its to deliver, and
+  it acknowledges them (`ack_audit`) or hands them back (`release_audit`). The store persists the seq
+  up to which every record was acknowledged and re-delivers the rest when it opens, so a crash
+  between a store write and the consumer's commit loses no record.
 - A read serves a payload only after the header and checksum verify against the address, tenant and
   model fingerprint asked for, and the chunk is before its ceiling; anything else is a typed miss.
 - Time is `max(clock(), high-water mark persisted on disk)`, so a clock stepping back cannot revive
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +34,7 @@ import structlog
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
 
 from storage.audit_record import AuditAction, AuditEvent, AuditRecord
-from storage.audit_rocks import RocksAuditSink, synced_write_options
+from storage.audit_rocks import RocksAuditSink, synced_write_options, unsynced_write_options
 from storage.chunk_format import decode_chunk
 from storage.chunk_index import (
     CHECKPOINT_CEILING,
@@ -70,8 +80,14 @@ from storage.store_results import (
     StoreStats,
     TenantStats,
 )
+from storage.wal_sync import GroupSync, ReleaseHookLock
 
 log = structlog.get_logger(__name__)
+
+# The seq up to which the audit consumer acknowledged every record (8 bytes big-endian); absent in a
+# store written before consumers acknowledged, whose records were all mirrored synchronously.
+AUDIT_ACK = b"O"
+_SEQ = struct.Struct(">Q")
 
 
 def _read_options() -> ReadOptions:
@@ -101,8 +117,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
     Args:
         config: paths, region, chunk size, capacity.
         clock: seconds since the epoch; injected everywhere time matters.
-        on_audit: called with each audit record after its batch is durable (e.g. to mirror it into the
-            service's authoritative SQL log); runs under the store lock, so it must be quick.
+        on_audit: called with a list of audit records once their batches are durable, outside the
+            store lock (e.g. to mirror them into the service's authoritative SQL log). Returning
+            acknowledges them; raising keeps them for the next delivery and for re-delivery when the
+            store opens again (so the consumer must skip records it already holds).
 
     Raises:
         StoreFormatError: the directory holds a database of another store format.
@@ -113,14 +131,25 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         config: StoreConfig,
         *,
         clock: Callable[[], float] = time.time,
-        on_audit: Callable[[AuditRecord], None] | None = None,
+        on_audit: Callable[[list[AuditRecord]], None] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
         self._on_audit = on_audit
-        self._lock = threading.RLock()
+        self._lock = ReleaseHookLock()
+        self._lock.on_release = self._after_release
+        self._pending = threading.local()
         self._closed = False
         self._write_opts = synced_write_options()
+        self._nosync_opts = unsynced_write_options()
+        # Records a caller claims during put_chunks: (tenant, list to fill); set under the lock.
+        self._claim: tuple[str, list[AuditRecord]] | None = None
+        self._ack_lock = threading.Lock()
+        self._ack_mark = 0
+        self._acked: set[int] = set()
+        self._undelivered: list[AuditRecord] = []
+        self._inflight: dict[bytes, ChunkMeta] = {}
+        self.batches_written = 0
         self._stats = StoreStats(capacity_bytes=config.capacity_bytes)
         self._index = ChunkIndex()
         self._salts: dict[str, bytes] = {}
@@ -133,9 +162,13 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._db = Rdict(str(config.db_path), _db_options())
         self._db.set_read_options(_read_options())
-        self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)
+        self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)  # type: ignore[arg-type]
+        self._sync_guard = threading.Lock()
+        self._db_closed = False
+        self._wal = GroupSync(self._sync_wal)
         self.recovery = self._recover()
         log.info("store_opened", path=config.path, **self.recovery.__dict__)
+        self._redeliver()
 
     @property
     def audit(self) -> RocksAuditSink:
@@ -144,8 +177,24 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
 
     @property
     def write_options_synced(self) -> bool:
-        """True when every batch is written with a synced WAL (the durability contract)."""
-        return bool(self._write_opts.sync) and not self._write_opts.disable_wal
+        """True when every batch goes through the WAL and every operation syncs it before returning
+        (the durability contract; the sync is shared by concurrent writers)."""
+        return (
+            bool(self._write_opts.sync)
+            and not self._write_opts.disable_wal
+            and not self._nosync_opts.disable_wal
+        )
+
+    @property
+    def wal_syncs(self) -> int:
+        """WAL syncs run by the group commit so far (one may cover the batches of many writers)."""
+        return self._wal.syncs
+
+    @property
+    def audit_acked_seq(self) -> int:
+        """The store audit seq up to which the consumer acknowledged every record."""
+        with self._ack_lock:
+            return self._ack_mark
 
     def close(self) -> None:
         """Stop maintenance, flush and close the database. Idempotent."""
@@ -155,11 +204,19 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
                 return
             self._persist_clock()
             self._closed = True
-            try:
-                self._db.close()
-            except Exception as exc:  # noqa: BLE001 - after an I/O error (disk full) the final flush fails;
-                # everything acknowledged is already in the synced WAL, so closing must not raise.
-                log.error("store_close_flush_failed", error=str(exc))
+            with self._sync_guard:
+                self._db_closed = True
+                try:
+                    # Closing holds the lock across this one sync: nothing else may run on a closing store.
+                    self._db.flush_wal(True)
+                except Exception as exc:  # noqa: BLE001 - after an I/O error (disk full) the sync fails;
+                    # everything acknowledged was synced before its call returned.
+                    log.error("store_close_sync_failed", error=str(exc))
+                try:
+                    self._db.close()
+                except Exception as exc:  # noqa: BLE001 - after an I/O error (disk full) the final flush
+                    # fails; everything acknowledged is already in the synced WAL, so closing must not raise.
+                    log.error("store_close_flush_failed", error=str(exc))
 
     def __enter__(self) -> GlobalKVStore:
         return self
@@ -174,9 +231,15 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         return self._hwm
 
     def _persist_clock(self) -> None:
-        """Write the clock high-water mark (also written by every batch) after reads moved it."""
+        """Write the clock high-water mark (also written by every batch) after reads moved it; the
+        sync follows when the lock is released."""
         try:
-            self._db.put(CLOCK_HWM, F64.pack(self._hwm), self._write_opts)
+            batch = WriteBatch(raw_mode=True)
+            batch.put(CLOCK_HWM, F64.pack(self._hwm))
+            with self._ack_lock:
+                batch.put(AUDIT_ACK, _SEQ.pack(self._ack_mark))
+            self._db.write(batch, self._nosync_opts)
+            self._pending_state().ticket = self._wal.note_write()
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop a close or a read
             log.error("clock_mark_write_failed", error=str(exc))
 
@@ -184,19 +247,111 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         if self._closed:
             raise StoreClosedError(f"store at {self.config.path} is closed")
 
+    def _sync_wal(self) -> None:
+        # A sync racing close() finds the database closed; close() synced every write before that.
+        with self._sync_guard:
+            if not self._db_closed:
+                self._db.flush_wal(True)
+
+    def _pending_state(self) -> threading.local:
+        """This thread's unsynced ticket and undelivered records, settled when it releases the lock."""
+        state = self._pending
+        if not hasattr(state, "ticket"):
+            state.ticket = 0
+            state.records = []
+        return state
+
     def _commit(self, batch: WriteBatch, events: list[AuditEvent]) -> list[AuditRecord]:
-        """Write `batch` plus the audit records of `events` and the clock mark, synced. Lock held."""
+        """Write `batch` plus the audit records of `events`, the clock mark and the audit ack mark,
+        unsynced, in lock order. Lock held; the WAL sync and the delivery of the records follow when
+        this thread releases the lock (`_after_release`), or in put_chunks' own settle step."""
+        assert self._lock.held()
         self._check_open()
         now = self._now()
         records = self._audit.stage(batch, events, ts=now)
         batch.put(CLOCK_HWM, F64.pack(now))
-        self._db.write(batch, self._write_opts)
+        with self._ack_lock:
+            batch.put(AUDIT_ACK, _SEQ.pack(self._ack_mark))
+        self._db.write(batch, self._nosync_opts)
+        state = self._pending_state()
+        state.ticket = self._wal.note_write()
         self._stats.synced_writes += 1
+        self.batches_written += 1
         self._audit.advance(records)
-        if self._on_audit is not None:
-            for record in records:
-                self._on_audit(record)
+        claim = self._claim
+        for record in records:
+            if claim is not None and record.tenant == claim[0]:
+                claim[1].append(record)
+            else:
+                state.records.append(record)
         return records
+
+    def _take_pending(self) -> tuple[int, list[AuditRecord]]:
+        state = self._pending_state()
+        ticket, records = state.ticket, state.records
+        state.ticket, state.records = 0, []
+        return ticket, records
+
+    def _after_release(self) -> None:
+        """Run by the lock after this thread's outermost release: sync the WAL through this thread's
+        writes (shared with concurrent writers), then deliver its audit records."""
+        ticket, records = self._take_pending()
+        if ticket:
+            self._wal.wait(ticket)
+        if records:
+            self._deliver(records)
+
+    def _deliver(self, records: list[AuditRecord]) -> None:
+        """Hand durable records to the consumer (no lock held); acknowledge them when it returns."""
+        with self._ack_lock:
+            batch = self._undelivered + list(records)
+            self._undelivered = []
+        if not batch:
+            return
+        if self._on_audit is None:
+            self.ack_audit(batch)
+            return
+        try:
+            self._on_audit(batch)
+        except Exception as exc:  # noqa: BLE001 - the records stay durable here and are re-delivered
+            with self._ack_lock:
+                self._undelivered = batch + self._undelivered
+            log.error("audit_delivery_failed", records=len(batch), error=str(exc))
+            return
+        self.ack_audit(batch)
+
+    def ack_audit(self, records: list[AuditRecord]) -> None:
+        """The consumer holds these records durably: advance the acknowledged mark over them (it is
+        written with the next batch; a lost mark only means records are delivered again)."""
+        with self._ack_lock:
+            self._acked.update(r.seq for r in records)
+            while self._ack_mark + 1 in self._acked:
+                self._ack_mark += 1
+                self._acked.discard(self._ack_mark)
+
+    def release_audit(self, records: list[AuditRecord]) -> None:
+        """Hand claimed records back (their caller could not record them): deliver them to the
+        consumer now. Call without the store lock."""
+        assert not self._lock.held()
+        if records:
+            self._deliver(list(records))
+
+    def _redeliver(self) -> None:
+        """At open: deliver the durable records the consumer never acknowledged (a crash came
+        between the store's write and the consumer's commit)."""
+        raw = self._db.get(AUDIT_ACK)
+        head = self._audit.head()[0]
+        if raw is None:
+            # Written before acknowledgements existed: the consumer mirrored every record synchronously.
+            mark = head
+        else:
+            (mark,) = _SEQ.unpack(raw)
+        with self._ack_lock:
+            self._ack_mark = min(mark, head)
+        if self._ack_mark < head:
+            missing = list(self._audit.iter_records(after=self._ack_mark))
+            log.info("audit_redelivery", after_seq=self._ack_mark, records=len(missing))
+            self._deliver(missing)
 
     def _recover(self) -> RecoveryReport:
         db = self._db

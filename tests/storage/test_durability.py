@@ -116,8 +116,8 @@ def test_every_acknowledged_write_was_synced_before_ack(tmp_path) -> None:
         if re.search(r"\b(fdatasync|fsync)\(", line):
             syncs_since_ack += 1
         elif re.search(r'\bwrite\(1, "ACK', line):
-            # Each put is 3 chunk batches, each a synced WAL write; open adds a few syncs before ACK 0.
-            assert syncs_since_ack >= 3, f"ACK {acks} with only {syncs_since_ack} syncs before it"
+            # Each put is one batch of its 3 chunks, made durable by one WAL sync before it returns.
+            assert syncs_since_ack >= 1, f"ACK {acks} with only {syncs_since_ack} syncs before it"
             syncs_since_ack = 0
             acks += 1
     assert acks == n_puts
@@ -127,9 +127,11 @@ def test_store_write_options_are_synced(make_store) -> None:
     store = make_store()
     assert store.write_options_synced
     toks = list(range(2 * CHUNK))
-    before = store.stats().synced_writes
+    store.put_chunks("tA", "s0", FP, [7] * CHUNK, {(0, CHUNK): b"first"})  # the tenant's salt
+    before, syncs = store.stats().synced_writes, store.wal_syncs
     store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
-    assert store.stats().synced_writes - before >= 2
+    # Both chunks in one batch, durable through one WAL sync before put_chunks returned.
+    assert (store.stats().synced_writes - before, store.wal_syncs - syncs) == (1, 1)
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
