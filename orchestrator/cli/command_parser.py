@@ -25,12 +25,16 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._options = options
 
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
+    def load_options(self) -> None:
+        """Add the deferred options now (parsing does it first; may import the model stack)."""
         if self._options is not None:
             options, self._options = self._options, None
             options(self)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.load_options()
         return super().parse_known_args(args, namespace)
 
     def set_defaults(self, **kwargs: Any) -> None:

@@ -19,10 +19,13 @@ def _options(parser: argparse.ArgumentParser) -> None:
     from model import add_eval_arguments
 
     add_eval_arguments(parser)
-    # The harness's own --json takes a value; the shared form (a bare --json means stdout) replaces it.
-    parser.conflict_handler = "resolve"
-    add_json_flag(parser, what="the quality document")
-    parser.conflict_handler = "error"
+    # The harness's own --json needs a value; it becomes the shared form (a bare --json means stdout),
+    # which the harness writes the same way ("-": stdout, tables to stderr; else a file).
+    harness_json = next(a for a in parser._actions if a.dest == "json")
+    shared = argparse.ArgumentParser(add_help=False)
+    add_json_flag(shared, what="the quality document")
+    for field in ("nargs", "const", "default", "metavar", "help"):
+        setattr(harness_json, field, getattr(shared._actions[0], field))
     add_numerics_flag(parser, default="portable", what="the harness")
 
 
