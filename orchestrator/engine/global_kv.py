@@ -16,10 +16,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from model import CacheFormatError
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.db.models import CacheSegment, SessionSegment
-from orchestrator.engine.model_compute import ModelCompute, TorchCompute
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
 from storage import GlobalKVStore, MissReason
@@ -108,13 +107,13 @@ def read_prefix(
         if by_range.get((start, end)) not in named:
             miss_reason = f"stored chunk at token {start} is not in the registry (purged)"
             break
-        try:
-            compute.import_chunk(served, state, payload)
-        except CacheFormatError as exc:
-            miss_reason = f"stored chunk at token {start} failed the cache format check ({exc})"
-            break
         blobs.append(payload)
         ranges.append((start, end))
+    # one import of every named chunk: linear in the history (chunk by chunk would be quadratic)
+    appended, error = import_chunks(compute, served, state, blobs)
+    if error is not None:
+        miss_reason = f"stored chunk at token {ranges[appended][0]} failed the cache format check ({error})"
+        del blobs[appended:], ranges[appended:]
     n = ranges[-1][1] if ranges else 0
     if n == 0:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=miss_reason or "nothing stored")

@@ -12,17 +12,20 @@ from typing import Any, Protocol
 import torch
 
 from model import (
+    CacheFormatError,
     PassOutput,
     decode,
+    decode_many,
     export_global,
     export_windows,
     import_global,
+    import_global_chunks,
     import_windows,
     prefill,
 )
 from orchestrator.engine.served_models import ServedModel
 
-__all__ = ["ModelCompute", "TorchCompute"]
+__all__ = ["ModelCompute", "TorchCompute", "import_chunks"]
 
 
 class ModelCompute(Protocol):
@@ -34,7 +37,8 @@ class ModelCompute(Protocol):
     def new_state(self, served: ServedModel) -> Any: ...
 
     def import_chunk(self, served: ServedModel, state: Any, blob: bytes) -> int:
-        """Append one global chunk; returns its end position."""
+        """Append one global chunk; returns its end position. A compute may also offer
+        `import_chunks(served, state, blobs) -> (appended, error)` for many at once (see `import_chunks`)."""
         ...
 
     def seal_prefix(self, served: ServedModel, state: Any, tokens: Sequence[int]) -> None:
@@ -55,6 +59,33 @@ class ModelCompute(Protocol):
 
     def decode(self, served: ServedModel, token: int, state: Any) -> PassOutput: ...
 
+    def decode_many(
+        self, served: ServedModel, tokens: Sequence[int], states: Sequence[Any]
+    ) -> list[PassOutput]:
+        """One decode step of many sessions; each output equals its `decode` bit for bit."""
+        ...
+
+
+def import_chunks(
+    compute: ModelCompute, served: ServedModel, state: Any, blobs: Sequence[bytes]
+) -> tuple[int, CacheFormatError | None]:
+    """Append consecutive global chunks through `compute`: its `import_chunks` when it has one (one
+    linear-time import), else `import_chunk` one at a time.
+
+    Returns:
+        how many chunks, from the first, were appended, and the cache-format error that refused the next
+        one (None when all were appended).
+    """
+    many = getattr(compute, "import_chunks", None)
+    if many is not None:
+        return many(served, state, blobs)
+    for i, blob in enumerate(blobs):
+        try:
+            compute.import_chunk(served, state, blob)
+        except CacheFormatError as exc:
+            return i, exc
+    return len(blobs), None
+
 
 class TorchCompute:
     """The real model: `model.prefill` in `ced` mode, `model.decode`, the cache format's exports/imports.
@@ -65,6 +96,13 @@ class TorchCompute:
 
     def import_chunk(self, served: ServedModel, state: Any, blob: bytes) -> int:
         return import_global(state, blob, fingerprint=served.fingerprint)
+
+    def import_chunks(
+        self, served: ServedModel, state: Any, blobs: Sequence[bytes]
+    ) -> tuple[int, CacheFormatError | None]:
+        """Append consecutive chunks in time linear in the history (`model.import_global_chunks`)."""
+        done = import_global_chunks(state, list(blobs), fingerprint=served.fingerprint)
+        return done.imported, CacheFormatError(done.failure) if done.failure is not None else None
 
     def seal_prefix(self, served: ServedModel, state: Any, tokens: Sequence[int]) -> None:
         state.tokens = torch.tensor([list(tokens)], dtype=torch.int64, device=state.device)
@@ -91,3 +129,9 @@ class TorchCompute:
     def decode(self, served: ServedModel, token: int, state: Any) -> PassOutput:
         with served.lock, torch.inference_mode():
             return decode(served.model, torch.tensor([token], device=state.device), state)
+
+    def decode_many(
+        self, served: ServedModel, tokens: Sequence[int], states: Sequence[Any]
+    ) -> list[PassOutput]:
+        with served.lock, torch.inference_mode():
+            return decode_many(served.model, tokens, states)

@@ -13,6 +13,8 @@ from model import (
     decode,
     export_global,
     export_windows,
+    import_global,
+    import_global_chunks,
     import_windows,
     init_random,
     kv_bytes,
@@ -182,3 +184,49 @@ def test_corrupt_or_foreign_blobs_are_rejected(model: Transformer, fp: bytes) ->
     other = prefill(model, _tokens(10, 7), mode="ced").state
     with pytest.raises(CacheFormatError, match="position"):
         import_windows(model, restored, export_windows(model, other, fingerprint=fp), fingerprint=fp)
+
+
+def _same_sources(a, b) -> bool:
+    fields = ("kv", "index_k", "kv_packed", "kv_scales", "index_packed", "index_scales")
+    return sorted(a.sources) == sorted(b.sources) and all(
+        torch.equal(getattr(a.sources[i], f).view(torch.uint8), getattr(b.sources[i], f).view(torch.uint8))
+        and getattr(a.sources[i], f).shape == getattr(b.sources[i], f).shape
+        for i in a.sources
+        for f in fields
+    )
+
+
+@torch.inference_mode()
+def test_import_global_chunks_equals_chunk_by_chunk_import(model: Transformer, fp: bytes) -> None:
+    state = prefill(model, _tokens(301, 7), mode="ced").state
+    # chunk starts are multiples of every ratio; a two-token chunk, and a tail ending inside a group
+    cuts = [0, 64, 66, 192, 194, 256, 301]
+    blobs = [export_global(state, a, b, fingerprint=fp) for a, b in zip(cuts, cuts[1:], strict=False)]
+    slow, fast = model.new_state(1), model.new_state(1)
+    for blob in blobs:
+        import_global(slow, blob, fingerprint=fp)
+    done = import_global_chunks(fast, blobs, fingerprint=fp)
+    assert (done.end, done.imported, done.failure) == (301, len(blobs), None)
+    assert _same_sources(slow, fast)
+
+
+@torch.inference_mode()
+def test_import_global_chunks_keeps_the_chunks_before_a_refused_one(model: Transformer, fp: bytes) -> None:
+    state = prefill(model, _tokens(200, 8), mode="ced").state
+    blobs = [export_global(state, a, a + 50, fingerprint=fp) for a in (0, 50, 100, 150)]
+    corrupt = bytearray(blobs[2])
+    corrupt[-1] ^= 0xFF
+    blobs[2] = bytes(corrupt)
+    slow, fast = model.new_state(1), model.new_state(1)
+    for blob in blobs[:2]:
+        import_global(slow, blob, fingerprint=fp)
+    with pytest.raises(CacheFormatError) as refused:
+        import_global(slow.clone(), blobs[2], fingerprint=fp)
+    done = import_global_chunks(fast, blobs, fingerprint=fp)
+    assert (done.end, done.imported, done.failure) == (100, 2, str(refused.value))
+    assert _same_sources(slow, fast)
+    # a gap is refused the same way, with nothing appended
+    empty = model.new_state(1)
+    gap = import_global_chunks(empty, blobs[1:2], fingerprint=fp)
+    assert (gap.end, gap.imported) == (None, 0) and "chunk starts at 50" in gap.failure
+    assert all(src.n_entries == 0 for src in empty.sources.values())
