@@ -37,6 +37,7 @@ from model.kv_bytes import (
     main_kv_entry_bytes,
     window_kv_entry_bytes,
 )
+from model.linear import set_linear_math
 from model.numerics import (
     NumericsProfile,
     configure_torch,
@@ -71,6 +72,7 @@ __all__ = [
     "greedy",
     "init_random",
     "load_model",
+    "set_linear_math",
     "LOGITS_REL_TOL",
     "ModelState",
     "PassOutput",

@@ -4,6 +4,9 @@ per-32 E8M0 scales, or plain bf16/fp32 weights.
 Knows nothing of layers; it picks the product from the weight dtype exactly as the official V4.1 `linear()`
 does: a quantized weight takes an FP8-quantized activation (per 32 along K, power-of-two scales) and the
 block-scaled GEMM of `kernels.fp8_linear` / `kernels.fp4_linear`, rounded to bf16 (conformance README §9).
+The decoded weight is cached per module (`kernels.prepared_linear`, bitwise the same product) until the
+stored weight changes; `set_linear_math(model, "fast")` opts every quantized linear into the folded-scale
+single GEMM of the `fast` numerics profile (not bitwise; the caller must fingerprint it as such).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fp4_linear, fp8_linear
+from kernels import LINEAR_MATH, PreparedWeight, prepare_fp4_weight, prepare_fp8_weight, prepared_linear
 
 # K block of the FP8 activation scales and of both weight formats' scales
 QUANT_BLOCK = 32
@@ -59,6 +62,10 @@ class Linear(nn.Module):
             # 2^0 everywhere: a neutral scale until a checkpoint is loaded
             ones = torch.full(scale_shape, 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
             self.scale = nn.Parameter(ones, requires_grad=False)
+        # "exact" (the reference's block-scaled GEMM) or "fast" (folded scales, one GEMM): set_linear_math
+        self.math = "exact"
+        self._prepared: PreparedWeight | None = None
+        self._prepared_for: tuple | None = None
 
     @property
     def quantized(self) -> bool:
@@ -71,6 +78,39 @@ class Linear(nn.Module):
         """
         if self.scale is None:
             return F.linear(x, self.weight)
-        if self.kind == "fp8":
-            return fp8_linear(x, self.weight, self.scale, out_dtype=torch.bfloat16)
-        return fp4_linear(x, self.weight, self.scale, out_dtype=torch.bfloat16)
+        return prepared_linear(x, self.prepared_weight(), out_dtype=torch.bfloat16, math=self.math)
+
+    def prepared_weight(self) -> PreparedWeight:
+        """The decoded weight (and, under math "fast", its folded form), rebuilt only when the stored
+        weight or scale changed (new storage, an in-place copy such as load_state_dict, another device)."""
+        assert self.scale is not None
+        fold = self.math == "fast"
+        w, s = self.weight, self.scale
+        key = (w.data_ptr(), w._version, s.data_ptr(), s._version, w.device, fold)
+        if self._prepared is None or self._prepared_for != key:
+            prepare = prepare_fp8_weight if self.kind == "fp8" else prepare_fp4_weight
+            with torch.no_grad():
+                self._prepared = prepare(w.detach(), s.detach(), fold=fold)
+            self._prepared_for = key
+        return self._prepared
+
+
+def set_linear_math(model: nn.Module, math: str) -> int:
+    """Set the product of every quantized `Linear` in `model`: "exact" (default, bitwise the reference) or
+    "fast" (the `fast` numerics profile: a model running it must carry `NumericsProfile(math="fast")` in
+    its fingerprint, so its caches never meet exact ones).
+
+    Returns:
+        how many quantized linears were set.
+
+    Raises:
+        ValueError: an unknown math.
+    """
+    if math not in LINEAR_MATH:
+        raise ValueError(f"math must be one of {LINEAR_MATH}, got {math!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized:
+            module.math = math
+            count += 1
+    return count

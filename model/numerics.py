@@ -30,9 +30,9 @@ NUMERICS_SCHEMA = 1
 CPU_PATHS = ("portable", "native")
 DEVICE_CLASSES = ("cpu", "cuda")
 DTYPES = ("bf16",)
-# Room for the values other work adds: a fast mode for the quantized linears (folded scales, one GEMM),
-# a fast batching mode (kernels whose reduction order depends on the batch).
-MATH_MODES = ("exact",)
+# exact: the reference's block-scaled GEMMs; fast: quantized linears with folded scales and one GEMM
+# (model.set_linear_math). Room for a fast batching mode (kernels whose reduction order depends on the batch).
+MATH_MODES = ("exact", "fast")
 BATCHING_MODES = ("invariant",)
 # What torch.backends.cpu.get_cpu_capability() reports under ATEN_CPU_CAPABILITY=avx2.
 PORTABLE_TORCH_CAPABILITY = "AVX2"

@@ -24,7 +24,17 @@ from kernels.formats.spec import (
     MXFP4,
     BlockFormat,
 )
-from kernels.formats.weights import dequantize_fp4_weight, dequantize_fp8_block_weight, fp4_linear, fp8_linear
+from kernels.formats.weights import (
+    LINEAR_MATH,
+    PreparedWeight,
+    dequantize_fp4_weight,
+    dequantize_fp8_block_weight,
+    fp4_linear,
+    fp8_linear,
+    prepare_fp4_weight,
+    prepare_fp8_weight,
+    prepared_linear,
+)
 
 __all__ = [
     "E2M1_MAX",
@@ -33,9 +43,11 @@ __all__ = [
     "E4M3_MIN_SUBNORMAL",
     "FP4_E4M3",
     "FP8_UE8M0",
+    "LINEAR_MATH",
     "MXFP4",
     "Backend",
     "BlockFormat",
+    "PreparedWeight",
     "dequantize_fp4_e4m3",
     "dequantize_fp4_weight",
     "dequantize_fp8_block_weight",
@@ -43,6 +55,9 @@ __all__ = [
     "dequantize_mxfp4",
     "fp4_linear",
     "fp8_linear",
+    "prepare_fp4_weight",
+    "prepare_fp8_weight",
+    "prepared_linear",
     "qdq_fp4_e4m3",
     "qdq_fp8_ue8m0",
     "qdq_mxfp4",

@@ -11,6 +11,8 @@ nothing of layers or models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.formats.reference import _fp8_parts, e2m1_values, e8m0_to_float, unpack_nibbles
@@ -169,4 +171,95 @@ def fp4_linear(
     b = e2m1_values(_fp4_codes(packed))
     b_scale = e8m0_to_float(_e8m0_bytes(scale, "scale"))
     acc = _block_scaled_matmul(a, a_scale, b, b_scale)
+    return acc.to(out_dtype or torch.get_default_dtype()).view(*x.shape[:-1], out_features)
+
+
+LINEAR_MATH = ("exact", "fast")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedWeight:
+    """A quantized weight decoded once for `prepared_linear`: what `fp8_linear` / `fp4_linear` rebuild from
+    the stored codes on every call.
+
+    Attributes:
+        values: fp32 [out, in] element values (E4M3 or E2M1), unscaled.
+        scales: fp32 [out, in/32] the weight scale of each (row, 32-wide K block).
+        folded: fp32 [out, in] values * scales (exact: a power of two times a short mantissa), for the
+            `fast` math only; None when not built.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    folded: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the cache's cost: 4 or 8 per weight, against 1 for FP8 and 0.5 for FP4 codes)."""
+        tensors = [self.values, self.scales] + ([self.folded] if self.folded is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fold(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (values.unflatten(-1, (-1, WEIGHT_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def prepare_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, *, fold: bool = False) -> PreparedWeight:
+    """Decode an FP8 weight [out, in] e4m3 with 32x32 E8M0 block scales once (see `PreparedWeight`).
+
+    Raises:
+        ValueError: wrong dtypes or shapes, or in % 32 != 0.
+    """
+    _check_fp8_weight(weight, scale)
+    out_features, in_features = weight.shape
+    if in_features % WEIGHT_BLOCK:
+        raise ValueError(f"FP8 linear needs in_features % {WEIGHT_BLOCK} == 0, got {in_features}")
+    values, scales = weight.float(), _weight_block_scales(scale, out_features)
+    return PreparedWeight(values=values, scales=scales, folded=_fold(values, scales) if fold else None)
+
+
+def prepare_fp4_weight(packed: torch.Tensor, scale: torch.Tensor, *, fold: bool = False) -> PreparedWeight:
+    """Decode an FP4 expert weight [out, in/2] with per-32 E8M0 scales once (see `PreparedWeight`).
+
+    Raises:
+        ValueError: wrong dtypes or shapes.
+    """
+    _check_fp4_weight(packed, scale)
+    values = e2m1_values(_fp4_codes(packed))
+    scales = e8m0_to_float(_e8m0_bytes(scale, "scale"))
+    return PreparedWeight(values=values, scales=scales, folded=_fold(values, scales) if fold else None)
+
+
+def prepared_linear(
+    x: torch.Tensor, weight: PreparedWeight, out_dtype: torch.dtype | None = None, *, math: str = "exact"
+) -> torch.Tensor:
+    """`fp8_linear` / `fp4_linear` on a prepared weight.
+
+    Args:
+        x: bf16 [..., in] (fp32 is accepted and quantized directly).
+        weight: from `prepare_fp8_weight` / `prepare_fp4_weight` (with fold=True for math="fast").
+        out_dtype: defaults to torch's default dtype.
+        math: "exact": the reference's block-scaled GEMM (one fp32 matmul per 32-wide K block, scaled
+            partials summed in K order), bitwise equal to `fp8_linear` / `fp4_linear` on the stored
+            weight. "fast": the exactly dequantized activation times the folded weight in one fp32 GEMM;
+            the same real product, summed in the GEMM's order instead (not bitwise; its drift is measured
+            in kernels/README.md).
+
+    Returns:
+        out_dtype [..., out].
+
+    Raises:
+        ValueError: an unknown math, math="fast" on a weight prepared without folding, or x of the wrong
+            shape or dtype.
+    """
+    if math not in LINEAR_MATH:
+        raise ValueError(f"math must be one of {LINEAR_MATH}, got {math!r}")
+    out_features, in_features = weight.values.shape
+    a, a_scale = _quantized_activation(x, in_features)
+    if math == "exact":
+        acc = _block_scaled_matmul(a, a_scale, weight.values, weight.scales)
+    else:
+        if weight.folded is None:
+            raise ValueError('math="fast" needs a weight prepared with fold=True')
+        acc = _fold(a, a_scale) @ weight.folded.T  # [M, out]
     return acc.to(out_dtype or torch.get_default_dtype()).view(*x.shape[:-1], out_features)

@@ -124,3 +124,33 @@ def test_weight_helpers_reject_bad_shapes() -> None:
 def test_entry_points_reject_bad_input(call, match: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("rows", [1, 63, 300], ids=["M1", "M63", "M300"])
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_prepared_linear_exact_equals_linear_on_the_stored_weight(kind: str, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    if kind == "fp8":
+        stored = random_fp8_weight(70, 160, seed=rows)
+        prepared, slow = kernels.prepare_fp8_weight(*stored, fold=True), kernels.fp8_linear
+    else:
+        stored = random_fp4_weight(70, 160, seed=rows)
+        prepared, slow = kernels.prepare_fp4_weight(*stored, fold=True), kernels.fp4_linear
+    x = (torch.randn(rows, 160, generator=g) * torch.logspace(-3, 2, 160)).bfloat16()
+    want = slow(x, *stored, out_dtype=torch.bfloat16)
+    got = kernels.prepared_linear(x, prepared, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # fast: the same real product summed in one GEMM; close, not bitwise
+    fast = kernels.prepared_linear(x, prepared, torch.float32, math="fast")
+    ref = slow(x, *stored, out_dtype=torch.float32)
+    rel = ((fast - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, f"fast rel err {rel}"
+
+
+def test_prepared_linear_rejects_fast_without_fold_and_unknown_math() -> None:
+    prepared = kernels.prepare_fp8_weight(*random_fp8_weight(32, 64, seed=0))
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError, match="fold=True"):
+        kernels.prepared_linear(x, prepared, math="fast")
+    with pytest.raises(ValueError, match="math must be"):
+        kernels.prepared_linear(x, prepared, math="quick")
