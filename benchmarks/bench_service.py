@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,11 @@ class NoOpCompute:
         state.n_tokens, state.has_windows = end, True
         stats = PassStats(start=start, end=end, decoder_from=dec_from, rows_per_layer=(), compressed_rows={})
         return PassOutput(logits=torch.zeros(1, served.vocab_size), state=state, stats=stats)  # type: ignore[arg-type]
+
+    def decode_many(
+        self, served: ServedModel, tokens: Sequence[int], states: Sequence[NoOpState]
+    ) -> list[PassOutput]:
+        return [self.decode(served, t, s) for t, s in zip(tokens, states, strict=True)]
 
     def decode(self, served: ServedModel, token: int, state: NoOpState) -> PassOutput:
         state.n_tokens += 1
@@ -194,6 +200,7 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
     )
     server = build_server(node.ctx, host="127.0.0.1", port=0)
     client = _Client(node, server.port)
+    counts = _Counters(node)
     samples: list[float] = []
     paths: dict[str, int] = {}
     errors: list[str] = []
@@ -220,6 +227,7 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
     for th in threads:
         th.join()
     wall = time.perf_counter() - t0
+    per_turn = counts.per_turn(concurrency * (turns + 1))
     client.channel.close()
     server.stop(grace_s=None)
     node.close()
@@ -232,10 +240,46 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
         "p50_ms": statistics.median(samples) * 1e3,
         "p99_ms": q[98] * 1e3,
         "turns_per_s": len(samples) / wall,
+        **per_turn,
         "paths": paths,
         "chunk_bytes_per_token": per_token,
         "pool_entry_bytes": windows,
     }
+
+
+class _Counters:
+    """SQL commits and transactions (SQLAlchemy engine events) and store batches and WAL syncs, per turn
+    over every turn of the sweep (the cold first turns included)."""
+
+    def __init__(self, node: Any) -> None:
+        from sqlalchemy import event
+
+        self._node = node
+        self.commits = self.begins = 0
+        event.listen(node.ctx.engine, "commit", self._on_commit)
+        event.listen(node.ctx.engine, "begin", self._on_begin)
+        stats = node.store.stats()
+        self._batches0 = stats.synced_writes
+        self._syncs0 = getattr(node.store, "wal_syncs", None)
+
+    def _on_commit(self, conn: Any) -> None:
+        self.commits += 1
+
+    def _on_begin(self, conn: Any) -> None:
+        self.begins += 1
+
+    def per_turn(self, n_turns: int) -> dict[str, float | None]:
+        store = self._node.store
+        batches = store.stats().synced_writes - self._batches0
+        syncs = getattr(store, "wal_syncs", None)
+        # Before group commit every batch was its own synced write.
+        synced = (syncs - self._syncs0) if syncs is not None else batches
+        return {
+            "sql_commits_per_turn": self.commits / n_turns,
+            "sql_transactions_per_turn": self.begins / n_turns,
+            "store_batches_per_turn": batches / n_turns,
+            "wal_syncs_per_turn": synced / n_turns,
+        }
 
 
 @torch.inference_mode()
@@ -348,11 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     out = table_stream(args.json)
     print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
           file=out)
-    print(f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s}", file=out)
+    print(
+        f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} "
+        f"{'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
+        file=out,
+    )
     for s in sweeps:
         print(
             f"{s['concurrency']:>8d} {s['turns_measured']:>6d} {s['p50_ms']:>9.1f} {s['p99_ms']:>9.1f} "
-            f"{s['turns_per_s']:>8.1f}",
+            f"{s['turns_per_s']:>8.1f} {s['sql_commits_per_turn']:>8.2f} "
+            f"{s['sql_transactions_per_turn']:>6.2f} "
+            f"{s['store_batches_per_turn']:>8.2f} {s['wal_syncs_per_turn']:>6.2f}",
             file=out,
         )
     print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history",

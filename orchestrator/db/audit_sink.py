@@ -1,64 +1,102 @@
 """The SQL audit sink: storage's audit record and hash-chain format, kept in the registry database.
 
-One chain per database, authoritative while the service runs. Each append locks the head row, seals the
-next record with `storage.seal`, inserts it and moves the head, all in one serialisable transaction,
-so several replicas appending at once still produce one gap-free chain. Knows nothing of what the
-events describe.
+One chain per tenant (a record's chain is its tenant), plus the node-wide chain `""` for records of no
+tenant and for the records written before the chains were split. Each append locks only its chains'
+head rows, seals the next records with `storage.seal`, inserts them and moves the heads, in one
+serialisable transaction, so appends of different tenants never wait for each other and several
+replicas appending at once still produce gap-free chains. Store records (the store's own chain, via
+its `on_audit`) are mirrored with their hash as `source_hash`, so a re-delivered one is skipped.
+Knows nothing of what the events describe. Statements are SQLAlchemy Core (the per-turn path).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import AuditHead, AuditRow
 from orchestrator.db.transactions import run_serializable, serializable_factory
-from storage import AuditAction, AuditEvent, AuditRecord, AuditSink, seal
+from storage import (
+    GENESIS_HASH,
+    AuditAction,
+    AuditEvent,
+    AuditRecord,
+    AuditSink,
+    VerifyResult,
+    canonical_json,
+    seal,
+    verify_chain,
+)
 
-__all__ = ["SqlAuditSink", "record_from_row", "row_from_record"]
+__all__ = ["SqlAuditSink", "ChainVerdict", "record_from_row", "row_from_record", "NODE_CHAIN"]
 
-_HEAD_ID = 1
+NODE_CHAIN = ""
+"""The chain of records that concern no tenant (and of every record older than the per-tenant chains)."""
+
+_LOG = AuditRow.__table__
+_HEAD = AuditHead.__table__
+_FIELDS = ("seq", "ts_us", "actor", "action", "tenant", "subject", "reason", "nbytes", "prev_hash", "hash")
 
 
-def record_from_row(row: AuditRow) -> AuditRecord:
+def record_from_row(row: object) -> AuditRecord:
+    """A record from an `AuditRow` or a Core row of `audit_log`."""
     return AuditRecord(
-        seq=row.seq,
-        ts_us=row.ts_us,
-        actor=row.actor,
-        action=AuditAction(row.action),
-        tenant=row.tenant,
-        subject=row.subject,
-        reason=row.reason,
-        nbytes=row.nbytes,
-        prev_hash=row.prev_hash,
-        hash=row.hash,
+        seq=row.seq,  # type: ignore[attr-defined]
+        ts_us=row.ts_us,  # type: ignore[attr-defined]
+        actor=row.actor,  # type: ignore[attr-defined]
+        action=AuditAction(row.action),  # type: ignore[attr-defined]
+        tenant=row.tenant,  # type: ignore[attr-defined]
+        subject=row.subject,  # type: ignore[attr-defined]
+        reason=row.reason,  # type: ignore[attr-defined]
+        nbytes=row.nbytes,  # type: ignore[attr-defined]
+        prev_hash=row.prev_hash,  # type: ignore[attr-defined]
+        hash=row.hash,  # type: ignore[attr-defined]
     )
 
 
-def row_from_record(rec: AuditRecord) -> AuditRow:
-    return AuditRow(
-        seq=rec.seq,
-        ts_us=rec.ts_us,
-        actor=rec.actor,
-        action=str(rec.action),
-        tenant=rec.tenant,
-        subject=rec.subject,
-        reason=rec.reason,
-        nbytes=rec.nbytes,
-        prev_hash=rec.prev_hash,
-        hash=rec.hash,
-    )
+def row_from_record(rec: AuditRecord, *, chain: str, source_hash: str | None = None) -> dict[str, object]:
+    """The `audit_log` values of a record sealed in `chain`."""
+    values: dict[str, object] = {name: getattr(rec, name) for name in _FIELDS}
+    values["action"] = str(rec.action)
+    values["chain"] = chain
+    values["source_hash"] = source_hash
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainVerdict:
+    """One chain's verification: its head as stored and the walk's result."""
+
+    chain: str
+    head_seq: int
+    head_hash: str
+    result: VerifyResult
+
+
+def chain_of(tenant: str) -> str:
+    """The chain a record of `tenant` belongs to."""
+    return tenant
+
+
+def heads_digest(heads: dict[str, tuple[int, str]]) -> str:
+    """sha256 over every chain's head (sorted by chain); GENESIS_HASH when no chain holds a record."""
+    live = sorted((c, seq, h) for c, (seq, h) in heads.items() if seq > 0)
+    if not live:
+        return GENESIS_HASH
+    return hashlib.sha256(canonical_json({"heads": [list(h) for h in live]})).hexdigest()
 
 
 class SqlAuditSink(AuditSink):
-    """Append-only, hash-chained audit log in the `audit_log` table (head in `audit_head`).
+    """Append-only, hash-chained audit log in the `audit_log` table (heads in `audit_head`).
 
-    `append` runs its own serialisable transaction with retries; `append_in` adds records to the
-    caller's transaction so that a change and its audit record commit together (the caller must run
-    that transaction through `run_serializable`).
+    `append` runs its own serialisable transaction with retries; `append_in` and `mirror_in` add
+    records to the caller's transaction so that a change and its audit records commit together (the
+    caller must run that transaction through `run_serializable`). `mirror` is the store's `on_audit`.
     """
 
     def __init__(self, engine: Engine, *, clock: Callable[[], float] = time.time, attempts: int = 50) -> None:
@@ -75,98 +113,196 @@ class SqlAuditSink(AuditSink):
     def append_many(self, events: Sequence[AuditEvent]) -> list[AuditRecord]:
         return run_serializable(self._factory, lambda s: self.append_in(s, events), attempts=self._attempts)
 
-    def mirror(self, record: AuditRecord) -> AuditRecord:
-        """Append a record sealed in another chain (the store's, via its `on_audit`) as the next record
-        of this one: same fields and timestamp, this chain's seq and hashes."""
-        event = AuditEvent(
-            actor=record.actor,
-            action=record.action,
-            tenant=record.tenant,
-            subject=record.subject,
-            reason=record.reason,
-            nbytes=record.nbytes,
-        )
+    def mirror(self, records: AuditRecord | Sequence[AuditRecord]) -> list[AuditRecord]:
+        """Append records sealed in the store's chain (its `on_audit`), in one transaction, skipping
+        those already mirrored (the store re-delivers what it was never told is held here)."""
+        batch = [records] if isinstance(records, AuditRecord) else list(records)
+        if not batch:
+            return []
         return run_serializable(
-            self._factory,
-            lambda s: self.append_in(s, [event], ts_us=record.ts_us)[0],
-            attempts=self._attempts,
+            self._factory, lambda s: self.mirror_in(s, batch, skip_known=True), attempts=self._attempts
         )
+
+    def mirror_in(
+        self, session: Session, records: Sequence[AuditRecord], *, skip_known: bool = False
+    ) -> list[AuditRecord]:
+        """Append store records as the next records of their tenants' chains inside `session`'s
+        transaction: same fields and timestamp, this database's seq and hashes, `source_hash` = the
+        store record's hash.
+
+        Args:
+            skip_known: first drop records whose hash is already a `source_hash` here (a delivery
+                that may repeat one); records a caller has just claimed from the store need not.
+        """
+        todo = list(records)
+        if skip_known and todo:
+            known = set(
+                session.scalars(
+                    select(_LOG.c.source_hash).where(_LOG.c.source_hash.in_([r.hash for r in todo]))
+                )
+            )
+            todo = [r for r in todo if r.hash not in known]
+        items = [
+            (
+                AuditEvent(
+                    actor=r.actor,
+                    action=r.action,
+                    tenant=r.tenant,
+                    subject=r.subject,
+                    reason=r.reason,
+                    nbytes=r.nbytes,
+                ),
+                r.ts_us,
+                r.hash,
+            )
+            for r in todo
+        ]
+        return self._append_items(session, items)
 
     def append_in(
         self, session: Session, events: Sequence[AuditEvent], *, ts_us: int | None = None
     ) -> list[AuditRecord]:
-        """Seal and insert `events` after the current head inside `session`'s transaction."""
+        """Seal and insert `events` after their chains' heads inside `session`'s transaction."""
         if not events:
             return []
-        # FOR UPDATE serialises appenders on PostgreSQL; under SERIALIZABLE a concurrent head move also
-        # fails one of the two transactions, which run_serializable reruns.
-        head = session.scalars(select(AuditHead).where(AuditHead.id == _HEAD_ID).with_for_update()).one()
-        seq, prev = head.seq, head.hash
-        if ts_us is None:
-            ts_us = int(round(self._clock() * 1_000_000))
-        records: list[AuditRecord] = []
-        for event in events:
-            seq += 1
-            rec = seal(event, seq=seq, ts_us=ts_us, prev_hash=prev)
-            session.add(row_from_record(rec))
-            records.append(rec)
-            prev = rec.hash
-        session.flush()
-        moved = session.execute(
-            update(AuditHead)
-            .where(AuditHead.id == _HEAD_ID, AuditHead.seq == head.seq)
-            .values(seq=seq, hash=prev)
-            .execution_options(synchronize_session=False)
-        )
-        # The guarded update can only miss if another writer moved the head under us, which the lock
-        # and the isolation level exclude.
-        assert moved.rowcount == 1, "audit head moved during append"
-        session.expire(head)
-        return records
+        stamp = int(round(self._clock() * 1_000_000)) if ts_us is None else ts_us
+        return self._append_items(session, [(e, stamp, None) for e in events])
 
-    def iter_records(self, *, batch: int = 1000) -> Iterator[AuditRecord]:
-        """Every record in seq order, read in pages so that long chains stream."""
-        after = 0
-        while True:
-            with Session(self._engine) as session:
-                rows = list(
-                    session.scalars(
-                        select(AuditRow).where(AuditRow.seq > after).order_by(AuditRow.seq).limit(batch)
-                    )
+    def _append_items(
+        self, session: Session, items: Sequence[tuple[AuditEvent, int, str | None]]
+    ) -> list[AuditRecord]:
+        if not items:
+            return []
+        by_chain: dict[str, list[int]] = {}
+        for i, (event, _, _) in enumerate(items):
+            by_chain.setdefault(chain_of(event.tenant), []).append(i)
+        sealed: list[AuditRecord | None] = [None] * len(items)
+        rows: list[dict[str, object]] = []
+        # Heads are locked in chain order, so two transactions that touch the same chains cannot
+        # deadlock; FOR UPDATE serialises appenders of one chain on PostgreSQL, and under SERIALIZABLE
+        # a concurrent head move (or a concurrent first record of a chain) fails one of the two
+        # transactions, which run_serializable reruns.
+        for chain in sorted(by_chain):
+            head = session.execute(
+                select(_HEAD.c.seq, _HEAD.c.hash).where(_HEAD.c.chain == chain).with_for_update()
+            ).one_or_none()
+            seq0, prev = (head.seq, head.hash) if head is not None else (0, GENESIS_HASH)
+            seq = seq0
+            for i in by_chain[chain]:
+                event, ts_us, source = items[i]
+                seq += 1
+                rec = seal(event, seq=seq, ts_us=ts_us, prev_hash=prev)
+                rows.append(row_from_record(rec, chain=chain, source_hash=source))
+                sealed[i] = rec
+                prev = rec.hash
+            if head is None:
+                session.execute(insert(_HEAD).values(chain=chain, seq=seq, hash=prev))
+            else:
+                moved = session.execute(
+                    update(_HEAD)
+                    .where(_HEAD.c.chain == chain, _HEAD.c.seq == seq0)
+                    .values(seq=seq, hash=prev)
                 )
-            if not rows:
-                return
-            for row in rows:
-                yield record_from_row(row)
-            after = rows[-1].seq
+                # The guarded update can only miss if another writer moved the head under us, which
+                # the lock and the isolation level exclude.
+                assert moved.rowcount == 1, f"audit head of chain {chain!r} moved during append"
+        session.execute(insert(_LOG), rows)
+        return [r for r in sealed if r is not None]
+
+    def chains(self) -> list[str]:
+        """Every chain that has a head or a record, sorted."""
+        with self._engine.connect() as conn:
+            named = set(conn.scalars(select(_HEAD.c.chain)))
+            named |= set(conn.scalars(select(_LOG.c.chain).distinct()))
+        return sorted(named)
+
+    def iter_records(self, *, chain: str | None = None, batch: int = 1000) -> Iterator[AuditRecord]:
+        """Every record of `chain` in seq order (None: every chain, chain by chain), read in pages."""
+        for name in self.chains() if chain is None else [chain]:
+            after = 0
+            while True:
+                with self._engine.connect() as conn:
+                    rows = list(
+                        conn.execute(
+                            select(_LOG)
+                            .where(_LOG.c.chain == name, _LOG.c.seq > after)
+                            .order_by(_LOG.c.seq)
+                            .limit(batch)
+                        )
+                    )
+                if not rows:
+                    break
+                for row in rows:
+                    yield record_from_row(row)
+                after = rows[-1].seq
+
+    def heads(self) -> dict[str, tuple[int, str]]:
+        """Every chain's head: chain -> (seq, hash)."""
+        with self._engine.connect() as conn:
+            return {r.chain: (r.seq, r.hash) for r in conn.execute(select(_HEAD))}
+
+    def chain_head(self, chain: str) -> tuple[int, str]:
+        """(seq, hash) of the chain's newest record, (0, GENESIS_HASH) for a chain without records."""
+        return self.heads().get(chain, (0, GENESIS_HASH))
 
     def head(self) -> tuple[int, str]:
-        with Session(self._engine) as session:
-            head = session.get(AuditHead, _HEAD_ID)
-            assert head is not None, "audit_head row missing: run the migrations"
-            return head.seq, head.hash
+        """Every chain at once: (the sum of the heads' seqs, which is the number of records the heads
+        account for, and `heads_digest` of them)."""
+        heads = self.heads()
+        return sum(seq for seq, _ in heads.values()), heads_digest(heads)
 
-    def query(
+    def verify_chains(self) -> list[ChainVerdict]:
+        """Walk every chain against its head; one verdict per chain, in chain order."""
+        heads = self.heads()
+        out: list[ChainVerdict] = []
+        for chain in self.chains():
+            head = heads.get(chain, (0, GENESIS_HASH))
+            result = verify_chain(self.iter_records(chain=chain), head=head)
+            out.append(ChainVerdict(chain=chain, head_seq=head[0], head_hash=head[1], result=result))
+        return out
+
+    def verify(self) -> VerifyResult:
+        """Every chain: ok when all are; `records` counts them all; a break is the first broken
+        chain's (`verify_chains` names it)."""
+        verdicts = self.verify_chains()
+        total = sum(v.result.records for v in verdicts)
+        for v in verdicts:
+            if not v.result.ok:
+                return VerifyResult(
+                    ok=False, records=total, first_break_seq=v.result.first_break_seq, reason=v.result.reason
+                )
+        return VerifyResult(ok=True, records=total)
+
+    def query_chained(
         self,
         *,
         tenant: str | None = None,
+        chain: str | None = None,
         action: AuditAction | str | None = None,
         since_us: int | None = None,
         until_us: int | None = None,
         after_seq: int = 0,
         limit: int = 100,
-    ) -> list[AuditRecord]:
-        """Records matching every given filter, in seq order, after `after_seq`, at most `limit`."""
+    ) -> list[tuple[str, AuditRecord]]:
+        """(chain, record) of records matching every given filter, in (ts_us, chain, seq) order, at
+        most `limit`; `after_seq` keeps records with seq > after_seq in their chain."""
         if limit <= 0:
             raise ValueError(f"limit={limit} must be positive")
-        stmt = select(AuditRow).where(AuditRow.seq > after_seq)
+        stmt = select(_LOG).where(_LOG.c.seq > after_seq)
         if tenant is not None:
-            stmt = stmt.where(AuditRow.tenant == tenant)
+            stmt = stmt.where(_LOG.c.tenant == tenant)
+        if chain is not None:
+            stmt = stmt.where(_LOG.c.chain == chain)
         if action is not None:
-            stmt = stmt.where(AuditRow.action == str(AuditAction(action)))
+            stmt = stmt.where(_LOG.c.action == str(AuditAction(action)))
         if since_us is not None:
-            stmt = stmt.where(AuditRow.ts_us >= since_us)
+            stmt = stmt.where(_LOG.c.ts_us >= since_us)
         if until_us is not None:
-            stmt = stmt.where(AuditRow.ts_us < until_us)
-        with Session(self._engine) as session:
-            return [record_from_row(r) for r in session.scalars(stmt.order_by(AuditRow.seq).limit(limit))]
+            stmt = stmt.where(_LOG.c.ts_us < until_us)
+        stmt = stmt.order_by(_LOG.c.ts_us, _LOG.c.chain, _LOG.c.seq).limit(limit)
+        with self._engine.connect() as conn:
+            return [(row.chain, record_from_row(row)) for row in conn.execute(stmt)]
+
+    def query(self, **filters: object) -> list[AuditRecord]:
+        """The records of `query_chained` (same filters), without their chains."""
+        return [rec for _, rec in self.query_chained(**filters)]  # type: ignore[arg-type]

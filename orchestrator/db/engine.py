@@ -30,8 +30,10 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, echo=echo, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_MS / 1000})
         event.listen(engine, "connect", _sqlite_on_connect)
-        # pysqlite's own BEGIN handling defers the lock; emit BEGIN IMMEDIATE ourselves so that a
-        # read-then-write transaction cannot deadlock against another writer (serialisable on SQLite).
+        # pysqlite's own BEGIN handling is disabled; `_sqlite_on_begin` emits BEGIN IMMEDIATE for
+        # writers (`serializable_factory`), so that a read-then-write transaction cannot deadlock
+        # against another writer (serialisable on SQLite), and a deferred BEGIN for readers, which in
+        # WAL mode neither take nor wait for the write lock.
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
     if backend == "postgresql":
@@ -49,10 +51,16 @@ def _sqlite_on_connect(dbapi_connection: object, connection_record: object) -> N
     cursor.close()
 
 
+WRITER_OPTION = "kvresume_sqlite_writer"
+"""Execution option that makes a SQLite transaction take the write lock at BEGIN (BEGIN IMMEDIATE)."""
+
+
 def _sqlite_on_begin(connection: object) -> None:
-    connection.exec_driver_sql("BEGIN IMMEDIATE")  # type: ignore[attr-defined]
+    writer = connection.get_execution_options().get(WRITER_OPTION, False)  # type: ignore[attr-defined]
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")  # type: ignore[attr-defined]
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    """A factory of ORM Sessions; the caller (RPC handler) owns each Session's unit of work."""
+    """A factory of ORM Sessions for reads; the caller (RPC handler) owns each Session's unit of work.
+    On SQLite their transactions begin deferred (no write lock): write through `serializable_factory`."""
     return sessionmaker(engine, expire_on_commit=False)

@@ -275,14 +275,19 @@ class MapperRow(Base):
 
 
 class AuditRow(Base):
-    """One record of the authoritative audit chain (one chain per database, `seq` dense from 1).
+    """One record of an authoritative audit chain: one chain per tenant (`chain` = the record's tenant),
+    plus the node-wide chain `""` for records of no tenant and for every record written before the
+    chains were split; `seq` is dense from 1 within each chain.
 
-    Columns are exactly the fields of storage's `AuditRecord` (same canonical body, same `chain_hash`),
-    so a row converts to a record and back without loss and `storage.verify_chain` checks the table.
+    Columns are the fields of storage's `AuditRecord` (same canonical body, same `chain_hash`), so a row
+    converts to a record and back without loss and `storage.verify_chain` checks each chain, plus
+    `chain` and `source_hash` (the hash of the store's own record this row mirrors, None for records
+    born in SQL), which lets a re-delivered store record be recognised and skipped.
     """
 
     __tablename__ = "audit_log"
 
+    chain: Mapped[str] = mapped_column(String(128), primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     ts_us: Mapped[int] = mapped_column(BigInteger, index=True)
     actor: Mapped[str] = mapped_column(String(128))
@@ -293,16 +298,18 @@ class AuditRow(Base):
     nbytes: Mapped[int] = mapped_column(BigInteger)
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
+    source_hash: Mapped[str | None] = mapped_column(String(64), unique=True, default=None)
 
 
 class AuditHead(Base):
-    """The chain's head (last seq and hash), kept apart from the records so truncation is detectable.
+    """A chain's head (last seq and hash), kept apart from the records so truncation is detectable.
 
-    One row (`id` 1), created by the migration at (0, genesis hash); every append locks and moves it.
+    One row per chain, created with the chain's first record (the node-wide chain `""` by the first
+    migration); every append locks and moves its chain's row, and no other chain's.
     """
 
     __tablename__ = "audit_head"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    chain: Mapped[str] = mapped_column(String(128), primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger)
     hash: Mapped[str] = mapped_column(String(64))

@@ -16,6 +16,8 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from orchestrator.db.engine import WRITER_OPTION
+
 __all__ = ["serializable_factory", "run_serializable", "is_retryable"]
 
 T = TypeVar("T")
@@ -27,10 +29,12 @@ _RETRY_SQLSTATES = {"40001", "40P01", "23505"}
 
 
 def serializable_factory(engine: Engine) -> sessionmaker[Session]:
-    """Sessions whose transactions run SERIALIZABLE on PostgreSQL (SQLite writers already serialise:
-    `make_engine` begins every SQLite transaction with BEGIN IMMEDIATE)."""
+    """Sessions whose transactions run SERIALIZABLE on PostgreSQL, and on SQLite begin with
+    BEGIN IMMEDIATE (writers serialise on the database's write lock)."""
     if engine.dialect.name == "postgresql":
         engine = engine.execution_options(isolation_level="SERIALIZABLE")
+    elif engine.dialect.name == "sqlite":
+        engine = engine.execution_options(**{WRITER_OPTION: True})
     return sessionmaker(engine, expire_on_commit=False)
 
 

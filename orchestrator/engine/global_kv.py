@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, SegmentRepository
-from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.db.models import CacheSegment
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
-from storage import GlobalKVStore, MissReason
+from storage import AuditRecord, GlobalKVStore, MissReason
 
 __all__ = ["StoredPrefix", "PersistOutcome", "read_prefix", "persist_chunks", "link_segments", "chunk_ranges"]
 
@@ -147,10 +147,16 @@ def chunk_ranges(n_tokens: int, chunk_tokens: int, *, from_pos: int = 0) -> list
 
 @dataclass(frozen=True, kw_only=True)
 class PersistOutcome:
+    """What a turn's persist left to record: the durable segments to link, and `audit`, the store's
+    audit records of the write that the store left to the caller (claimed): the turn's registry
+    transaction mirrors them and then acknowledges them (`GlobalKVStore.ack_audit`), or hands them
+    back (`GlobalKVStore.release_audit`) when it cannot commit."""
+
     persisted: bool
     note: str
     segments: tuple[DurableSegment, ...]
     new_bytes: int = 0
+    audit: tuple[AuditRecord, ...] = ()
 
 
 def persist_chunks(
@@ -185,10 +191,16 @@ def persist_chunks(
     ranges = chunk_ranges(n, size, from_pos=already_stored)
     payloads = {r: compute.export_global(served, state, r[0], r[1]) for r in ranges}
     new_bytes = 0
+    claimed: list[AuditRecord] = []
     if payloads:
-        put = store.put_chunks(tenant, session_id, fp, list(history), payloads)
+        put = store.put_chunks(tenant, session_id, fp, list(history), payloads, audit_claim=claimed)
         if put.refusal is not None:
-            return PersistOutcome(persisted=False, note=f"not persisted: {put.refusal.message}", segments=())
+            return PersistOutcome(
+                persisted=False,
+                note=f"not persisted: {put.refusal.message}",
+                segments=(),
+                audit=tuple(claimed),
+            )
         new_bytes = put.new_bytes
     spans = store.lookup(tenant, fp, list(history)).spans
     sizes = {r: len(p) for r, p in payloads.items()}
@@ -209,33 +221,13 @@ def persist_chunks(
         )
         for s in spans
     )
-    return PersistOutcome(persisted=True, note="", segments=segments, new_bytes=new_bytes)
+    return PersistOutcome(
+        persisted=True, note="", segments=segments, new_bytes=new_bytes, audit=tuple(claimed)
+    )
 
 
 def link_segments(s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
     """Link the session to its current chunks of `fingerprint` and unlink the ones the store superseded
-    (a shorter tail), deleting rows no session links any more."""
-    repo = SegmentRepository(s)
-    keep = {repo.link(session_id, seg).id for seg in segments}
-    stale = list(
-        s.scalars(
-            select(SessionSegment.segment_id)
-            .join(CacheSegment, SessionSegment.segment_id == CacheSegment.id)
-            .where(SessionSegment.session_id == session_id, CacheSegment.fingerprint == fingerprint)
-        )
-    )
-    stale = [i for i in stale if i not in keep]
-    if not stale:
-        return
-    s.execute(
-        delete(SessionSegment).where(
-            SessionSegment.session_id == session_id, SessionSegment.segment_id.in_(stale)
-        )
-    )
-    still = set(s.scalars(select(SessionSegment.segment_id).where(SessionSegment.segment_id.in_(stale))))
-    for seg_id in stale:
-        if seg_id not in still:
-            row = s.get(CacheSegment, seg_id)
-            if row is not None:
-                s.delete(row)
-    s.flush()
+    (a shorter tail), deleting rows no session links any more (a few Core statements, whatever the
+    number of segments)."""
+    SegmentRepository(s).link_current(session_id, fingerprint, segments)

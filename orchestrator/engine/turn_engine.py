@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 import torch
-from sqlalchemy import select
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from model import PassStats
@@ -40,7 +40,14 @@ from orchestrator.db import (
     TurnTimings,
     run_serializable,
 )
-from orchestrator.db.models import ResumePathName, SessionStatus, TurnRow, TurnStatus
+from orchestrator.db.models import (
+    ResumePathName,
+    SessionRow,
+    SessionStatus,
+    TurnRow,
+    TurnStatus,
+    tokens_to_blob,
+)
 from orchestrator.engine.global_kv import link_segments, persist_chunks
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.pool_entry import pack_pool_entry
@@ -143,8 +150,17 @@ class TurnEngine:
         if turn.deadline_monotonic is not None and time.monotonic() > turn.deadline_monotonic:
             raise DeadlineError(f"turn of session {turn.session_id} passed its deadline")
 
-    def _reserve(self, f: TurnFacts) -> tuple[int, int]:
-        """Insert the RUNNING turn row with its plan; returns (row id, turn index)."""
+    def _reserve(self, f: TurnFacts) -> tuple[int | None, int]:
+        """Reserve the turn where another replica could race for the session; returns (row id or None,
+        turn index).
+
+        On PostgreSQL (shared by replicas) this inserts the RUNNING turn row with its plan, so that a
+        twin turn on another node is refused before it runs. On SQLite (one node) this process's
+        RunningTurns already refuses a twin, so nothing is written here: the turn's one transaction
+        at its end (`_finish`) inserts the finished row after checking the session did not move.
+        """
+        if self._ctx.engine.dialect.name == "sqlite":
+            return None, f.turn_count
         plan = f.plan
 
         def work(s):
@@ -189,7 +205,11 @@ class TurnEngine:
 
         return run_serializable(self._ctx.serializable, work)
 
-    def _abandon(self, f: TurnFacts, turn_id: int, status: TurnStatus) -> None:
+    def _abandon(self, f: TurnFacts, turn_id: int | None, status: TurnStatus) -> None:
+        if turn_id is None:
+            # Nothing was reserved (SQLite): the turn leaves no row behind.
+            return
+
         def work(s):
             t = s.get(TurnRow, turn_id)
             row = SessionRepository(s).get(f.session_id, tenant_id=f.tenant_id)
@@ -310,7 +330,14 @@ class TurnEngine:
                     compute=self.compute,
                 )
                 persisted = outcome.persisted
-            self._check(turn, handle, finishing_partial=partial)
+            try:
+                self._check(turn, handle, finishing_partial=partial)
+            except BaseException:
+                # The turn stops before its transaction: the store's records of the write go to the
+                # store's own consumer instead of this turn's transaction.
+                if outcome is not None:
+                    self.store.release_audit(list(outcome.audit))
+                raise
             total = time.perf_counter() - started
             rate = (len(output) - 1) / decode_s if len(output) > 1 and decode_s > 0 else 0.0
             self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
@@ -359,22 +386,85 @@ class TurnEngine:
             raise
 
     def _finish(
-        self, f: TurnFacts, turn_id: int, output: list[int], persisted: bool, outcome, **t: float
+        self, f: TurnFacts, turn_id: int | None, output: list[int], persisted: bool, outcome, **t: float
     ) -> None:
+        """The turn's one registry transaction: the finished turn row (inserted, or the reserved row
+        closed), the session's new length and model, the segment links of what the store holds durably,
+        and the store's audit records of this turn's write, mirrored into the tenant's chain. Core
+        statements. The audit records are acknowledged to the store after the commit, or handed back to
+        it when the transaction fails.
+
+        Raises:
+            PreconditionError: the session was deleted, closed or advanced during the turn.
+        """
+        sessions, turns = SessionRow.__table__, TurnRow.__table__
+        plan, c = f.plan, f.plan.counts
+        claimed = list(outcome.audit) if outcome is not None else []
+        values = dict(
+            status=TurnStatus.DONE,
+            output_tokens=tokens_to_blob(output),
+            ttft_s=t["ttft"],
+            decode_tokens_per_s=t["rate"],
+            total_s=t["total"],
+            persisted=persisted,
+        )
+
         def work(s):
-            turn = s.get(TurnRow, turn_id)
-            row = SessionRepository(s).get_for_update(f.session_id, tenant_id=f.tenant_id)
-            if turn is None or row is None:
+            row = s.execute(
+                select(sessions.c.status, sessions.c.turn_count, sessions.c.history_tokens)
+                .where(sessions.c.id == f.session_id, sessions.c.tenant_id == f.tenant_id)
+                .with_for_update()
+            ).one_or_none()
+            if row is None:
                 raise PreconditionError(f"session {f.session_id} was deleted during its turn")
-            TurnRepository(s).finish(
-                turn,
-                row,
-                output_tokens=output,
-                timings=TurnTimings(ttft_s=t["ttft"], decode_tokens_per_s=t["rate"], total_s=t["total"]),
-                status=TurnStatus.DONE,
-                persisted=persisted,
+            if turn_id is None:
+                if row.status != SessionStatus.OPEN:
+                    raise PreconditionError(f"session {f.session_id} is closed", reason="SESSION_CLOSED")
+                if row.turn_count != f.turn_count:
+                    raise PreconditionError(
+                        f"session {f.session_id} advanced to turn {row.turn_count} meanwhile"
+                    )
+                s.execute(
+                    insert(turns).values(
+                        session_id=f.session_id,
+                        index=f.turn_count,
+                        model=plan.model,
+                        input_tokens=tokens_to_blob(f.new_tokens),
+                        path=ResumePathName(str(plan.path)),
+                        reason=plan.reason,
+                        cached=c.cached,
+                        replayed_encoder=c.replayed_encoder,
+                        replayed_decoder=c.replayed_decoder,
+                        prefilled=c.prefilled,
+                        mapped=c.mapped,
+                        **values,
+                    )
+                )
+            else:
+                done = s.execute(
+                    update(turns)
+                    .where(turns.c.id == turn_id, turns.c.status == TurnStatus.RUNNING)
+                    .values(**values)
+                )
+                if done.rowcount != 1:
+                    raise PreconditionError(f"session {f.session_id} was deleted during its turn")
+            s.execute(
+                update(sessions)
+                .where(sessions.c.id == f.session_id)
+                .values(
+                    turn_count=f.turn_count + 1,
+                    history_tokens=row.history_tokens + len(f.new_tokens) + len(output),
+                    model=plan.model,
+                )
             )
             if outcome is not None and outcome.persisted:
                 link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
+            if claimed:
+                self._ctx.audit.mirror_in(s, claimed)
 
-        run_serializable(self._ctx.serializable, work)
+        try:
+            run_serializable(self._ctx.serializable, work)
+        except BaseException:
+            self.store.release_audit(claimed)
+            raise
+        self.store.ack_audit(claimed)

@@ -8,10 +8,10 @@ to delete from the store after the SQL transaction commits.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import delete, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
@@ -88,6 +88,84 @@ class SegmentRepository:
             self._s.add(SessionSegment(session_id=session_id, segment_id=row.id))
             self._s.flush()
         return row
+
+    def link_current(self, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
+        """Make `segments` the session's chunks of `fingerprint`: record new ones (once per store key),
+        extend the expiry of known ones, link them, unlink the session's other chunks of that
+        fingerprint (a superseded shorter tail) and delete rows no session links any more.
+
+        SQLAlchemy Core, one statement per step whatever the number of segments (the per-turn path).
+
+        Raises:
+            ValueError: a store key already recorded for another tenant.
+        """
+        cs, ss = CacheSegment.__table__, SessionSegment.__table__
+        s = self._s
+        keys = [seg.store_key for seg in segments]
+        known: dict[bytes, tuple[int, str, dt.datetime]] = {}
+        if keys:
+            rows = s.execute(
+                select(cs.c.id, cs.c.store_key, cs.c.tenant_id, cs.c.expires_at).where(
+                    cs.c.store_key.in_(keys)
+                )
+            )
+            known = {r.store_key: (r.id, r.tenant_id, r.expires_at) for r in rows}
+        ids: dict[bytes, int] = {}
+        fresh: list[dict[str, object]] = []
+        extend: dict[dt.datetime, list[int]] = {}
+        seen: set[bytes] = set()
+        for seg in segments:
+            hit = known.get(seg.store_key)
+            if hit is None:
+                if seg.store_key in seen:
+                    continue
+                seen.add(seg.store_key)
+                fresh.append(
+                    dict(
+                        store_key=seg.store_key,
+                        tenant_id=seg.tenant_id,
+                        model=seg.model,
+                        fingerprint=seg.fingerprint,
+                        numerics=seg.numerics,
+                        start_pos=seg.start_pos,
+                        end_pos=seg.end_pos,
+                        nbytes=seg.nbytes,
+                        node=seg.node,
+                        region=seg.region,
+                        expires_at=seg.expires_at,
+                    )
+                )
+                continue
+            seg_id, owner, expires = hit
+            if owner != seg.tenant_id:
+                # Keys embed the tenant salt, so a collision across tenants means a broken key scheme.
+                raise ValueError(f"store key already owned by tenant {owner!r}, not {seg.tenant_id!r}")
+            ids[seg.store_key] = seg_id
+            if expires < seg.expires_at:
+                extend.setdefault(seg.expires_at, []).append(seg_id)
+        if fresh:
+            inserted = s.execute(insert(cs).returning(cs.c.id, cs.c.store_key), fresh)
+            ids.update({r.store_key: r.id for r in inserted})
+        for expires, seg_ids in extend.items():
+            s.execute(
+                update(cs).where(cs.c.id.in_(seg_ids), cs.c.expires_at < expires).values(expires_at=expires)
+            )
+        keep = set(ids.values())
+        linked = s.execute(
+            select(ss.c.segment_id, cs.c.fingerprint)
+            .join(cs, ss.c.segment_id == cs.c.id)
+            .where(ss.c.session_id == session_id)
+        ).all()
+        have = {r.segment_id for r in linked}
+        missing = [{"session_id": session_id, "segment_id": i} for i in sorted(keep - have)]
+        if missing:
+            s.execute(insert(ss), missing)
+        stale = [r.segment_id for r in linked if r.fingerprint == fingerprint and r.segment_id not in keep]
+        if not stale:
+            return
+        s.execute(delete(ss).where(ss.c.session_id == session_id, ss.c.segment_id.in_(stale)))
+        still = exists().where(ss.c.segment_id == cs.c.id)
+        s.execute(delete(cs).where(cs.c.id.in_(stale), ~still))
 
     def for_session(self, session_id: str, *, model: str | None = None) -> list[CacheSegment]:
         stmt = (

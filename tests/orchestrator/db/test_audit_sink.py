@@ -33,41 +33,68 @@ def test_append_matches_storage_rocks_sink_byte_for_byte(sqlite_engine, tmp_path
     try:
         clock2 = iter(float(t) for t in range(1_700_000_000, 1_700_000_100))
         rocks = RocksAuditSink(db, clock=lambda: next(clock2))
-        events = [_event(i) for i in range(5)] + [
-            AuditEvent(
-                actor="admin", action=AuditAction.PURGE, tenant="", subject="model:small", reason="admin"
-            )
-        ]
-        for e in events:
+        # One tenant's chain in SQL is the same chain as storage's sink given the same events.
+        for e in [_event(i) for i in range(5)]:
             assert sql.append(e) == rocks.append(e)
-        assert sql.head() == rocks.head()
-        assert list(sql.iter_records(batch=2)) == list(rocks.iter_records())
+        assert sql.chain_head("acme") == rocks.head()
+        assert list(sql.iter_records(chain="acme", batch=2)) == list(rocks.iter_records())
     finally:
         db.close()
+    purge = AuditEvent(actor="admin", action=AuditAction.PURGE, tenant="", subject="model:small", reason="a")
+    # A record of no tenant starts the node-wide chain "" at seq 1.
+    assert sql.append(purge).seq == 1
+    assert sql.heads() == {"": sql.chain_head(""), "acme": sql.chain_head("acme")}
+    assert sql.chains() == ["", "acme"]
     assert sql.verify().ok and sql.verify().records == 6
+    assert sql.head()[0] == 6
 
 
-def test_verify_detects_edit_and_truncation(sqlite_engine) -> None:
+def test_verify_detects_edit_and_truncation_in_any_chain(sqlite_engine) -> None:
     sink = SqlAuditSink(sqlite_engine)
-    sink.append_many([_event(i) for i in range(4)])
+    sink.append_many([_event(i, t) for i in range(4) for t in ("a", "b")])
     with Session(sqlite_engine) as s, s.begin():
-        s.execute(update(AuditRow).where(AuditRow.seq == 2).values(nbytes=1))
+        s.execute(update(AuditRow).where(AuditRow.chain == "b", AuditRow.seq == 2).values(nbytes=1))
     result = sink.verify()
+    # A broken chain counts its records up to the break: 4 of a, 2 of b.
     assert (result.ok, result.first_break_seq, result.reason) == (False, 2, "hash mismatch")
+    assert result.records == 6
+    verdicts = {v.chain: v.result.ok for v in sink.verify_chains()}
+    assert verdicts == {"": True, "a": True, "b": False}
     with Session(sqlite_engine) as s, s.begin():
-        s.execute(update(AuditRow).where(AuditRow.seq == 2).values(nbytes=890))
-        s.execute(delete(AuditRow).where(AuditRow.seq == 4))
+        s.execute(update(AuditRow).where(AuditRow.chain == "b", AuditRow.seq == 2).values(nbytes=890))
+        s.execute(delete(AuditRow).where(AuditRow.chain == "a", AuditRow.seq == 4))
     result = sink.verify()
     assert not result.ok and result.reason == "chain ends at seq 3 but head says 4"
 
 
-def test_query_filters_by_tenant_action_and_seq(sqlite_engine) -> None:
-    sink = SqlAuditSink(sqlite_engine)
-    sink.append_many([_event(1, "a"), _event(2, "b"), _event(3, "a")])
+def test_query_filters_by_tenant_action_chain_and_seq(sqlite_engine) -> None:
+    clock = iter(float(t) for t in range(1_700_000_000, 1_700_000_100))
+    sink = SqlAuditSink(sqlite_engine, clock=lambda: next(clock))
+    for i, t in ((1, "a"), (2, "b"), (3, "a")):
+        sink.append(_event(i, t))
     sink.append(AuditEvent(actor="admin", action="purge", tenant="a", subject="tenant:a", reason="admin"))
-    assert [r.seq for r in sink.query(tenant="a")] == [1, 3, 4]
-    assert [r.seq for r in sink.query(tenant="a", action="purge")] == [4]
-    assert [r.seq for r in sink.query(after_seq=2, limit=1)] == [3]
+    assert [r.seq for r in sink.query(tenant="a")] == [1, 2, 3]
+    assert [r.seq for r in sink.query(tenant="a", action="purge")] == [3]
+    assert [(c, r.seq) for c, r in sink.query_chained()] == [("a", 1), ("b", 1), ("a", 2), ("a", 3)]
+    assert [r.seq for r in sink.query(chain="a", after_seq=1, limit=1)] == [2]
+
+
+def test_mirror_skips_records_already_mirrored(sqlite_engine, tmp_path) -> None:
+    db = Rdict(str(tmp_path / "rocks"), options=Options(raw_mode=True))
+    try:
+        rocks = RocksAuditSink(db)
+        store_records = [rocks.append(_event(i, t)) for i, t in ((1, "a"), (2, "b"), (3, "a"))]
+    finally:
+        db.close()
+    sink = SqlAuditSink(sqlite_engine)
+    first = sink.mirror(store_records[:2])
+    # The store re-delivers what it was not told is held (a crash before the acknowledgement).
+    again = sink.mirror(store_records)
+    assert [(r.tenant, r.seq) for r in first] == [("a", 1), ("b", 1)]
+    assert [(r.tenant, r.seq) for r in again] == [("a", 2)]
+    mirrored = [r for _, r in sink.query_chained()]
+    assert [(r.ts_us, r.subject) for r in mirrored] == [(r.ts_us, r.subject) for r in store_records]
+    assert sink.verify().ok
 
 
 def _hammer(url: str, replicas: int, per_replica: int) -> None:
@@ -95,11 +122,12 @@ def _hammer(url: str, replicas: int, per_replica: int) -> None:
     engine = make_engine(url)
     try:
         sink = SqlAuditSink(engine)
-        records = list(sink.iter_records())
-        assert [r.seq for r in records] == list(range(1, replicas * per_replica + 1))
-        assert verify_chain(records, head=sink.head()).ok
+        # Each replica appended to its own tenant's chain: gap-free, and every chain verifies.
         for r in range(replicas):
-            assert sum(rec.tenant == f"t{r}" for rec in records) == per_replica
+            records = list(sink.iter_records(chain=f"t{r}"))
+            assert [rec.seq for rec in records] == list(range(1, per_replica + 1))
+            assert verify_chain(records, head=sink.chain_head(f"t{r}")).ok
+        assert sink.verify().ok and sink.verify().records == replicas * per_replica
     finally:
         engine.dispose()
 
@@ -123,6 +151,7 @@ def test_run_serializable_reraises_non_conflicts(sqlite_engine) -> None:
     def work(s: Session) -> None:
         s.add(
             AuditRow(
+                chain="",
                 seq=1,
                 ts_us=0,
                 actor="x",
