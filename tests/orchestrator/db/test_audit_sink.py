@@ -167,3 +167,79 @@ def test_run_serializable_reraises_non_conflicts(sqlite_engine) -> None:
 
     with pytest.raises(IntegrityError):
         run_serializable(serializable_factory(sqlite_engine), work)
+
+
+def test_store_records_missing_from_sql_are_mirrored_when_the_store_opens(sqlite_engine, tmp_path) -> None:
+    from storage import GlobalKVStore, StoreConfig
+
+    sink = SqlAuditSink(sqlite_engine)
+    cfg = StoreConfig(path=str(tmp_path / "kv"), chunk_tokens=8, compression_ratios=(4,))
+    store = GlobalKVStore(cfg, on_audit=sink.mirror)
+    claimed: list = []
+    toks = list(range(11))
+    store.put_chunks("acme", "s1", "fp", toks, {(0, 8): b"a", (8, 11): b"b"}, audit_claim=claimed)
+    # A crash before the turn's transaction committed: SQL never got the claimed records.
+    store.close()
+    assert sink.chain_head("acme") == (0, "0" * 64)
+    for _ in range(2):
+        # Opening re-delivers them once; a second open finds them acknowledged (or skips them).
+        store = GlobalKVStore(cfg, on_audit=sink.mirror)
+        store.close()
+    mirrored = list(sink.iter_records(chain="acme"))
+    assert [(r.subject, r.ts_us) for r in mirrored] == [(r.subject, r.ts_us) for r in claimed]
+    assert sink.verify().ok
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_migration_keeps_the_old_chain_and_downgrade_merges_the_chains(backend, tmp_path, request) -> None:
+    from sqlalchemy import text
+
+    from orchestrator.db.migrate import downgrade, upgrade
+    from storage import seal
+
+    url = (
+        f"sqlite:///{tmp_path / 'm.sqlite3'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("postgres_url")
+    )
+    upgrade(url, "0002")
+    old = []
+    prev = "0" * 64
+    for i, tenant in enumerate(("a", "b", "a"), start=1):
+        rec = seal(_event(i, tenant), seq=i, ts_us=1000 + i, prev_hash=prev)
+        old.append(rec)
+        prev = rec.hash
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            for rec in old:
+                values = {**rec.__dict__, "action": str(rec.action)}
+                conn.execute(
+                    text(
+                        "insert into audit_log (seq, ts_us, actor, action, tenant, subject, reason, nbytes, "
+                        "prev_hash, hash) values (:seq, :ts_us, :actor, :action, :tenant, :subject, :reason, "
+                        ":nbytes, :prev_hash, :hash)"
+                    ),
+                    values,
+                )
+            conn.execute(text("update audit_head set seq = 3, hash = :h where id = 1"), {"h": prev})
+        upgrade(url)
+        sink = SqlAuditSink(engine, clock=lambda: 2.0)
+        # The records written before the split stay one chain, "" (same seq and hashes).
+        assert list(sink.iter_records(chain="")) == old and sink.chain_head("") == (3, prev)
+        sink.append(_event(9, "a"))
+        assert sink.chain_head("a")[0] == 1 and sink.verify().ok
+        engine.dispose()
+        downgrade(url, "0002")
+        engine = make_engine(url)
+        with engine.connect() as conn:
+            rows = conn.execute(text("select * from audit_log order by seq")).mappings().all()
+            head = conn.execute(text("select seq, hash from audit_head where id = 1")).one()
+        from storage import AuditRecord
+
+        merged = [AuditRecord(**{**r, "action": AuditAction(r["action"])}) for r in rows]
+        assert [r.subject for r in merged] == [r.subject for r in old] + ["chunk:0009"]
+        assert verify_chain(merged, head=(head.seq, head.hash)).ok
+        upgrade(url)
+    finally:
+        engine.dispose()
