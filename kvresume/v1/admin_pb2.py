@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvresume/v1/admin.proto\x12\x0bkvresume.v1\"\x1e\n\tTenantRef\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"\\\n\x0fRetentionPolicy\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0f\n\x07\x66loor_s\x18\x02 \x01(\x01\x12\x11\n\tceiling_s\x18\x03 \x01(\x01\x12\x12\n\nis_default\x18\x04 \x01(\x08\"w\n\x0fResidencyPolicy\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61llowed_regions\x18\x02 \x03(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07warning\x18\x04 \x01(\t\x12\x13\n\x0bnode_region\x18\x05 \x01(\t\"m\n\x0cPurgeRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x13\n\ttenant_id\x18\x02 \x01(\tH\x00\x12\x0f\n\x05model\x18\x03 \x01(\tH\x00\x12\x17\n\x0fmodel_tenant_id\x18\x04 \x01(\tB\x08\n\x06target\"Z\n\rPurgeResponse\x12\x18\n\x10sessions_deleted\x18\x01 \x01(\x04\x12\x18\n\x10segments_deleted\x18\x02 \x01(\x04\x12\x15\n\rbytes_deleted\x18\x03 \x01(\x04\"|\n\x11QueryAuditRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x10\n\x08since_us\x18\x03 \x01(\x03\x12\x10\n\x08until_us\x18\x04 \x01(\x03\x12\x11\n\tafter_seq\x18\x05 \x01(\x04\x12\r\n\x05limit\x18\x06 \x01(\r\"\xaa\x01\n\x0b\x41uditRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05ts_us\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07subject\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x0c\n\x04hash\x18\n \x01(\t\"?\n\x12QueryAuditResponse\x12)\n\x07records\x18\x01 \x03(\x0b\x32\x18.kvresume.v1.AuditRecord\"\x14\n\x12VerifyAuditRequest\"\x99\x01\n\x13VerifyAuditResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07records\x18\x02 \x01(\x04\x12\x1c\n\x0f\x66irst_break_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08head_seq\x18\x05 \x01(\x04\x12\x11\n\thead_hash\x18\x06 \x01(\tB\x12\n\x10_first_break_seq\"&\n\x11StoreStatsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"\xc8\x01\n\nStoreStats\x12\x0f\n\x07tenants\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x10\n\x08segments\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x15\n\rstored_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fpool_bytes_used\x18\x06 \x01(\x04\x12\x19\n\x11pool_budget_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cpool_entries\x18\x08 \x01(\x04\x12\x0e\n\x06region\x18\t \x01(\t2\xee\x04\n\x05\x41\x64min\x12J\n\x12GetRetentionPolicy\x12\x16.kvresume.v1.TenantRef\x1a\x1c.kvresume.v1.RetentionPolicy\x12P\n\x12SetRetentionPolicy\x12\x1c.kvresume.v1.RetentionPolicy\x1a\x1c.kvresume.v1.RetentionPolicy\x12J\n\x12GetResidencyPolicy\x12\x16.kvresume.v1.TenantRef\x1a\x1c.kvresume.v1.ResidencyPolicy\x12P\n\x12SetResidencyPolicy\x12\x1c.kvresume.v1.ResidencyPolicy\x1a\x1c.kvresume.v1.ResidencyPolicy\x12>\n\x05Purge\x12\x19.kvresume.v1.PurgeRequest\x1a\x1a.kvresume.v1.PurgeResponse\x12M\n\nQueryAudit\x12\x1e.kvresume.v1.QueryAuditRequest\x1a\x1f.kvresume.v1.QueryAuditResponse\x12P\n\x0bVerifyAudit\x12\x1f.kvresume.v1.VerifyAuditRequest\x1a .kvresume.v1.VerifyAuditResponse\x12H\n\rGetStoreStats\x12\x1e.kvresume.v1.StoreStatsRequest\x1a\x17.kvresume.v1.StoreStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvresume/v1/admin.proto\x12\x0bkvresume.v1\"\x1e\n\tTenantRef\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"\\\n\x0fRetentionPolicy\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0f\n\x07\x66loor_s\x18\x02 \x01(\x01\x12\x11\n\tceiling_s\x18\x03 \x01(\x01\x12\x12\n\nis_default\x18\x04 \x01(\x08\"w\n\x0fResidencyPolicy\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61llowed_regions\x18\x02 \x03(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\x12\x0f\n\x07warning\x18\x04 \x01(\t\x12\x13\n\x0bnode_region\x18\x05 \x01(\t\"m\n\x0cPurgeRequest\x12\x14\n\nsession_id\x18\x01 \x01(\tH\x00\x12\x13\n\ttenant_id\x18\x02 \x01(\tH\x00\x12\x0f\n\x05model\x18\x03 \x01(\tH\x00\x12\x17\n\x0fmodel_tenant_id\x18\x04 \x01(\tB\x08\n\x06target\"Z\n\rPurgeResponse\x12\x18\n\x10sessions_deleted\x18\x01 \x01(\x04\x12\x18\n\x10segments_deleted\x18\x02 \x01(\x04\x12\x15\n\rbytes_deleted\x18\x03 \x01(\x04\"\x9a\x01\n\x11QueryAuditRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x10\n\x08since_us\x18\x03 \x01(\x03\x12\x10\n\x08until_us\x18\x04 \x01(\x03\x12\x11\n\tafter_seq\x18\x05 \x01(\x04\x12\r\n\x05limit\x18\x06 \x01(\r\x12\x12\n\x05\x63hain\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\x08\n\x06_chain\"\xb9\x01\n\x0b\x41uditRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05ts_us\x18\x02 \x01(\x03\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07subject\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x11\n\tprev_hash\x18\t \x01(\t\x12\x0c\n\x04hash\x18\n \x01(\t\x12\r\n\x05\x63hain\x18\x0b \x01(\t\"?\n\x12QueryAuditResponse\x12)\n\x07records\x18\x01 \x03(\x0b\x32\x18.kvresume.v1.AuditRecord\"\x14\n\x12VerifyAuditRequest\"\xe4\x01\n\x13VerifyAuditResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07records\x18\x02 \x01(\x04\x12\x1c\n\x0f\x66irst_break_seq\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x10\n\x08head_seq\x18\x05 \x01(\x04\x12\x11\n\thead_hash\x18\x06 \x01(\t\x12.\n\x06\x63hains\x18\x07 \x03(\x0b\x32\x1e.kvresume.v1.AuditChainVerdict\x12\x19\n\x11\x66irst_break_chain\x18\x08 \x01(\tB\x12\n\x10_first_break_seq\"\xa6\x01\n\x11\x41uditChainVerdict\x12\r\n\x05\x63hain\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0f\n\x07records\x18\x03 \x01(\x04\x12\x1c\n\x0f\x66irst_break_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08head_seq\x18\x06 \x01(\x04\x12\x11\n\thead_hash\x18\x07 \x01(\tB\x12\n\x10_first_break_seq\"&\n\x11StoreStatsRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\"\xc8\x01\n\nStoreStats\x12\x0f\n\x07tenants\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x10\n\x08segments\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x15\n\rstored_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fpool_bytes_used\x18\x06 \x01(\x04\x12\x19\n\x11pool_budget_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cpool_entries\x18\x08 \x01(\x04\x12\x0e\n\x06region\x18\t \x01(\t2\xee\x04\n\x05\x41\x64min\x12J\n\x12GetRetentionPolicy\x12\x16.kvresume.v1.TenantRef\x1a\x1c.kvresume.v1.RetentionPolicy\x12P\n\x12SetRetentionPolicy\x12\x1c.kvresume.v1.RetentionPolicy\x1a\x1c.kvresume.v1.RetentionPolicy\x12J\n\x12GetResidencyPolicy\x12\x16.kvresume.v1.TenantRef\x1a\x1c.kvresume.v1.ResidencyPolicy\x12P\n\x12SetResidencyPolicy\x12\x1c.kvresume.v1.ResidencyPolicy\x1a\x1c.kvresume.v1.ResidencyPolicy\x12>\n\x05Purge\x12\x19.kvresume.v1.PurgeRequest\x1a\x1a.kvresume.v1.PurgeResponse\x12M\n\nQueryAudit\x12\x1e.kvresume.v1.QueryAuditRequest\x1a\x1f.kvresume.v1.QueryAuditResponse\x12P\n\x0bVerifyAudit\x12\x1f.kvresume.v1.VerifyAuditRequest\x1a .kvresume.v1.VerifyAuditResponse\x12H\n\rGetStoreStats\x12\x1e.kvresume.v1.StoreStatsRequest\x1a\x17.kvresume.v1.StoreStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,20 +41,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PURGEREQUEST']._serialized_end=396
   _globals['_PURGERESPONSE']._serialized_start=398
   _globals['_PURGERESPONSE']._serialized_end=488
-  _globals['_QUERYAUDITREQUEST']._serialized_start=490
-  _globals['_QUERYAUDITREQUEST']._serialized_end=614
-  _globals['_AUDITRECORD']._serialized_start=617
-  _globals['_AUDITRECORD']._serialized_end=787
-  _globals['_QUERYAUDITRESPONSE']._serialized_start=789
-  _globals['_QUERYAUDITRESPONSE']._serialized_end=852
-  _globals['_VERIFYAUDITREQUEST']._serialized_start=854
-  _globals['_VERIFYAUDITREQUEST']._serialized_end=874
-  _globals['_VERIFYAUDITRESPONSE']._serialized_start=877
-  _globals['_VERIFYAUDITRESPONSE']._serialized_end=1030
-  _globals['_STORESTATSREQUEST']._serialized_start=1032
-  _globals['_STORESTATSREQUEST']._serialized_end=1070
-  _globals['_STORESTATS']._serialized_start=1073
-  _globals['_STORESTATS']._serialized_end=1273
-  _globals['_ADMIN']._serialized_start=1276
-  _globals['_ADMIN']._serialized_end=1898
+  _globals['_QUERYAUDITREQUEST']._serialized_start=491
+  _globals['_QUERYAUDITREQUEST']._serialized_end=645
+  _globals['_AUDITRECORD']._serialized_start=648
+  _globals['_AUDITRECORD']._serialized_end=833
+  _globals['_QUERYAUDITRESPONSE']._serialized_start=835
+  _globals['_QUERYAUDITRESPONSE']._serialized_end=898
+  _globals['_VERIFYAUDITREQUEST']._serialized_start=900
+  _globals['_VERIFYAUDITREQUEST']._serialized_end=920
+  _globals['_VERIFYAUDITRESPONSE']._serialized_start=923
+  _globals['_VERIFYAUDITRESPONSE']._serialized_end=1151
+  _globals['_AUDITCHAINVERDICT']._serialized_start=1154
+  _globals['_AUDITCHAINVERDICT']._serialized_end=1320
+  _globals['_STORESTATSREQUEST']._serialized_start=1322
+  _globals['_STORESTATSREQUEST']._serialized_end=1360
+  _globals['_STORESTATS']._serialized_start=1363
+  _globals['_STORESTATS']._serialized_end=1563
+  _globals['_ADMIN']._serialized_start=1566
+  _globals['_ADMIN']._serialized_end=2188
 # @@protoc_insertion_point(module_scope)

@@ -61,23 +61,25 @@ class PurgeResponse(_message.Message):
     def __init__(self, sessions_deleted: _Optional[int] = ..., segments_deleted: _Optional[int] = ..., bytes_deleted: _Optional[int] = ...) -> None: ...
 
 class QueryAuditRequest(_message.Message):
-    __slots__ = ("tenant_id", "action", "since_us", "until_us", "after_seq", "limit")
+    __slots__ = ("tenant_id", "action", "since_us", "until_us", "after_seq", "limit", "chain")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     SINCE_US_FIELD_NUMBER: _ClassVar[int]
     UNTIL_US_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     action: str
     since_us: int
     until_us: int
     after_seq: int
     limit: int
-    def __init__(self, tenant_id: _Optional[str] = ..., action: _Optional[str] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., after_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    chain: str
+    def __init__(self, tenant_id: _Optional[str] = ..., action: _Optional[str] = ..., since_us: _Optional[int] = ..., until_us: _Optional[int] = ..., after_seq: _Optional[int] = ..., limit: _Optional[int] = ..., chain: _Optional[str] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
-    __slots__ = ("seq", "ts_us", "actor", "action", "tenant", "subject", "reason", "nbytes", "prev_hash", "hash")
+    __slots__ = ("seq", "ts_us", "actor", "action", "tenant", "subject", "reason", "nbytes", "prev_hash", "hash", "chain")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_US_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class AuditRecord(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PREV_HASH_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     seq: int
     ts_us: int
     actor: str
@@ -98,7 +101,8 @@ class AuditRecord(_message.Message):
     nbytes: int
     prev_hash: str
     hash: str
-    def __init__(self, seq: _Optional[int] = ..., ts_us: _Optional[int] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., tenant: _Optional[str] = ..., subject: _Optional[str] = ..., reason: _Optional[str] = ..., nbytes: _Optional[int] = ..., prev_hash: _Optional[str] = ..., hash: _Optional[str] = ...) -> None: ...
+    chain: str
+    def __init__(self, seq: _Optional[int] = ..., ts_us: _Optional[int] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., tenant: _Optional[str] = ..., subject: _Optional[str] = ..., reason: _Optional[str] = ..., nbytes: _Optional[int] = ..., prev_hash: _Optional[str] = ..., hash: _Optional[str] = ..., chain: _Optional[str] = ...) -> None: ...
 
 class QueryAuditResponse(_message.Message):
     __slots__ = ("records",)
@@ -111,20 +115,42 @@ class VerifyAuditRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyAuditResponse(_message.Message):
-    __slots__ = ("ok", "records", "first_break_seq", "reason", "head_seq", "head_hash")
+    __slots__ = ("ok", "records", "first_break_seq", "reason", "head_seq", "head_hash", "chains", "first_break_chain")
     OK_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BREAK_SEQ_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
     HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BREAK_CHAIN_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     records: int
     first_break_seq: int
     reason: str
     head_seq: int
     head_hash: str
-    def __init__(self, ok: _Optional[bool] = ..., records: _Optional[int] = ..., first_break_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_seq: _Optional[int] = ..., head_hash: _Optional[str] = ...) -> None: ...
+    chains: _containers.RepeatedCompositeFieldContainer[AuditChainVerdict]
+    first_break_chain: str
+    def __init__(self, ok: _Optional[bool] = ..., records: _Optional[int] = ..., first_break_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_seq: _Optional[int] = ..., head_hash: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[AuditChainVerdict, _Mapping]]] = ..., first_break_chain: _Optional[str] = ...) -> None: ...
+
+class AuditChainVerdict(_message.Message):
+    __slots__ = ("chain", "ok", "records", "first_break_seq", "reason", "head_seq", "head_hash")
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BREAK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
+    chain: str
+    ok: bool
+    records: int
+    first_break_seq: int
+    reason: str
+    head_seq: int
+    head_hash: str
+    def __init__(self, chain: _Optional[str] = ..., ok: _Optional[bool] = ..., records: _Optional[int] = ..., first_break_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_seq: _Optional[int] = ..., head_hash: _Optional[str] = ...) -> None: ...
 
 class StoreStatsRequest(_message.Message):
     __slots__ = ("tenant_id",)

@@ -117,7 +117,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyAudit(self, request, context):
-        """Walks the whole audit chain of this database and reports the first break.
+        """Walks every audit chain of this database (one per tenant, plus the node-wide chain "") and reports
+        each chain's verdict and the first break.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

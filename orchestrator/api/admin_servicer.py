@@ -18,6 +18,7 @@ from orchestrator.db import (
     PolicyRepository,
     SegmentRepository,
     TenantRepository,
+    heads_digest,
     run_serializable,
 )
 from orchestrator.db.models import SessionRow, Tenant
@@ -157,26 +158,48 @@ class AdminServicer:
             raise InvalidRequestError(f"limit={limit} exceeds {_MAX_AUDIT_PAGE}")
         if request.action and request.action not in {a.value for a in AuditAction}:
             raise InvalidRequestError(f"unknown audit action {request.action!r}")
-        records = self._ctx.audit.query(
+        found = self._ctx.audit.query_chained(
             tenant=request.tenant_id or None,
+            chain=request.chain if request.HasField("chain") else None,
             action=request.action or None,
             since_us=request.since_us or None,
             until_us=request.until_us or None,
             after_seq=request.after_seq,
             limit=limit,
         )
-        return self._pb.QueryAuditResponse(records=[self._ctx.convert.audit_record(r) for r in records])
+        records = []
+        for chain, record in found:
+            msg = self._ctx.convert.audit_record(record)
+            msg.chain = chain
+            records.append(msg)
+        return self._pb.QueryAuditResponse(records=records)
 
     @unary_errors
     def VerifyAudit(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._ctx.auth.admin(context)
-        head_seq, head_hash = self._ctx.audit.head()
-        result = self._ctx.audit.verify()
-        response = self._pb.VerifyAuditResponse(
-            ok=result.ok, records=result.records, reason=result.reason, head_seq=head_seq, head_hash=head_hash
-        )
-        if result.first_break_seq is not None:
-            response.first_break_seq = result.first_break_seq
+        heads: dict[str, tuple[int, str]] = {}
+        response = self._pb.VerifyAuditResponse(ok=True)
+        for v in self._ctx.audit.verify_chains():
+            heads[v.chain] = (v.head_seq, v.head_hash)
+            chain = response.chains.add(
+                chain=v.chain,
+                ok=v.result.ok,
+                records=v.result.records,
+                reason=v.result.reason,
+                head_seq=v.head_seq,
+                head_hash=v.head_hash,
+            )
+            response.records += v.result.records
+            if v.result.first_break_seq is not None:
+                chain.first_break_seq = v.result.first_break_seq
+            if not v.result.ok and response.ok:
+                response.ok = False
+                response.reason = v.result.reason
+                response.first_break_chain = v.chain
+                if v.result.first_break_seq is not None:
+                    response.first_break_seq = v.result.first_break_seq
+        response.head_seq = sum(seq for seq, _ in heads.values())
+        response.head_hash = heads_digest(heads)
         return response
 
     @unary_errors

@@ -3,7 +3,7 @@
 Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per call or turn).
 """
 
-from orchestrator.db.audit_sink import SqlAuditSink
+from orchestrator.db.audit_sink import NODE_CHAIN, ChainVerdict, SqlAuditSink, heads_digest
 from orchestrator.db.engine import make_engine, make_session_factory
 from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.planner_views import mapper_infos, session_view
@@ -26,6 +26,8 @@ from orchestrator.db.repositories import (
 from orchestrator.db.transactions import run_serializable, serializable_factory
 
 __all__ = [
+    "NODE_CHAIN",
+    "ChainVerdict",
     "DurableSegment",
     "EffectivePolicy",
     "MapperRegistration",
@@ -44,6 +46,7 @@ __all__ = [
     "TurnRepository",
     "TurnTimings",
     "downgrade",
+    "heads_digest",
     "make_engine",
     "make_session_factory",
     "mapper_infos",

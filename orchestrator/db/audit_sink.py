@@ -33,7 +33,15 @@ from storage import (
     verify_chain,
 )
 
-__all__ = ["SqlAuditSink", "ChainVerdict", "record_from_row", "row_from_record", "NODE_CHAIN"]
+__all__ = [
+    "NODE_CHAIN",
+    "ChainVerdict",
+    "SqlAuditSink",
+    "chain_of",
+    "heads_digest",
+    "record_from_row",
+    "row_from_record",
+]
 
 NODE_CHAIN = ""
 """The chain of records that concern no tenant (and of every record older than the per-tenant chains)."""

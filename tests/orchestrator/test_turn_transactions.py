@@ -107,5 +107,10 @@ def test_no_sql_runs_under_the_store_lock_with_concurrent_sessions_and_admin_cal
     verdict = node.admin.VerifyAudit(pb.admin.VerifyAuditRequest(), metadata=admin_md())
     assert verdict.ok and probe.statements > 0
     assert probe.under_lock == []
+    chains = {c.chain: c for c in verdict.chains}
+    assert set(chains) == {"", "acme", "globex"} and all(c.ok for c in chains.values())
+    assert verdict.records == verdict.head_seq == sum(c.head_seq for c in chains.values())
+    page = node.admin.QueryAudit(pb.admin.QueryAuditRequest(chain="globex", limit=1000), metadata=admin_md())
+    assert page.records and {(r.chain, r.tenant) for r in page.records} == {("globex", "globex")}
     # Each tenant's records are in its own chain.
     assert {c for c in ctx.audit.chains() if ctx.audit.chain_head(c)[0] > 0} == {"acme", "globex"}
