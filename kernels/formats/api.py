@@ -1,7 +1,9 @@
 """Public entry points of the block formats: validate at the edge, then run the chosen backend.
 
-`backend="torch"` (the default) runs reference.py on any device; `backend="triton"` runs triton.py on
-CUDA tensors, or on CPU tensors only when TRITON_INTERPRET=1 was set before triton was imported (tests).
+`backend="torch"` (the default) runs the compiled CPU path (cpu.py, built on first use) on CPU tensors
+when it builds, else reference.py, its slow twin (bitwise the same results, tested); on other devices
+reference.py. `backend="triton"` runs triton.py on CUDA tensors,
+or on CPU tensors only when TRITON_INTERPRET=1 was set before triton was imported (tests).
 Nothing is chosen at import time, and triton itself is imported on first use of that backend.
 
 Every `qdq_*` is differentiable with a straight-through gradient: when grad mode is on and x requires
@@ -17,7 +19,7 @@ from typing import Literal
 import torch
 
 from kernels.errors import KernelError
-from kernels.formats import reference
+from kernels.formats import cpu, reference
 from kernels.formats.spec import FP4_E4M3, FP8_UE8M0, MXFP4
 
 Backend = Literal["torch", "triton"]
@@ -130,6 +132,9 @@ def quantize_fp4_e4m3(x: torch.Tensor, *, backend: Backend = "torch") -> tuple[t
     if _check_backend(backend, x) and x.numel():
         packed, scale_bytes = _triton().fp4_quantize(x.contiguous(), FP4_E4M3.group_size, pow2_scale=False)
         return packed, scale_bytes.view(torch.float8_e4m3fn)
+    if cpu.usable(x):
+        packed, scale_bytes = cpu.fp4_quantize(x.detach(), pow2_scale=False)
+        return packed, scale_bytes.view(torch.float8_e4m3fn)
     return reference.quantize_fp4_e4m3(x)
 
 
@@ -161,6 +166,8 @@ def dequantize_fp4_e4m3(
         return _triton().fp4_dequantize(
             packed.contiguous(), scales.view(torch.uint8).contiguous(), FP4_E4M3.group_size, False, dtype
         )
+    if cpu.usable(packed, scales):
+        return cpu.fp4_dequantize(packed, scales.view(torch.uint8), False, dtype)
     return reference.dequantize_fp4_e4m3(packed, scales.view(torch.float8_e4m3fn), dtype)
 
 
@@ -180,6 +187,8 @@ def qdq_fp4_e4m3(x: torch.Tensor, *, backend: Backend = "torch") -> torch.Tensor
     if _check_backend(backend, x) and x.numel():
         kernels = _triton()
         return _qdq(x, lambda t: kernels.fp4_qdq(t.contiguous(), FP4_E4M3.group_size, pow2_scale=False))
+    if cpu.usable(x):
+        return _qdq(x, lambda t: cpu.fp4_dequantize(*cpu.fp4_quantize(t.detach(), False), False, t.dtype))
     return _qdq(x, reference.qdq_fp4_e4m3)
 
 
@@ -200,6 +209,8 @@ def quantize_mxfp4(x: torch.Tensor, *, backend: Backend = "torch") -> tuple[torc
     _check_input(x, MXFP4.group_size, "quantize_mxfp4")
     if _check_backend(backend, x) and x.numel():
         return _triton().fp4_quantize(x.contiguous(), MXFP4.group_size, pow2_scale=True)
+    if cpu.usable(x):
+        return cpu.fp4_quantize(x.detach(), pow2_scale=True)
     return reference.quantize_mxfp4(x)
 
 
@@ -232,6 +243,8 @@ def dequantize_mxfp4(
         return _triton().fp4_dequantize(
             packed.contiguous(), scale_bytes.contiguous(), MXFP4.group_size, True, dtype
         )
+    if cpu.usable(packed, scales):
+        return cpu.fp4_dequantize(packed, scale_bytes, True, dtype)
     return reference.dequantize_mxfp4(packed, scale_bytes, dtype)
 
 
@@ -251,6 +264,8 @@ def qdq_mxfp4(x: torch.Tensor, *, backend: Backend = "torch") -> torch.Tensor:
     if _check_backend(backend, x) and x.numel():
         kernels = _triton()
         return _qdq(x, lambda t: kernels.fp4_qdq(t.contiguous(), MXFP4.group_size, pow2_scale=True))
+    if cpu.usable(x):
+        return _qdq(x, lambda t: cpu.fp4_dequantize(*cpu.fp4_quantize(t.detach(), True), True, t.dtype))
     return _qdq(x, reference.qdq_mxfp4)
 
 
@@ -276,6 +291,8 @@ def quantize_fp8_ue8m0(
     _check_input(x, block, "quantize_fp8_ue8m0")
     if _check_backend(backend, x) and x.numel():
         return _triton().fp8_quantize(x.contiguous(), block)
+    if block <= cpu.MAX_FP8_BLOCK and cpu.usable(x):
+        return cpu.fp8_quantize(x.detach(), block)
     return reference.quantize_fp8_ue8m0(x, block)
 
 
@@ -309,6 +326,8 @@ def dequantize_fp8_ue8m0(
     scale_bytes = scales.view(torch.uint8)
     if _check_backend(backend, values, scales) and values.numel():
         return _triton().fp8_dequantize(values.contiguous(), scale_bytes.contiguous(), block, dtype)
+    if cpu.usable(values, scales):
+        return cpu.fp8_dequantize(values, scale_bytes, block, dtype)
     return reference.dequantize_fp8_ue8m0(values, scale_bytes, dtype, block)
 
 
@@ -333,4 +352,6 @@ def qdq_fp8_ue8m0(
     if _check_backend(backend, x) and x.numel():
         kernels = _triton()
         return _qdq(x, lambda t: kernels.fp8_qdq(t.contiguous(), block))
+    if block <= cpu.MAX_FP8_BLOCK and cpu.usable(x):
+        return _qdq(x, lambda t: cpu.fp8_dequantize(*cpu.fp8_quantize(t.detach(), block), block, t.dtype))
     return _qdq(x, lambda t: reference.qdq_fp8_ue8m0(t, block))
