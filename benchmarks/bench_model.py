@@ -66,9 +66,13 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_formats import _measure as bench_formats_measure
+from benchmarks.bench_formats import slowest_vs_copy
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, table_stream, write_json
+from kernels import select_topk
 from model import (
+    ModelState,
     NumericsProfile,
     PassStats,
     Transformer,
@@ -80,6 +84,7 @@ from model import (
     prefill,
     state_from_global,
 )
+from model.train.family import SIBLING_NAMES, sibling_config
 from orchestrator.numerics_env import CPU_PATHS, PORTABLE_ENV
 
 # relative L2 the gate accepts where equality is not bitwise (CUDA, triton backend): rounding differences
@@ -522,6 +527,172 @@ def run(
     return doc
 
 
+# --- issue 16: the hot path at long context (--hot-path) -------------------------------------------------
+
+HOT_LENGTHS = (1024, 4096, 32768, 65536)
+HOT_PRESET = "v41-sib-l"
+HOT_TILE = 1024
+HOT_NEW_TOKENS = 64
+HOT_CHUNK = 256
+
+
+def _hot_model(preset: str, max_len: int, seed: int) -> Transformer:
+    """A random-weight model of a preset or sibling name (v41-sib-s / v41-sib-l) covering max_len."""
+    cfg = sibling_config(preset) if preset in SIBLING_NAMES else load_preset(preset)
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
+    return init_random(Transformer(cfg), seed=seed).eval()
+
+
+def tile_state(state: ModelState, n: int) -> ModelState:
+    """A synthetic history of n tokens: the global KV and tokens of a real prefill of P tokens repeated
+    n / P times (n a multiple of P, P of W and every ratio), windows and encoder rows as after the real
+    prefill, moved to the end. Its timing is that of a real n-token state; its values are not."""
+    p = state.n_tokens
+    if n % p:
+        raise ValueError(f"tiled length {n} is not a multiple of the tile {p}")
+    reps, tiled = n // p, state.clone()
+    for layer, src in tiled.sources.items():
+        fields = ("kv", "index_k", "kv_packed", "kv_scales", "index_packed", "index_scales")
+        tiled.sources[layer] = dataclasses.replace(
+            src, **{f: getattr(src, f).repeat(1, reps, 1) for f in fields}
+        )
+    tiled.tokens = state.tokens.repeat(1, reps)
+    tiled.window_from = [w + n - p for w in state.window_from]
+    tiled.enc_from = state.enc_from + n - p
+    return tiled
+
+
+def _cpu_s(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """fn's result and this thread's CPU seconds (the issue's measure: CPU time, 1 thread)."""
+    start = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - start
+
+
+def _chunks(state: ModelState, n: int, fingerprint: bytes) -> list[bytes]:
+    starts = range(0, n, HOT_CHUNK)
+    return [export_global(state, a, min(a + HOT_CHUNK, n), fingerprint=fingerprint) for a in starts]
+
+
+def _median(xs: list[float], digits: int = 4) -> float:
+    return round(statistics.median(xs), digits)
+
+
+def _hot_length(
+    model: Transformer, fp: bytes, base: ModelState, fresh: torch.Tensor, n: int, repeats: int, steps: int
+) -> dict[str, Any]:
+    """One tiled history of n tokens: import of its 256-token chunks and of one blob, a global-only resume
+    with HOT_NEW_TOKENS new tokens, then decode steps after it (CPU seconds, medians)."""
+    state = tile_state(base, n)
+    history = state.tokens
+    blob = export_global(state, 0, n, fingerprint=fp)
+    chunks = _chunks(state, n, fp)
+    del state
+    times: dict[str, list[float]] = {"chunks": [], "blob": [], "resume": []}
+
+    def resume():
+        restored = state_from_global(model, history, chunks, fingerprint=fp)
+        return prefill(model, fresh, restored, mode="ced")
+
+    for _ in range(repeats):
+        times["chunks"].append(_cpu_s(lambda: state_from_global(model, history, chunks, fingerprint=fp))[1])
+        times["blob"].append(_cpu_s(lambda: state_from_global(model, history, [blob], fingerprint=fp))[1])
+        out, seconds = _cpu_s(resume)
+        times["resume"].append(seconds)
+    step_s, token, st = [], out.logits.argmax(-1), out.state
+    for _ in range(steps):
+        step, seconds = _cpu_s(lambda st=st, token=token: decode(model, token, st))
+        step_s.append(seconds)
+        st, token = step.state, step.logits.argmax(-1)
+    return {
+        "history_tokens": n,
+        "tiled_from": base.n_tokens if n > base.n_tokens else None,
+        "chunks": len(chunks),
+        "import_chunks_s": _median(times["chunks"]),
+        "import_blob_s": _median(times["blob"]),
+        "import_chunks_vs_blob": round(_median(times["chunks"], 9) / _median(times["blob"], 9), 3),
+        "resume_s": _median(times["resume"]),
+        "decode_step_s": _median(step_s, 5),
+    }
+
+
+def _cold_vs_resume(
+    model: Transformer, fp: bytes, n: int, repeats: int, g: torch.Generator
+) -> dict[str, Any]:
+    """A real cold `ced` prefill of n + HOT_NEW_TOKENS tokens against a global-only resume of its first n
+    (the bytes cut from the cold state: global entries are causal) plus the new tokens."""
+    toks = torch.randint(0, model.cfg.vocab_size, (1, n + HOT_NEW_TOKENS), generator=g)
+    cold_out, cold_s = _cpu_s(lambda: prefill(model, toks, mode="ced"))
+    history, chunks = toks[:, :n], _chunks(cold_out.state, n, fp)
+    del cold_out
+
+    def resume():
+        restored = state_from_global(model, history, chunks, fingerprint=fp)
+        return prefill(model, toks[:, n:], restored, mode="ced")
+
+    times = [_cpu_s(resume)[1] for _ in range(repeats)]
+    resume_s = statistics.median(times)
+    return {"history_tokens": n, "cold_ced_s": round(cold_s, 3), "resume_s": round(resume_s, 4),
+            "ratio": round(cold_s / resume_s, 1)}  # fmt: skip
+
+
+def hot_path(
+    *, preset: str, lengths: tuple[int, ...], repeats: int, decode_steps: int, seed: int, cold_at: int | None
+) -> dict[str, Any]:
+    """The issue-16 figures: decode CPU time per token, import of chunks against one blob, a global-only
+    resume (+ replay of HOT_NEW_TOKENS) against a cold `ced` prefill, top-k at 64K entries, formats."""
+    model = _hot_model(preset, max(lengths + (cold_at or 0,)) + HOT_NEW_TOKENS + decode_steps + 1, seed)
+    fp = model_fingerprint(model)
+    gate = check_correctness(model, torch.device("cpu"), fp)
+    if not gate["ok"]:
+        failed = {k: v for k, v in gate.items() if k != "ok" and not v["ok"]}
+        sys.exit(f"bench_model: correctness gate failed, refusing to time: {json.dumps(failed)}")
+    g = torch.Generator().manual_seed(seed)
+    tile_tokens = torch.randint(0, model.cfg.vocab_size, (1, HOT_TILE), generator=g)
+    fresh = torch.randint(0, model.cfg.vocab_size, (1, HOT_NEW_TOKENS), generator=g)
+    with torch.inference_mode():
+        base = prefill(model, tile_tokens, mode="ced").state
+        rows = [_hot_length(model, fp, base, fresh, n, repeats, decode_steps) for n in lengths]
+        cold = _cold_vs_resume(model, fp, cold_at, repeats, g) if cold_at else None
+    by_n = {r["history_tokens"]: r for r in rows}
+
+    def ratio(key: str, a: int, b: int) -> float | None:
+        return round(by_n[b][key] / by_n[a][key], 3) if a in by_n and b in by_n else None
+
+    # one decode row of 65536 bf16 scores with heavy ties, the deterministic rule, mean of 20 calls
+    scores = torch.randint(0, 8, (1, 1, 65536), generator=g).bfloat16()
+    topk_s = _cpu_s(lambda: [select_topk(scores, 16, 65536, tie_break="deterministic") for _ in range(20)])[1]
+    formats = bench_formats_measure("cpu", ["torch"], 64, 3)
+    lo, hi = min(lengths), max(lengths)
+    return {
+        "benchmark": "model.hot_path",
+        "preset": preset,
+        "weights": "random (init_random)",
+        "device_name": cpu_model(),
+        "cpu_flags_avx512": "avx512f" in open("/proc/cpuinfo").read(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numerics": numerics_record(),
+        "clock": "thread CPU time (time.thread_time), 1 thread",
+        "histories": f"tiled: a real {HOT_TILE}-token ced prefill's global KV repeated, windows from its end",
+        "new_tokens": HOT_NEW_TOKENS,
+        "chunk_tokens": HOT_CHUNK,
+        "correctness": gate,
+        "rows": rows,
+        "cold": cold,
+        "decode_growth_4k_64k": ratio("decode_step_s", 4096, 65536),
+        "import_chunks_vs_blob_64k": by_n[65536]["import_chunks_vs_blob"] if 65536 in by_n else None,
+        "resume_ratio_32k": cold["ratio"] if cold is not None and cold["history_tokens"] == 32768 else None,
+        "resume_growth_1k_64k": ratio("resume_s", 1024, 65536),
+        "decode_growth": {"from": lo, "to": hi, "ratio": ratio("decode_step_s", lo, hi)},
+        "resume_growth": {"from": lo, "to": hi, "ratio": ratio("resume_s", lo, hi)},
+        "topk_ms_64k": round(topk_s / 20 * 1e3, 3),
+        "formats_quantize_vs_copy": round(slowest_vs_copy(formats, "quantize"), 4),
+        "formats_dequantize_vs_copy": round(slowest_vs_copy(formats, "dequantize"), 4),
+        "formats": formats,
+    }
+
+
 HEADER = (
     f"{'history':>8} {'ced s':>8} {'ced tok/s':>9} {'ced GF/s':>8} {'ref s':>8} {'CED x':>6} "
     f"{'resume s':>8} {'res/ced':>7} {'res/ref':>7} {'dec tok/s':>9} "
@@ -591,11 +762,12 @@ def compare_numerics(args: list[str], rounds: int, out: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="v41-tiny")
+    parser.add_argument("--preset", default=None, help=f"default v41-tiny ({HOT_PRESET} with --hot-path)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]; chosen here, never detected")
     parser.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
-    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
-                        help="comma-separated history lengths (tokens)")
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated history lengths (tokens); the quick mode of --hot-path is e.g. "
+                        "1024,4096")
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm per length (median)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens appended by the resumed turn")
     parser.add_argument("--decode-steps", type=int, default=8)
@@ -608,9 +780,35 @@ def main(argv: list[str] | None = None) -> None:
                         help="time portable against native in alternating child processes")
     parser.add_argument("--numerics-rounds", type=int, default=3,
                         help="child runs per path (--compare-numerics)")
+    parser.add_argument("--hot-path", action="store_true",
+                        help="issue 16's figures instead (decode growth, import, resume, top-k, formats); "
+                        f"default preset {HOT_PRESET}, lengths {','.join(map(str, HOT_LENGTHS))} "
+                        "(tens of minutes)")
+    parser.add_argument("--cold-at", type=int, default=None,
+                        help="--hot-path: also time a cold ced prefill of this history "
+                        "(32768 for resume_ratio_32k)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     out = table_stream(args.json)
+    if args.hot_path:
+        args.preset = args.preset or HOT_PRESET
+        args.lengths = args.lengths or ",".join(map(str, HOT_LENGTHS))
+    args.preset = args.preset or "v41-tiny"
+    args.lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS))
+    if args.hot_path:
+        enter_numerics(args.numerics, "benchmarks.bench_model", argv)
+        torch.set_num_threads(args.threads)
+        lengths = tuple(int(x) for x in args.lengths.split(",") if x)
+        print(f"bench_model --hot-path: {args.preset}, lengths {lengths}, {args.threads} thread(s), "
+              f"{cpu_model()}, numerics {numerics_record()['cpu_path']}", file=out, flush=True)
+        doc = hot_path(preset=args.preset, lengths=lengths, repeats=args.repeats,
+                       decode_steps=args.decode_steps, seed=args.seed, cold_at=args.cold_at)
+        for r in doc["rows"]:
+            print(json.dumps(r), file=out)
+        keys = [k for k in doc if k.endswith(("_4k_64k", "_64k", "_32k", "_vs_copy"))]
+        print(json.dumps({k: doc[k] for k in keys} | {"cold": doc["cold"]}), file=out)
+        write_json(doc, args.json)
+        return
     if args.compare_numerics:
         passed = [
             f"--preset={args.preset}", f"--device={args.device}", f"--kernel-backend={args.kernel_backend}",
