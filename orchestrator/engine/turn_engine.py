@@ -35,7 +35,6 @@ from orchestrator.api import (
 )
 from orchestrator.db import (
     SessionRepository,
-    TurnCounts,
     TurnRepository,
     TurnTimings,
     run_serializable,
@@ -161,47 +160,58 @@ class TurnEngine:
         """
         if self._ctx.engine.dialect.name == "sqlite":
             return None, f.turn_count
-        plan = f.plan
+        sessions, turns = SessionRow.__table__, TurnRow.__table__
+        plan, c = f.plan, f.plan.counts
 
         def work(s):
-            repo = SessionRepository(s)
-            row = repo.get_for_update(f.session_id, tenant_id=f.tenant_id)
+            row = s.execute(
+                select(sessions.c.status, sessions.c.turn_count)
+                .where(sessions.c.id == f.session_id, sessions.c.tenant_id == f.tenant_id)
+                .with_for_update()
+            ).one_or_none()
             if row is None:
                 raise NotFoundError(f"session {f.session_id} not found")
             if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
+                raise PreconditionError(f"session {f.session_id} is closed", reason="SESSION_CLOSED")
             if row.turn_count != f.turn_count:
-                raise PreconditionError(f"session {row.id} advanced to turn {row.turn_count} meanwhile")
-            running = s.scalars(
-                select(TurnRow.id).where(TurnRow.session_id == row.id, TurnRow.status == TurnStatus.RUNNING)
-            ).first()
+                raise PreconditionError(f"session {f.session_id} advanced to turn {row.turn_count} meanwhile")
+            running = s.scalar(
+                select(turns.c.id)
+                .where(turns.c.session_id == f.session_id, turns.c.status == TurnStatus.RUNNING)
+                .limit(1)
+            )
             if running is not None:
                 # Another replica runs a turn on this session (this process's RunningTurns refused its
                 # own twin already); a crashed node's leftovers are removed when that node starts.
                 raise PreconditionError(
-                    f"session {row.id} has a turn running on another node",
+                    f"session {f.session_id} has a turn running on another node",
                     reason="TURN_RUNNING",
                     retry_after_s=1.0,
                 )
-            turns = TurnRepository(s)
+            if not f.new_tokens:
+                raise ValueError(f"turn of session {f.session_id} appends no tokens")
             try:
-                t = turns.begin(row, model=plan.model, input_tokens=f.new_tokens)
+                turn_id = s.scalar(
+                    insert(turns)
+                    .values(
+                        session_id=f.session_id,
+                        index=row.turn_count,
+                        model=plan.model,
+                        status=TurnStatus.RUNNING,
+                        input_tokens=tokens_to_blob(f.new_tokens),
+                        path=ResumePathName(str(plan.path)),
+                        reason=plan.reason,
+                        cached=c.cached,
+                        replayed_encoder=c.replayed_encoder,
+                        replayed_decoder=c.replayed_decoder,
+                        prefilled=c.prefilled,
+                        mapped=c.mapped,
+                    )
+                    .returning(turns.c.id)
+                )
             except IntegrityError as exc:
-                raise PreconditionError(f"session {row.id} started another turn meanwhile") from exc
-            c = plan.counts
-            turns.record_plan(
-                t,
-                path=ResumePathName(str(plan.path)),
-                reason=plan.reason,
-                counts=TurnCounts(
-                    cached=c.cached,
-                    replayed_encoder=c.replayed_encoder,
-                    replayed_decoder=c.replayed_decoder,
-                    prefilled=c.prefilled,
-                    mapped=c.mapped,
-                ),
-            )
-            return t.id, t.index
+                raise PreconditionError(f"session {f.session_id} started another turn meanwhile") from exc
+            return turn_id, row.turn_count
 
         return run_serializable(self._ctx.serializable, work)
 
