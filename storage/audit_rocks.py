@@ -1,5 +1,6 @@
 """RocksDB-backed audit sink: records live in the store's own database so that a chunk, its index
-entries and its audit record commit in one synced write batch. Knows nothing of chunks.
+entries and its audit record commit in one write batch (made durable by the store before its
+operation returns). Knows nothing of chunks.
 
 Keys: `A` + seq (8 bytes big-endian) -> AuditRecord.to_json(); `H` -> head (seq 8 BE + 32-byte hash).
 """
