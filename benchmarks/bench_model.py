@@ -82,6 +82,7 @@ from model import (
     load_preset,
     model_fingerprint,
     prefill,
+    set_linear_math,
     state_from_global,
 )
 from model.train.family import SIBLING_NAMES, sibling_config
@@ -693,6 +694,57 @@ def hot_path(
     }
 
 
+def compare_math(
+    *, preset: str, prompts: int, prompt_tokens: int, new_tokens: int, seed: int
+) -> dict[str, Any]:
+    """Drift of the `fast` linear math against `exact` on random prompts: the prefill logits' relative L2
+    and max abs error, and how many greedy tokens agree (teacher-forced on the exact continuation, so one
+    early flip does not hide the rest), plus the CPU time of each."""
+    model = _hot_model(preset, prompt_tokens + new_tokens + 1, seed)
+    g = torch.Generator().manual_seed(seed)
+    rows, seconds = [], {"exact": 0.0, "fast": 0.0}
+    with torch.inference_mode():
+        for _ in range(prompts):
+            prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_tokens), generator=g)
+            runs = {}
+            for math in ("exact", "fast"):
+                set_linear_math(model, math)
+                out, s = _cpu_s(lambda prompt=prompt: prefill(model, prompt, mode="ced"))
+                seconds[math] += s
+                logits, state, steps = [out.logits], out.state, []
+                runs[math] = (logits, state, steps)
+            exact_ids = []
+            for math in ("exact", "fast"):
+                set_linear_math(model, math)
+                logits, state, steps = runs[math]
+                for i in range(new_tokens - 1):
+                    token = logits[-1].argmax(-1) if math == "exact" else exact_ids[i].view(1)
+                    if math == "exact":
+                        exact_ids.append(token.view(()))
+                    step, s = _cpu_s(lambda state=state, token=token: decode(model, token.view(1), state))
+                    seconds[math] += s
+                    state = step.state
+                    logits.append(step.logits)
+            e, f = torch.cat(runs["exact"][0]), torch.cat(runs["fast"][0])
+            rows.append({
+                "logits_rel_l2": _rel_l2(f, e),
+                "logits_max_abs": (f - e).abs().max().item(),
+                "greedy_agree": int((f.argmax(-1) == e.argmax(-1)).sum()),
+                "tokens": e.size(0),
+                "bitwise_equal_logits": bool(torch.equal(f, e)),
+            })  # fmt: skip
+        set_linear_math(model, "exact")
+    agree = sum(r["greedy_agree"] for r in rows) / sum(r["tokens"] for r in rows)
+    return {
+        "benchmark": "model.math", "preset": preset, "weights": "random (init_random)",
+        "device_name": cpu_model(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "prompts": prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "rows": rows,
+        "greedy_agreement": round(agree, 4),
+        "max_logits_rel_l2": max(r["logits_rel_l2"] for r in rows),
+        "fast_over_exact_cpu_time": round(seconds["fast"] / seconds["exact"], 4),
+    }  # fmt: skip
+
+
 HEADER = (
     f"{'history':>8} {'ced s':>8} {'ced tok/s':>9} {'ced GF/s':>8} {'ref s':>8} {'CED x':>6} "
     f"{'resume s':>8} {'res/ced':>7} {'res/ref':>7} {'dec tok/s':>9} "
@@ -787,6 +839,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cold-at", type=int, default=None,
                         help="--hot-path: also time a cold ced prefill of this history "
                         "(32768 for resume_ratio_32k)")
+    parser.add_argument("--compare-math", action="store_true",
+                        help="drift and speed of the fast linear math against exact (default preset "
+                        "v41-tiny, the one with quantized linears)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     out = table_stream(args.json)
@@ -795,6 +850,15 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths = args.lengths or ",".join(map(str, HOT_LENGTHS))
     args.preset = args.preset or "v41-tiny"
     args.lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS))
+    if args.compare_math:
+        enter_numerics(args.numerics, "benchmarks.bench_model", argv)
+        torch.set_num_threads(args.threads)
+        first_length = int(args.lengths.split(",")[0])
+        doc = compare_math(preset=args.preset, prompts=args.repeats, prompt_tokens=first_length,
+                           new_tokens=max(args.decode_steps, 2), seed=args.seed)
+        print(json.dumps({k: v for k, v in doc.items() if k != "rows"}), file=out)
+        write_json(doc, args.json)
+        return
     if args.hot_path:
         enter_numerics(args.numerics, "benchmarks.bench_model", argv)
         torch.set_num_threads(args.threads)
