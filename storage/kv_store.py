@@ -324,7 +324,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         """The consumer holds these records durably: advance the acknowledged mark over them (it is
         written with the next batch; a lost mark only means records are delivered again)."""
         with self._ack_lock:
-            self._acked.update(r.seq for r in records)
+            self._acked.update(r.seq for r in records if r.seq > self._ack_mark)
             while self._ack_mark + 1 in self._acked:
                 self._ack_mark += 1
                 self._acked.discard(self._ack_mark)
