@@ -43,9 +43,25 @@ child processes of the same run alternate, `--numerics-rounds` times each, in ro
 keys `portable_vs_native_prefill` / `portable_vs_native_decode` are time ratios (portable / native) of
 the summed per-length medians.
 
+Hot path (`--hot-path`, issue 16; not part of the default run: tens of minutes at the default lengths
+1024,4096,32768,65536 on 2 cores; `--lengths 1024,4096` is the quick mode). Preset v41-sib-l (random
+weights) by default; every time is this thread's CPU time (1 thread). Histories longer than 1024 are tiled:
+the global KV and tokens of a real 1024-token `ced` prefill repeated (windows and encoder rows from its
+end), so the state has the real sizes but not real values. Per length: `state_from_global` over the
+history's 256-token chunks and over one blob of the same bytes (import_chunks_vs_blob), a global-only
+resume (chunks + `prefill(mode="ced")` of 64 new tokens: encoder replay of the last W stored tokens, the
+new tokens, decoder replay), then decode steps after it. `--cold-at N` adds a real cold `ced` prefill of
+N + 64 tokens and the resume of its first N (bytes cut from the cold state) for resume_ratio_32k. JSON
+keys: decode_growth_4k_64k, import_chunks_vs_blob_64k, resume_ratio_32k, resume_growth_1k_64k, topk_ms_64k
+(one 65536-entry bf16 decode row with heavy ties), formats_quantize_vs_copy / formats_dequantize_vs_copy
+(the slowest format's ratio to `copy_`, 64 MB bf16, bench_formats' measurement). `--compare-math` instead
+measures the fast linear math's drift against exact (see `compare_math`).
+
 Run: python -m benchmarks.bench_model [--preset v41-tiny] [--device cpu|cuda] [--kernel-backend torch|triton]
      [--lengths 1024,2048,4096,8192,16384] [--repeats 3] [--new-tokens 256] [--decode-steps 8]
      [--threads 1] [--numerics portable|native | --compare-numerics [--numerics-rounds 3]] [--json PATH|-]
+     python -m benchmarks.bench_model --hot-path [--lengths 1024,4096,32768,65536] [--cold-at 32768]
+     python -m benchmarks.bench_model --compare-math [--lengths 300] [--repeats 4] [--decode-steps 16]
 """
 
 from __future__ import annotations
