@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import AuditHead, AuditRow
@@ -186,6 +186,12 @@ class SqlAuditSink(AuditSink):
             by_chain.setdefault(chain_of(event.tenant), []).append(i)
         sealed: list[AuditRecord | None] = [None] * len(items)
         rows: list[dict[str, object]] = []
+        postgres = session.get_bind().dialect.name == "postgresql"
+        if postgres:
+            # Under SERIALIZABLE a sequential scan of audit_head (the planner's choice while it is small)
+            # takes a predicate lock on the whole table, so appends of two tenants would conflict and one
+            # be rerun; index scans lock only the chain's own head row.
+            session.execute(text("SET LOCAL enable_seqscan = off"))
         # Heads are locked in chain order, so two transactions that touch the same chains cannot
         # deadlock; FOR UPDATE serialises appenders of one chain on PostgreSQL, and under SERIALIZABLE
         # a concurrent head move (or a concurrent first record of a chain) fails one of the two
@@ -214,6 +220,8 @@ class SqlAuditSink(AuditSink):
                 # The guarded update can only miss if another writer moved the head under us, which
                 # the lock and the isolation level exclude.
                 assert moved.rowcount == 1, f"audit head of chain {chain!r} moved during append"
+        if postgres:
+            session.execute(text("SET LOCAL enable_seqscan TO DEFAULT"))
         session.execute(insert(_LOG), rows)
         return [r for r in sealed if r is not None]
 

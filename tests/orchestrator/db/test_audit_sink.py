@@ -243,3 +243,35 @@ def test_migration_keeps_the_old_chain_and_downgrade_merges_the_chains(backend, 
         upgrade(url)
     finally:
         engine.dispose()
+
+
+def test_appends_of_other_tenants_never_wait_for_an_open_append_postgres(postgres_url) -> None:
+    from orchestrator.db.migrate import upgrade
+    from orchestrator.db.transactions import serializable_factory
+
+    upgrade(postgres_url)
+    engine, other = make_engine(postgres_url), make_engine(postgres_url)
+    try:
+        sink, sink2 = SqlAuditSink(engine), SqlAuditSink(other)
+        sink.append_many([_event(0, "a"), _event(0, "b")])
+        done: dict[str, threading.Event] = {"a": threading.Event(), "b": threading.Event()}
+
+        def append(tenant: str) -> None:
+            sink2.append(_event(7, tenant))
+            done[tenant].set()
+
+        with serializable_factory(engine)() as s, s.begin():
+            # An append of tenant a, not yet committed: it holds a's chain head.
+            sink.append_in(s, [_event(1, "a")])
+            threads = {t: threading.Thread(target=append, args=(t,)) for t in ("a", "b")}
+            for th in threads.values():
+                th.start()
+            # Tenant b's append commits meanwhile; tenant a's waits for the open transaction.
+            assert done["b"].wait(10)
+            assert not done["a"].wait(0.5)
+        threads["a"].join(10)
+        assert done["a"].is_set()
+        assert (sink.chain_head("a")[0], sink.chain_head("b")[0]) == (3, 2) and sink.verify().ok
+    finally:
+        engine.dispose()
+        other.dispose()
