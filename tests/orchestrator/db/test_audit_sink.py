@@ -97,7 +97,8 @@ def test_mirror_skips_records_already_mirrored(sqlite_engine, tmp_path) -> None:
     assert sink.verify().ok
 
 
-def _hammer(url: str, replicas: int, per_replica: int) -> None:
+def _hammer(url: str, replicas: int, per_replica: int, *, shared: bool = False) -> None:
+    """Replicas append at once, each to its own tenant's chain, or (`shared`) all to one tenant's."""
     barrier = threading.Barrier(replicas)
     errors: list[BaseException] = []
 
@@ -107,7 +108,7 @@ def _hammer(url: str, replicas: int, per_replica: int) -> None:
             sink = SqlAuditSink(engine)
             barrier.wait()
             for i in range(per_replica):
-                sink.append(_event(r * 1000 + i, tenant=f"t{r}"))
+                sink.append(_event(r * 1000 + i, tenant="shared" if shared else f"t{r}"))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread below
             errors.append(exc)
         finally:
@@ -122,6 +123,11 @@ def _hammer(url: str, replicas: int, per_replica: int) -> None:
     engine = make_engine(url)
     try:
         sink = SqlAuditSink(engine)
+        if shared:
+            records = list(sink.iter_records(chain="shared"))
+            assert [rec.seq for rec in records] == list(range(1, replicas * per_replica + 1))
+            assert verify_chain(records, head=sink.chain_head("shared")).ok
+            return
         # Each replica appended to its own tenant's chain: gap-free, and every chain verifies.
         for r in range(replicas):
             records = list(sink.iter_records(chain=f"t{r}"))
@@ -141,6 +147,13 @@ def test_concurrent_appenders_postgres(postgres_url) -> None:
 
 def test_concurrent_appenders_sqlite(sqlite_url) -> None:
     _hammer(sqlite_url, replicas=3, per_replica=10)
+
+
+def test_concurrent_appenders_to_one_chain_postgres(postgres_url) -> None:
+    from orchestrator.db.migrate import upgrade
+
+    upgrade(postgres_url)
+    _hammer(postgres_url, replicas=4, per_replica=10, shared=True)
 
 
 def test_run_serializable_reraises_non_conflicts(sqlite_engine) -> None:
