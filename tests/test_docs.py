@@ -176,7 +176,7 @@ def test_doc_commands_run(doc: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", _marked("slow"), ids=lambda b: b.label)
+@pytest.mark.parametrize("block", _marked("slow"), ids=lambda b: f"{b.label}-{'-'.join(b.text.split()[:2])}")
 def test_slow_doc_commands_run(block: Block, tmp_path: Path) -> None:
     _run([block], tmp_path, timeout_s=7200)
 
