@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from collections.abc import Callable
 import structlog
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
 
+from storage.audit_delivery import AUDIT_ACK, SEQ, AuditDelivery
 from storage.audit_record import AuditAction, AuditEvent, AuditRecord
 from storage.audit_rocks import RocksAuditSink, synced_write_options, unsynced_write_options
 from storage.chunk_format import decode_chunk
@@ -84,11 +84,6 @@ from storage.wal_sync import GroupSync, ReleaseHookLock
 
 log = structlog.get_logger(__name__)
 
-# The seq up to which the audit consumer acknowledged every record (8 bytes big-endian); absent in a
-# store written before consumers acknowledged, whose records were all mirrored synchronously.
-AUDIT_ACK = b"O"
-_SEQ = struct.Struct(">Q")
-
 
 def _read_options() -> ReadOptions:
     opts = ReadOptions()
@@ -111,7 +106,7 @@ def _db_options() -> Options:
     return opts
 
 
-class GlobalKVStore(ChunkWriter, RetentionOps):
+class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
     """One node's store of global-KV chunks. Thread-safe; one instance per database directory.
 
     Args:
@@ -190,12 +185,6 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         """WAL syncs run by the group commit so far (one may cover the batches of many writers)."""
         return self._wal.syncs
 
-    @property
-    def audit_acked_seq(self) -> int:
-        """The store audit seq up to which the consumer acknowledged every record."""
-        with self._ack_lock:
-            return self._ack_mark
-
     def close(self) -> None:
         """Stop maintenance, flush and close the database. Idempotent."""
         self.stop_maintenance()
@@ -237,7 +226,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
             batch = WriteBatch(raw_mode=True)
             batch.put(CLOCK_HWM, F64.pack(self._hwm))
             with self._ack_lock:
-                batch.put(AUDIT_ACK, _SEQ.pack(self._ack_mark))
+                batch.put(AUDIT_ACK, SEQ.pack(self._ack_mark))
             self._db.write(batch, self._nosync_opts)
             self._pending_state().ticket = self._wal.note_write()
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop a close or a read
@@ -253,14 +242,6 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
             if not self._db_closed:
                 self._db.flush_wal(True)
 
-    def _pending_state(self) -> threading.local:
-        """This thread's unsynced ticket and undelivered records, settled when it releases the lock."""
-        state = self._pending
-        if not hasattr(state, "ticket"):
-            state.ticket = 0
-            state.records = []
-        return state
-
     def _commit(self, batch: WriteBatch, events: list[AuditEvent]) -> list[AuditRecord]:
         """Write `batch` plus the audit records of `events`, the clock mark and the audit ack mark,
         unsynced, in lock order. Lock held; the WAL sync and the delivery of the records follow when
@@ -271,7 +252,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
         records = self._audit.stage(batch, events, ts=now)
         batch.put(CLOCK_HWM, F64.pack(now))
         with self._ack_lock:
-            batch.put(AUDIT_ACK, _SEQ.pack(self._ack_mark))
+            batch.put(AUDIT_ACK, SEQ.pack(self._ack_mark))
         self._db.write(batch, self._nosync_opts)
         state = self._pending_state()
         state.ticket = self._wal.note_write()
@@ -285,73 +266,6 @@ class GlobalKVStore(ChunkWriter, RetentionOps):
             else:
                 state.records.append(record)
         return records
-
-    def _take_pending(self) -> tuple[int, list[AuditRecord]]:
-        state = self._pending_state()
-        ticket, records = state.ticket, state.records
-        state.ticket, state.records = 0, []
-        return ticket, records
-
-    def _after_release(self) -> None:
-        """Run by the lock after this thread's outermost release: sync the WAL through this thread's
-        writes (shared with concurrent writers), then deliver its audit records."""
-        ticket, records = self._take_pending()
-        if ticket:
-            self._wal.wait(ticket)
-        if records:
-            self._deliver(records)
-
-    def _deliver(self, records: list[AuditRecord]) -> None:
-        """Hand durable records to the consumer (no lock held); acknowledge them when it returns."""
-        with self._ack_lock:
-            batch = self._undelivered + list(records)
-            self._undelivered = []
-        if not batch:
-            return
-        if self._on_audit is None:
-            self.ack_audit(batch)
-            return
-        try:
-            self._on_audit(batch)
-        except Exception as exc:  # noqa: BLE001 - the records stay durable here and are re-delivered
-            with self._ack_lock:
-                self._undelivered = batch + self._undelivered
-            log.error("audit_delivery_failed", records=len(batch), error=str(exc))
-            return
-        self.ack_audit(batch)
-
-    def ack_audit(self, records: list[AuditRecord]) -> None:
-        """The consumer holds these records durably: advance the acknowledged mark over them (it is
-        written with the next batch; a lost mark only means records are delivered again)."""
-        with self._ack_lock:
-            self._acked.update(r.seq for r in records if r.seq > self._ack_mark)
-            while self._ack_mark + 1 in self._acked:
-                self._ack_mark += 1
-                self._acked.discard(self._ack_mark)
-
-    def release_audit(self, records: list[AuditRecord]) -> None:
-        """Hand claimed records back (their caller could not record them): deliver them to the
-        consumer now. Call without the store lock."""
-        assert not self._lock.held()
-        if records:
-            self._deliver(list(records))
-
-    def _redeliver(self) -> None:
-        """At open: deliver the durable records the consumer never acknowledged (a crash came
-        between the store's write and the consumer's commit)."""
-        raw = self._db.get(AUDIT_ACK)
-        head = self._audit.head()[0]
-        if raw is None:
-            # Written before acknowledgements existed: the consumer mirrored every record synchronously.
-            mark = head
-        else:
-            (mark,) = _SEQ.unpack(raw)
-        with self._ack_lock:
-            self._ack_mark = min(mark, head)
-        if self._ack_mark < head:
-            missing = list(self._audit.iter_records(after=self._ack_mark))
-            log.info("audit_redelivery", after_seq=self._ack_mark, records=len(missing))
-            self._deliver(missing)
 
     def _recover(self) -> RecoveryReport:
         db = self._db
