@@ -56,6 +56,7 @@ class _StagedChunk:
 @dataclass(frozen=True, kw_only=True)
 class _StagedPut:
     items: list[_StagedChunk]
+    tenant: str
     stag: bytes
     evicted: int
 
@@ -135,6 +136,7 @@ class ChunkWriter:
                 for item in staged.items:
                     if item.meta is not None and self._inflight.get(item.addr) is item.meta:
                         del self._inflight[item.addr]
+                        self._doomed.discard(item.addr)
                 self._stats.refusals[RefusalKind.IO_ERROR.value] += 1
             log.error("store_sync_failed", tenant=tenant, error=str(exc))
             return PutResult(
@@ -342,29 +344,41 @@ class ChunkWriter:
         for item in items:
             # Later batches in the log than the new chunk's, so durable only with it.
             self._supersede_tails(stag, item.addr, item.parent, item.start, item.end - item.start)
-        return _StagedPut(items=items, stag=stag, evicted=evicted)
+        return _StagedPut(items=items, tenant=tenant, stag=stag, evicted=evicted)
 
     def _apply_put(self: GlobalKVStore, staged: _StagedPut) -> PutResult:
-        """After the sync: make the put's chunks visible in the index. A chunk whose reference a purge
-        removed while the sync ran is deleted instead of indexed. Lock held."""
+        """After the sync: make the put's chunks visible in the index. A chunk that a purge reached while
+        the sync ran (the purge found it in the database's index keys, `_doomed`, or removed this
+        session's reference) is deleted instead, with a PURGE record; its bytes leave with the next
+        removal pass. Lock held."""
         stored: list[tuple[int, int]] = []
         written = shared_count = 0
         drop = WriteBatch(raw_mode=True)
-        dropped = False
+        events: list[AuditEvent] = []
         for item in staged.items:
             mine = item.meta
             if mine is not None and self._inflight.get(item.addr) is mine:
                 del self._inflight[item.addr]
+            doomed = item.addr in self._doomed
+            if mine is not None:
+                self._doomed.discard(item.addr)
             meta = mine if mine is not None else self._index.meta.get(item.addr, item.pending)
-            if self._db.get(ref_key(item.addr, staged.stag)) is None:
-                if (
-                    meta is not None
-                    and item.addr not in self._index.meta
-                    and not any(True for _ in self._iter_prefix(REF + item.addr))
-                ):
-                    for key in index_keys(item.addr, meta):
-                        drop.delete(key)
-                    dropped = True
+            unref = self._db.get(ref_key(item.addr, staged.stag)) is None
+            if doomed or unref:
+                orphan = not any(True for _ in self._iter_prefix(REF + item.addr))
+                if mine is not None and (doomed or orphan):
+                    self._index.remove(item.addr)
+                    self._stage_delete(drop, item.addr, mine)
+                    events.append(
+                        AuditEvent(
+                            actor=ACTOR,
+                            action=AuditAction.PURGE,
+                            tenant=staged.tenant,
+                            subject=f"chunk:{item.addr.hex()}",
+                            reason="purged_during_write",
+                            nbytes=mine.value_len,
+                        )
+                    )
                 continue
             if mine is not None:
                 self._index.remove(item.addr)
@@ -379,8 +393,8 @@ class ChunkWriter:
                 elif meta is not None:
                     self._index.add(item.addr, meta)
             stored.append((item.start, item.end))
-        if dropped:
-            self._commit(drop, [])
+        if events:
+            self._commit(drop, events)
         return PutResult(
             stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=staged.evicted
         )

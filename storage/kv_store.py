@@ -144,6 +144,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         self._acked: set[int] = set()
         self._undelivered: list[AuditRecord] = []
         self._inflight: dict[bytes, ChunkMeta] = {}
+        # In-flight chunks a purge reached before they were visible; their put deletes them.
+        self._doomed: set[bytes] = set()
         self.batches_written = 0
         self._stats = StoreStats(capacity_bytes=config.capacity_bytes)
         self._index = ChunkIndex()
@@ -266,6 +268,16 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             else:
                 state.records.append(record)
         return records
+
+    def _delete_chunks(
+        self, addrs: list[bytes], *, action: AuditAction, actor: str, reason: str
+    ) -> tuple[int, int]:
+        """RetentionOps' deletion, which sees only indexed chunks; a chunk still being written (its sync
+        under way, not yet indexed) is marked for its put to delete once the sync returns."""
+        for addr in addrs:
+            if addr in self._inflight and addr not in self._index.meta:
+                self._doomed.add(addr)
+        return super()._delete_chunks(addrs, action=action, actor=actor, reason=reason)
 
     def _recover(self) -> RecoveryReport:
         db = self._db

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from storage import AuditRecord, GlobalKVStore, StoreConfig
 from storage.wal_sync import GroupSync
 from tests.storage.conftest import CHUNK, FP, FakeClock, payloads_for
@@ -182,3 +184,47 @@ def test_a_failed_delivery_is_retried_with_the_next_one(tmp_path: Path) -> None:
         assert [r.seq for r in delivered] == [1, 2] and store.audit_acked_seq == 2
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["tenant", "session", "model"])
+def test_a_purge_during_the_sync_of_a_put_deletes_what_it_wrote(tmp_path: Path, kind: str) -> None:
+    store = GlobalKVStore(_config(tmp_path), clock=FakeClock())
+    try:
+        store.put_chunks("tA", "s0", FP, [7] * CHUNK, payloads_for([7] * CHUNK))
+        wait = store._wal.wait
+        purges: list[int] = []
+
+        started: list[bool] = []
+        purge = {
+            "tenant": lambda: store.purge_tenant("tA", actor="t"),
+            "session": lambda: store.purge_session("tA", "s1", actor="t"),
+            "model": lambda: store.purge_model(FP, actor="t"),
+        }
+
+        def wait_with_a_purge(ticket: int) -> None:
+            if not started:
+                started.append(True)
+                # The put released the lock and waits for its sync: a tenant purge runs meanwhile.
+                th = threading.Thread(target=lambda: purges.append(purge[kind]().chunks_deleted))
+                th.start()
+                th.join(10)
+            wait(ticket)
+
+        store._wal.wait = wait_with_a_purge  # type: ignore[method-assign]
+        toks = list(range(CHUNK + 3))
+        put = store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+        store._wal.wait = wait  # type: ignore[method-assign]
+        # The purge removed what was indexed; the put's own chunks went when its sync returned.
+        assert purges == [0 if kind == "session" else 1] and put.stored == []
+        assert store.stats().chunks == (1 if kind == "session" else 0)
+        assert store.lookup("tA", FP, toks).n_tokens == 0
+        actions = [(r.action.value, r.reason) for r in store.audit.iter_records()]
+        assert actions[-2:] == [("purge", "purged_during_write")] * 2
+        assert store.audit.verify().ok
+    finally:
+        store.close()
+    reopened = GlobalKVStore(_config(tmp_path), clock=FakeClock())
+    try:
+        assert reopened.recovery.chunks == (1 if kind == "session" else 0)
+    finally:
+        reopened.close()
