@@ -378,6 +378,19 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": sweeps,
         "overhead_p50_ms": {str(s["concurrency"]): s["p50_ms"] for s in sweeps},
         "overhead_p99_ms": {str(s["concurrency"]): s["p99_ms"] for s in sweeps},
+        # What a turn costs the registry and the store (every turn of a sweep, cold first turns included).
+        "per_turn_costs": {
+            str(s["concurrency"]): {
+                k: s[k]
+                for k in (
+                    "sql_commits_per_turn",
+                    "sql_transactions_per_turn",
+                    "store_batches_per_turn",
+                    "wal_syncs_per_turn",
+                )
+            }
+            for s in sweeps
+        },
         "replay": session_replay["turns"],
         "ttft_ratio_vs_reprefill": session_replay["ttft_ratio_vs_reprefill"],
         "hardware": {
