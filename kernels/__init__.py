@@ -34,7 +34,7 @@ from kernels.formats import (
 )
 from kernels.index_score import index_score, index_score_at
 from kernels.sparse_attn import sparse_attn
-from kernels.topk import TIE_BREAKS, candidate_blocks, pool_ids, select_topk
+from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
 
 __all__ = [
     "E2M1_MAX",
@@ -50,6 +50,7 @@ __all__ = [
     "PreparedWeight",
     "KernelError",
     "candidate_blocks",
+    "candidate_ids",
     "dequantize_fp4_e4m3",
     "dequantize_fp4_weight",
     "dequantize_fp8_block_weight",

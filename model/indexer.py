@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels import (
     candidate_blocks,
+    candidate_ids,
     index_score,
     index_score_at,
     pool_ids,
@@ -101,25 +102,32 @@ class Indexer(nn.Module):
             index_k: [B, N, D_I] bf16 keys of every entry visible at the end of the rows.
             visible: [T] int64 entries each row may see ((pos + 1) // m).
             candidate_source: publish the candidate pool (level 1) from these scores.
-            candidates: [B, T, N] bool pool to restrict to (Reindex layers), or None.
+            candidates: the pool to restrict to (Reindex layers), or None: what a candidate source
+                published, a [B, T, N] bool mask (`kernels.candidate_blocks`) or, under the deterministic
+                rule, [B, T, topk_blocks * block_size] int64 ids (`kernels.candidate_ids`).
             tie_break: "reference" or "deterministic" (kernels.select_topk).
             backend: kernels backend of the MXFP4 QDQ and the scores ("torch" or "triton"); top-k selection
                 has only a torch implementation.
 
         Returns:
-            ids [B, T, K] int32 ascending entry ids, -1 unused; the candidate pool [B, T, N] bool
-            when published.
+            ids [B, T, K] int32 ascending entry ids, -1 unused; the candidate pool when published: int64
+            ids [B, T, topk_blocks * block_size] (ascending, -1 padded) under tie_break="deterministic",
+            else the [B, T, N] bool mask.
         """
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.index_head_dim))  # [B, T, H_I, D_I]
         q = apply_rope(q, freqs, self.rope_dim)
         q = qdq_mxfp4(q, backend=backend)
         weights = self.weights_proj(x) * (self.index_head_dim**-0.5 * self.n_heads**-0.5)  # [B, T, H_I]
         k = min(self.topk, index_k.size(1))
-        if candidates is not None and not candidate_source and tie_break == "deterministic":
+        deterministic = tie_break == "deterministic"
+        if candidates is not None and not candidate_source and deterministic:
             return self._select_in_pool(q, index_k, weights, visible, candidates, k, block_size * topk_blocks)
         scores = index_score(q, index_k, weights, visible=visible, backend=backend)  # [B, T, N] bf16
         pool = None
-        if candidate_source:
+        if candidate_source and deterministic:
+            # the pool as ids: what the Reindex layers score (no [B, T, N] mask to build and scan)
+            pool = candidate_ids(scores, visible, block_size, topk_blocks)
+        elif candidate_source:
             pool = candidate_blocks(scores, visible, block_size, topk_blocks, tie_break=tie_break)
         elif candidates is not None:
             scores = scores.masked_fill(~candidates, -torch.inf)
@@ -144,9 +152,10 @@ class Indexer(nn.Module):
         ranking by (score, id), and -inf picks become -1 in both.
 
         q [B, T, H_I, D_I], index_k [B, N, D_I], weights [B, T, H_I] bf16; visible [T] int64; candidates
-        [B, T, N] bool -> ids [B, T, k] int32 (ascending, then -1).
+        [B, T, P] int64 ids or [B, T, N] bool -> ids [B, T, k] int32 (ascending, then -1).
         """
-        ids = pool_ids(candidates, pool_size)  # [B, T, pool_size] int64
+        # ids from the candidate source, or a mask (a caller that built one with candidate_blocks)
+        ids = candidates if candidates.dtype == torch.int64 else pool_ids(candidates, pool_size)
         scores = index_score_at(q, index_k, weights, ids, visible=visible)  # [B, T, pool_size] bf16
         slots = select_topk(scores, min(k, pool_size), pool_size, tie_break="deterministic")
         picked = torch.where(slots >= 0, ids.gather(-1, slots.long().clamp_min(0)), -1)

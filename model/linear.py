@@ -82,13 +82,17 @@ class Linear(nn.Module):
 
     def prepared_weight(self) -> PreparedWeight:
         """The decoded weight (and, under math "fast", its folded form), rebuilt only when the stored
-        weight or scale changed (new storage, an in-place copy such as load_state_dict, another device)."""
+        weight or scale changed (new storage, an in-place copy such as load_state_dict, another device).
+        Weights that are inference tensors (made under torch.inference_mode) are decoded on every call."""
         assert self.scale is not None
         fold = self.math == "fast"
         w, s = self.weight, self.scale
+        prepare = prepare_fp8_weight if self.kind == "fp8" else prepare_fp4_weight
+        if w.is_inference() or s.is_inference():
+            # inference tensors keep no version counter, so an in-place update could not be seen: no cache
+            return prepare(w.detach(), s.detach(), fold=fold)
         key = (w.data_ptr(), w._version, s.data_ptr(), s._version, w.device, fold)
         if self._prepared is None or self._prepared_for != key:
-            prepare = prepare_fp8_weight if self.kind == "fp8" else prepare_fp4_weight
             with torch.no_grad():
                 self._prepared = prepare(w.detach(), s.detach(), fold=fold)
             self._prepared_for = key

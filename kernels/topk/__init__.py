@@ -4,7 +4,7 @@ Both take tie_break="reference" (the official code's torch CPU topk call, for co
 "deterministic" (higher score, then lower id: the service's rule, independent of shapes and chunking).
 """
 
-from kernels.topk.candidate_blocks import candidate_blocks, pool_ids
+from kernels.topk.candidate_blocks import candidate_blocks, candidate_ids, pool_ids
 from kernels.topk.selection import TIE_BREAKS, select_topk
 
-__all__ = ["TIE_BREAKS", "candidate_blocks", "pool_ids", "select_topk"]
+__all__ = ["TIE_BREAKS", "candidate_blocks", "candidate_ids", "pool_ids", "select_topk"]

@@ -99,3 +99,40 @@ def pool_ids(pool: torch.Tensor, size: int) -> torch.Tensor:
     if take < size:
         picks = F.pad(picks, (0, size - take), value=-1)
     return picks
+
+
+def candidate_ids(
+    scores: torch.Tensor, visible: int | torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
+    """The deterministic candidate pool as entry ids: `pool_ids(candidate_blocks(..., tie_break=
+    "deterministic"), topk_blocks * block_size)` bit for bit (tested), without building the [B, T, N] mask.
+
+    Args:
+        scores, visible, block_size, topk_blocks: as `candidate_blocks`.
+
+    Returns:
+        [B, T, topk_blocks * block_size] int64: the kept blocks' entry ids ascending, then -1.
+
+    Raises:
+        ValueError: as `candidate_blocks`.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, T, N], got shape {tuple(scores.shape)}")
+    if block_size < 1 or topk_blocks < 1:
+        raise ValueError(f"block_size and topk_blocks must be >= 1, got {block_size}, {topk_blocks}")
+    n = scores.size(-1)
+    per_block = block_scores(scores, visible, block_size)  # [B, T, nblocks]
+    nblocks = per_block.size(-1)
+    kept = min(topk_blocks, nblocks)
+    picks = top_indices(per_block, kept, tie_break="deterministic", reference_sorted=True)
+    reachable = per_block.gather(-1, picks) > -torch.inf
+    # kept blocks ascending, unreachable ones (-inf) after them
+    blocks = torch.where(reachable, picks, nblocks).sort(dim=-1).values  # [B, T, kept]
+    entries = blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device)
+    entries = entries.flatten(-2)  # [B, T, kept * P]
+    # only the last block can run past N, and it sorts last among the kept: the -1s stay at the end
+    entries = torch.where(entries >= n, -1, entries)
+    size = topk_blocks * block_size
+    if entries.size(-1) < size:
+        entries = F.pad(entries, (0, size - entries.size(-1)), value=-1)
+    return entries

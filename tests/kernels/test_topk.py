@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import candidate_blocks, pool_ids, select_topk
+from kernels import candidate_blocks, candidate_ids, pool_ids, select_topk
 from kernels.topk.selection import rank_keys, top_indices, top_indices_sorted
 from tests.shared_vectors import conformance_vectors
 
@@ -196,6 +196,18 @@ def test_pool_ids_lists_the_candidates_ascending(shape: tuple[int, ...]) -> None
             assert got[bi, ti].tolist() == want + [-1] * (12 - len(want))
     with pytest.raises(ValueError, match="more than size"):
         pool_ids(pool, 2)
+
+
+@pytest.mark.parametrize("levels", [None, 2], ids=["continuous", "ties"])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 37), (2, 63, 150), (1, 19, 19), (1, 3, 2**16 + 5)], ids=["T1", "T63", "T19", "N>2^16"]
+)
+def test_candidate_ids_equals_pool_ids_of_the_mask(shape: tuple[int, ...], levels: int | None) -> None:
+    scores, visible = random_scores(*shape, seed=9, levels=levels)
+    for block, blocks in ((4, 3), (4, 8), (7, 2)):
+        mask = candidate_blocks(scores, visible, block, blocks, tie_break="deterministic")
+        want = pool_ids(mask, block * blocks)
+        assert torch.equal(candidate_ids(scores, visible, block, blocks), want), f"P={block} K={blocks}"
 
 
 def test_candidate_blocks_rejects_bad_arguments() -> None:

@@ -59,3 +59,12 @@ def test_set_linear_math_fast_is_close_opt_in_and_fingerprinted() -> None:
     assert model_fingerprint(model, NumericsProfile(math="fast")) != model_fingerprint(model)
     with pytest.raises(ValueError, match="math must be"):
         set_linear_math(model, "quick")
+
+
+def test_linear_with_inference_tensor_weights_is_not_cached_but_equal() -> None:
+    with torch.inference_mode():
+        layer = _fp8_linear(4)
+        x = torch.randn(3, 96).bfloat16()
+        want = kernels.fp8_linear(x, layer.weight, layer.scale, out_dtype=torch.bfloat16)
+        assert torch.equal(layer(x), want)
+        assert layer._prepared is None
