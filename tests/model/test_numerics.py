@@ -49,7 +49,7 @@ def test_profile_label_names_every_field() -> None:
 @pytest.mark.parametrize(
     ("field", "bad"),
     [("device", "tpu"), ("dtype", "fp16"), ("kernel_backend", "cuda-graphs"), ("cpu_path", "avx512"),
-     ("math", "fast"), ("batching", "fast")],
+     ("math", "approximate"), ("batching", "fast")],
 )
 def test_profile_rejects_unknown_values(field: str, bad: str) -> None:
     with pytest.raises(ValueError, match=f"numerics {field} must be one of .*{bad!r}"):
@@ -65,9 +65,11 @@ def test_fingerprint_differs_for_every_profile_field() -> None:
         dataclasses.replace(base, device="cuda"),
         dataclasses.replace(base, kernel_backend="triton"),
         dataclasses.replace(base, cpu_path="native", native_host="AVX512;Intel Xeon;MKL_CBWR="),
+        dataclasses.replace(base, math="fast"),
     ]
     prints = {model_fingerprint(model, numerics=p) for p in [base, *others]}
-    assert len(prints) == 5
+    assert len(prints) == 6
+    assert "math=fast" in dataclasses.replace(base, math="fast").label
     assert model_fingerprint(model) == model_fingerprint(model, numerics=base)
 
 
