@@ -3,6 +3,7 @@
 Knows nothing of storage, SQL or gRPC; returns statistics instead of logging.
 """
 
+from model.batched import decode_many
 from model.cache_format import (
     CACHE_FORMAT_VERSION,
     HEADER_BYTES,
@@ -69,6 +70,7 @@ __all__ = [
     "check_conformance",
     "decode",
     "decode_batch",
+    "decode_many",
     "greedy",
     "init_random",
     "load_model",

@@ -74,6 +74,18 @@ class AttnIO:
     new_window_from: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProjectedRows:
+    """`Attention.project`'s output: qr [B, T, q_lora] (the indexer reads it), q [B, T, H, D] roped,
+    kv [B, T, D] the window KV as attended (FP8 QDQ), codes / scales its stored FP8 form."""
+
+    qr: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
 def window_ids(
     start: int, rows: int, width_w: int, eff_floor: int, device: torch.device, *, canonical: bool = False
 ) -> tuple[torch.Tensor, bool]:
@@ -200,10 +212,18 @@ class Attention(nn.Module):
         """x: [B, T, dim] bf16 normed inputs at positions [io.start, io.start + T) -> [B, T, dim] bf16.
 
         freqs_table: [>= end, rope/2] complex64 rotations of this layer (compress or base theta).
+        The three stages are separate so that a batched decode (model/batched.py) can run the row-wise
+        ones over many sequences at once and `attend` per sequence; this is their one composition.
         """
-        b, t, _ = x.shape
-        start, end, w = io.start, io.start + t, self.window_size
-        freqs = freqs_table[start:end]
+        freqs = freqs_table[io.start : io.start + x.size(1)]
+        rows = self.project(x, freqs, backend=io.backend)
+        return self.project_out(self.attend(x, rows, io, freqs_table), freqs)
+
+    def project(self, x: torch.Tensor, freqs: torch.Tensor, *, backend: str) -> ProjectedRows:
+        """The row-wise input stage: queries and this pass's window KV (with its stored FP8 form).
+
+        x: [B, T, dim]; freqs: [T, rope/2], or [B, T, rope/2] when each sequence has its own positions.
+        """
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, T, H, D]
         q = apply_rope(q, freqs, self.rope_dim)
@@ -212,8 +232,29 @@ class Attention(nn.Module):
         kv = apply_rope(kv, freqs, self.rope_dim)
         with torch.no_grad():
             # codes [B, T, D] e4m3, scales [B, T, D/32] uint8
-            codes, scales = quantize_fp8_ue8m0(kv.detach(), backend=io.backend)
-        kv = qdq_fp8_ue8m0(kv, backend=io.backend)  # [B, T, D]
+            codes, scales = quantize_fp8_ue8m0(kv.detach(), backend=backend)
+        kv = qdq_fp8_ue8m0(kv, backend=backend)  # [B, T, D]
+        return ProjectedRows(qr=qr, q=q, kv=kv, codes=codes, scales=scales)
+
+    def project_out(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """The row-wise output stage: o [B, T, H, D] attention values -> [B, T, dim] (freqs as `project`)."""
+        b, t = o.shape[:2]
+        o = apply_rope(o, freqs, self.rope_dim, inverse=True)
+        o = o.view(b, t, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def attend(
+        self, x: torch.Tensor, rows: ProjectedRows, io: AttnIO, freqs_table: torch.Tensor
+    ) -> torch.Tensor:
+        """The per-sequence stage: window ring, global KV writes, top-k selection and the sparse attention
+        of one pass (all rows at positions [io.start, io.start + T)) -> o [B, T, H, D] before `project_out`.
+        """
+        b, t, _ = x.shape
+        start, end, w = io.start, io.start + t, self.window_size
+        freqs = freqs_table[start:end]
+        qr, q, kv, codes, scales = rows.qr, rows.q, rows.kv, rows.codes, rows.scales
         eff_floor = max(io.floor, io.window_from)
         canonical = io.tie_break == "deterministic"
         ids, uses_ring = window_ids(start, t, w, eff_floor, x.device, canonical=canonical)
@@ -270,11 +311,4 @@ class Attention(nn.Module):
             kv_all = torch.cat([kv_all, io.source.kv[:, :n_visible]], dim=1)
             ids = torch.cat([ids, comp], dim=-1)
 
-        o = sparse_attn(
-            q, kv_all, self.attn_sink, ids, self.softmax_scale, backend=io.backend
-        )  # [B, T, H, D]
-        o = apply_rope(o, freqs, self.rope_dim, inverse=True)
-        o = o.view(b, t, self.n_groups, -1)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-        return self.wo_b(o.flatten(2))
+        return sparse_attn(q, kv_all, self.attn_sink, ids, self.softmax_scale, backend=io.backend)

@@ -8,7 +8,10 @@ for the next layer. Follows the official V4.1 `Block.forward` op for op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.attention import Attention, AttnIO
@@ -55,12 +58,25 @@ class Block(nn.Module):
         self.hc_attn_scale = nn.Parameter(torch.zeros(3, dtype=torch.float32))
         self.hc_ffn_scale = nn.Parameter(torch.zeros(3, dtype=torch.float32))
 
-    def _mixes(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):
-        """x: [B, T, hc, d] -> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc], fp32."""
+    def _mixes(
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        *,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+        rowwise: bool = False,
+    ):
+        """x: [B, T, hc, d] -> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc], fp32.
+
+        linear: the fp32 product (a batched decode passes `rowwise_linear`, which makes each row's sums
+        those of a one-row pass); rowwise: the same for the Sinkhorn split's elementwise ops.
+        """
         flat = x.flatten(2).float()  # [B, T, hc*d]
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        raw = torch.nn.functional.linear(flat, fn) * rsqrt
-        return split_sinkhorn(raw, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps)
+        raw = linear(flat, fn) * rsqrt
+        return split_sinkhorn(raw, scale, base, self.hc, self.sinkhorn_iters, self.hc_eps, rowwise=rowwise)
 
     def attn_input(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """The attention sub-block's input: attn_norm(collapse(h, pre)). h [B, T, hc, d], pre [B, T, hc]."""

@@ -144,9 +144,10 @@ def greedy(model: Transformer, prompt: torch.Tensor, n: int, *, mode: str = "ced
 def decode_batch(
     model: Transformer, tokens: torch.Tensor, states: list[ModelState], *, tie_break: str = "deterministic"
 ) -> torch.Tensor:
-    """One decode step for independent sequences (each its own state and position).
+    """One decode step for independent sequences (each its own state and position), one sequence at a time.
 
-    Each sequence runs as its own batch-1 step, so results equal decoding each sequence alone bit for bit.
+    Each sequence runs as its own batch-1 step: the slow reference twin of `batched.decode_many`, which
+    runs the same step over the stacked rows and must equal this bit for bit.
 
     Args:
         tokens: [B] int64, one token per state.

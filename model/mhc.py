@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from model.invariant import rows_apart
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
 
 def split_sinkhorn(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    *,
+    rowwise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split raw mixes into pre, post and a Sinkhorn-normalized comb, all fp32.
 
     Args:
         mixes: [..., (2 + hc) * hc] fp32.
         scale: [3] fp32 (pre, post, comb); base: [(2 + hc) * hc] fp32.
+        rowwise: compute each row's transcendental ops as a lone row would (a batched decode of many
+            sequences; see `model.invariant.rows_apart`).
 
     Returns:
         pre [..., hc], post [..., hc], comb [..., hc, hc] (rows: input lane i, columns: output lane j).
@@ -25,10 +40,11 @@ def split_sinkhorn(
     m = mixes.float()
     scale = scale.float()
     base = base.float()
-    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    apart = rows_apart if rowwise else _same
+    pre = torch.sigmoid(apart(m[..., :hc] * scale[0] + base[:hc])) + eps
+    post = 2 * torch.sigmoid(apart(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc]))
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = torch.exp(apart(comb - comb.amax(dim=-1, keepdim=True)))
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.invariant import rowwise_linear
 from model.linear import Linear
 
 
@@ -40,9 +41,13 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.zeros(n_experts, dim, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, dim] bf16 -> weights [N, topk] fp32, expert ids [N, topk] int64."""
-        scores = F.linear(x.float(), self.weight.float()) / self.gate_temp  # [N, E]
+    def forward(self, x: torch.Tensor, *, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, dim] bf16 -> weights [N, topk] fp32, expert ids [N, topk] int64.
+
+        rowwise: score each row as a one-row pass would (a batched decode of many sequences).
+        """
+        linear = rowwise_linear if rowwise else F.linear
+        scores = linear(x.float(), self.weight.float()) / self.gate_temp  # [N, E]
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":
@@ -114,11 +119,15 @@ class MoE(nn.Module):
         )
         self.shared_experts = Expert(dim, inter_dim, dense_dtype, swiglu_limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, dim] bf16 -> [B, T, dim] bf16."""
+    def forward(self, x: torch.Tensor, *, rowwise: bool = False) -> torch.Tensor:
+        """x: [B, T, dim] bf16 -> [B, T, dim] bf16.
+
+        rowwise: route each row as a one-row pass would (a batched decode; the experts' products are
+        row-invariant already, tests/model/test_batched.py checks it).
+        """
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices = self.gate(x)
+        weights, indices = self.gate(x, rowwise=rowwise)
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in range(self.n_routed):
             rows, slot = torch.where(indices == e)

@@ -55,7 +55,8 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, *, inverse: 
 
     Args:
         x: [B, T, D] or [B, T, H, D].
-        freqs: [T, rope_dim // 2] complex64, the rows for x's T positions.
+        freqs: [T, rope_dim // 2] complex64, the rows for x's T positions, or [B, T, rope_dim // 2] when
+            each sequence of the batch has its own positions (a batched decode).
         rope_dim: how many trailing channels rotate.
         inverse: rotate by the conjugate (strips a rotation carried by attention values).
 
@@ -66,9 +67,10 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, *, inverse: 
     z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)))  # [..., rope_dim/2]
     if inverse:
         freqs = freqs.conj()
+    lead = freqs.size(0) if freqs.ndim == 3 else 1
     if z.ndim == 3:
-        freqs = freqs.view(1, z.size(1), z.size(-1))
+        freqs = freqs.view(lead, z.size(1), z.size(-1))
     else:
-        freqs = freqs.view(1, z.size(1), 1, z.size(-1))
+        freqs = freqs.view(lead, z.size(1), 1, z.size(-1))
     rotated = torch.view_as_real(z * freqs).flatten(-2).to(x.dtype)
     return torch.cat([head, rotated], dim=-1)

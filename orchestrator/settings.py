@@ -67,7 +67,9 @@ class Settings:
     retention_floor_s: float = 72 * 3600.0
     retention_ceiling_s: float = 30 * 24 * 3600.0
     calibration_file: Path | None = None
-    grpc_workers: int = 8
+    # Threads serving RPCs. A turn's thread only waits on the scheduler between steps, so there must be
+    # about as many as concurrent streams (the scheduler's admission bound below refuses the rest).
+    grpc_workers: int = 128
     # Served models: name -> "checkpoint:<dir>" or "random:<preset | config.json>[@seed]"; empty: the
     # sibling family (shipped checkpoints when present, else labelled random-init stand-ins).
     served_models: Mapping[str, str] = field(default_factory=dict)
@@ -86,6 +88,15 @@ class Settings:
     # Kernels of the served models: "torch" (reference ops) or "triton" (CUDA kernels); the two give
     # caches that are not bit-for-bit interchangeable, so it is part of the numerics fingerprint too.
     model_kernel_backend: str = "torch"
+    # How turns share a served model: "batching" (one scheduler per model runs every session's decode
+    # token in one batch-invariant pass per step, plus prefill chunks under `step_token_budget`) or
+    # "serial" (each forward pass alone, one at a time: the baseline). Both give identical tokens and bytes.
+    scheduler: str = "batching"
+    # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step.
+    max_batch_sequences: int = 64
+    step_token_budget: int = 256
+    # Turns admitted at once per model (running or waiting for a step); past it RESOURCE_EXHAUSTED.
+    max_running_turns: int = 96
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -103,6 +114,9 @@ class Settings:
             "grpc_workers",
             "kv_chunk_tokens",
             "kv_capacity_bytes",
+            "max_batch_sequences",
+            "step_token_budget",
+            "max_running_turns",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
@@ -125,6 +139,8 @@ class Settings:
         # model.numerics.CPU_PATHS, spelled out for the same reason.
         if self.model_numerics not in ("portable", "native"):
             raise ValueError(f"model_numerics={self.model_numerics!r} must be 'portable' or 'native'")
+        if self.scheduler not in ("batching", "serial"):
+            raise ValueError(f"scheduler={self.scheduler!r} must be 'batching' or 'serial'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"
@@ -173,6 +189,9 @@ _INT_FIELDS = {
     "kv_chunk_tokens",
     "kv_capacity_bytes",
     "torch_threads",
+    "max_batch_sequences",
+    "step_token_budget",
+    "max_running_turns",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}

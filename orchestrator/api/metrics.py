@@ -176,6 +176,47 @@ class ServiceMetrics:
             ["model", "source", "fingerprint"],
             registry=r,
         )
+        # the batching scheduler (orchestrator/scheduler): one series per served model
+        self.queue_wait = Histogram(
+            "kvresume_scheduler_queue_wait_seconds",
+            "Seconds a forward-pass request waited for its scheduler step, by model and kind",
+            ["model", "kind"],
+            buckets=_INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_sequences = Histogram(
+            "kvresume_scheduler_batch_sequences",
+            "Sequences decoded together in one scheduler step, by model",
+            ["model"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "kvresume_scheduler_step_tokens",
+            "Tokens (decode rows plus prefill/replay rows) run in one scheduler step, by model",
+            ["model"],
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "kvresume_scheduler_step_seconds",
+            "Wall seconds of one scheduler step, by model",
+            ["model"],
+            buckets=_INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.scheduler_running = Gauge(
+            "kvresume_scheduler_running_turns",
+            "Turns admitted by the model's scheduler (running or waiting for a step)",
+            ["model"],
+            registry=r,
+        )
+        self.scheduler_waiting = Gauge(
+            "kvresume_scheduler_waiting_requests",
+            "Forward-pass requests queued for the model's next step",
+            ["model"],
+            registry=r,
+        )
         self._storage = _StorageCollector()
         r.register(self._storage)
 

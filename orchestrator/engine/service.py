@@ -27,11 +27,12 @@ from orchestrator.db import (
 )
 from orchestrator.db.models import SessionRow, TurnRow, TurnStatus
 from orchestrator.engine.model_catalog import RegistryCatalog
-from orchestrator.engine.model_compute import ModelCompute
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
 from orchestrator.engine.turn_engine import TurnEngine
 from orchestrator.planner import CostTable
+from orchestrator.scheduler import MetricsObserver, build_scheduler
 from orchestrator.settings import Settings
 from storage import GlobalKVStore, PoolConfig, PurgeResult, RetentionPolicy, StoreConfig, WindowPool
 
@@ -156,6 +157,7 @@ class NodeService:
     reconcile: ReconcileReport
 
     def close(self) -> None:
+        self.engine.scheduler.close()
         self.store.stop_maintenance()
         self.store.close()
         self.ctx.close()
@@ -242,6 +244,15 @@ def build_node(
     costs = (
         CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
     )
+    compute = compute if compute is not None else TorchCompute()
+    scheduler = build_scheduler(
+        settings.scheduler,
+        compute,
+        max_batch_sequences=settings.max_batch_sequences,
+        step_token_budget=settings.step_token_budget,
+        max_running_turns=settings.max_running_turns,
+        observer=MetricsObserver(ctx.metrics),
+    )
     engine = TurnEngine(
         ctx=ctx,
         registry=registry,
@@ -252,6 +263,7 @@ def build_node(
         clock=clock,
         compute=compute,
         prefill_chunk_tokens=prefill_chunk_tokens,
+        scheduler=scheduler,
     )
     ctx.turn_handler = engine
     ctx.served_models = registry.names

@@ -55,6 +55,7 @@ from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
+from orchestrator.scheduler import SerialScheduler, TurnScheduler, WorkOwner
 from storage import GlobalKVStore, WindowPool
 
 __all__ = ["TurnEngine", "actual_counts"]
@@ -102,7 +103,10 @@ class TurnEngine:
         costs: the planner's per-token costs.
         mappers: applies mapper artifacts on a model switch (NoMappers: every switch is a cold prefill).
         clock: wall seconds for registry expiry stamps.
-        prefill_chunk_tokens: longest prompt slice run in one forward pass (bounds activation memory).
+        prefill_chunk_tokens: longest prompt slice run in one forward pass (bounds activation memory);
+            the scheduler's step budget bounds it further.
+        scheduler: how this turn's forward passes share the model with other sessions' (default: the
+            serial scheduler over `compute`).
         compute: the model operations (default `TorchCompute`: the real model).
     """
 
@@ -118,6 +122,7 @@ class TurnEngine:
         clock: Callable[[], float] = time.time,
         prefill_chunk_tokens: int = 1024,
         compute: ModelCompute | None = None,
+        scheduler: TurnScheduler | None = None,
     ) -> None:
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
@@ -130,6 +135,9 @@ class TurnEngine:
         self._clock = clock
         self._chunk = prefill_chunk_tokens
         self.compute = compute if compute is not None else TorchCompute()
+        self.scheduler = scheduler if scheduler is not None else SerialScheduler(self.compute)
+        if self.scheduler.chunk_tokens is not None:
+            self._chunk = min(self._chunk, self.scheduler.chunk_tokens)
         self._prep = TurnPreparation(
             ctx=ctx,
             registry=registry,
@@ -258,6 +266,7 @@ class TurnEngine:
         state: Any | None,
         turn: TurnInput,
         handle: TurnHandle,
+        owner: WorkOwner,
     ) -> tuple[torch.Tensor, Any, list[PassStats]]:
         start = state.n_tokens if state is not None else 0
         passes: list[PassStats] = []
@@ -266,7 +275,9 @@ class TurnEngine:
         while pos < len(prompt):
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
-            out = self.compute.prefill(served, prompt[pos:end], state, prompt_end=len(prompt))
+            out = self.scheduler.prefill(
+                served, prompt[pos:end], state, prompt_end=len(prompt), owner=owner
+            )
             state, logits = out.state, out.logits
             passes.append(out.stats)
             pos = end
@@ -277,6 +288,14 @@ class TurnEngine:
         started = time.perf_counter()
         self._check(turn, handle)
         f = self._prep.prepare(turn)
+        owner = WorkOwner(tenant_id=f.tenant_id, session_id=f.session_id)
+        # Admission before the turn row exists: a refused turn leaves nothing behind.
+        with self.scheduler.admit(f.served.name, owner):
+            yield from self._run_admitted(turn, handle, f, owner, started)
+
+    def _run_admitted(
+        self, turn: TurnInput, handle: TurnHandle, f: TurnFacts, owner: WorkOwner, started: float
+    ) -> Iterator[TurnEvent]:
         self._check(turn, handle)
         turn_id, index = self._reserve(f)
         status = TurnStatus.FAILED
@@ -288,7 +307,7 @@ class TurnEngine:
             state = self._start_state(f)
             loaded = state.n_tokens if state is not None else 0
             prompt = f.history + f.new_tokens
-            logits, state, passes = self._prefill(served, prompt, state, turn, handle)
+            logits, state, passes = self._prefill(served, prompt, state, turn, handle, owner)
             counts = actual_counts(
                 plan.path, loaded=loaded, history_len=len(f.history), prompt_len=len(prompt), passes=passes
             )
@@ -312,7 +331,7 @@ class TurnEngine:
                     finish = FinishReason.ABORTED
                     break
                 self._check(turn, handle)
-                out = self.compute.decode(served, token, state)
+                out = self.scheduler.decode(served, token, state, owner=owner)
                 state = out.state
                 token = sampler(out.logits)
             decode_s = time.perf_counter() - decode_started
@@ -324,7 +343,7 @@ class TurnEngine:
             if plan.persist:
                 # The last sampled token has not run through the model yet; run it so the stored
                 # global KV covers the whole history the next turn resumes.
-                state = self.compute.decode(served, output[-1], state).state
+                state = self.scheduler.decode(served, output[-1], state, owner=owner).state
                 self._check(turn, handle, finishing_partial=partial)
                 outcome = persist_chunks(
                     self.store,

@@ -1,0 +1,39 @@
+"""Batch-invariant products: what a batched decode of many sequences uses where torch's own kernel would
+make a row's sums depend on how many rows share the call.
+
+On this project's CPUs (MKL under the pinned profile) an fp32 `F.linear` of M rows reduces differently
+for M = 1 (a matrix-vector kernel) than for M > 1, so a sequence decoded among others would drift from
+the same sequence decoded alone. A batched matmul of M one-row problems runs the one-row kernel per row:
+`rowwise_linear` equals row-by-row `F.linear` bit for bit (tests/model/test_batched.py checks it on
+fresh inputs). The bf16 and block-scaled FP8/FP4 linears are row-invariant as they are (checked there
+too), so only the fp32 products go through here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rowwise_linear", "rows_apart"]
+
+
+def rows_apart(x: torch.Tensor) -> torch.Tensor:
+    """x [..., k] as a view whose rows lie apart in memory, so that an elementwise op computes each row
+    exactly as it would a lone row.
+
+    torch's CPU elementwise loops run full SIMD blocks (2 x 8 floats) vectorized and the remainder of a
+    contiguous run with the scalar function, and the two disagree in the last bit for transcendental ops
+    (sigmoid, exp). A lone row of k = 4 mixes is all remainder; the same row inside a contiguous batch
+    lands in a vectorized block. With the rows apart, the op's contiguous run is one row, as it is alone.
+    """
+    k = x.size(-1)
+    buf = x.new_empty(*x.shape[:-1], k + 1)
+    buf[..., :k] = x
+    return buf[..., :k]
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T with every row computed as a one-row product -> [..., N]."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
+    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
+    return out.view(*lead, weight.size(0))

@@ -1,0 +1,212 @@
+"""The batching scheduler: one step loop per served model that runs the work of many sessions together,
+as continuous-batching engines do (vLLM v1's scheduler beside its model runner, SGLang's).
+
+Each step takes every waiting decode token (up to `max_batch_sequences`, in fair order) into one
+batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
+budget is used (chunked prefill interleaved with decode: a long prompt costs everyone one bounded chunk
+per step, not its whole length). Turns wait in their own threads on a future per pass; the loop thread
+alone runs the model. Cancellation, deadlines and disconnects are checked by the turn between passes, so
+they take effect at the next step, and a step is bounded by the budget.
+
+Exactness: `decode_many` equals each sequence's lone `decode` bit for bit and chunked prefill equals
+one-shot prefill, so what a session gets does not depend on who shares its steps (tests compare a
+session alone and among others).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import structlog
+
+from orchestrator.scheduler.admission import Admission
+from orchestrator.scheduler.fair_order import FairOrder
+from orchestrator.scheduler.work import NullObserver, PassRequest, SchedulerObserver, StepCompute, WorkOwner
+
+__all__ = ["BatchingScheduler"]
+
+log = structlog.get_logger(__name__)
+
+
+class _ModelLoop:
+    """The step loop of one served model: a queue of pass requests and the thread that runs them."""
+
+    def __init__(self, scheduler: BatchingScheduler, model: str) -> None:
+        self._s = scheduler
+        self.model = model
+        self._cond = threading.Condition()
+        self._waiting: list[PassRequest] = []
+        self._order = FairOrder()
+        self._step = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: PassRequest) -> Any:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the scheduler of model {self.model} is closed")
+            self._waiting.append(request)
+            self._cond.notify()
+        return request.future.result()
+
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _take(self) -> tuple[list[PassRequest], list[PassRequest]] | None:
+        """Wait for work; the decodes and prefill chunks of the next step, in fair order."""
+        with self._cond:
+            while not self._waiting and not self._closed:
+                self._cond.wait()
+            if self._closed and not self._waiting:
+                return None
+            ranked = self._order.rank(self._waiting)
+            decodes = [r for r in ranked if r.is_decode][: self._s.max_batch_sequences]
+            budget = self._s.step_token_budget - len(decodes)
+            prefills: list[PassRequest] = []
+            for r in ranked:
+                if r.is_decode:
+                    continue
+                # at least one chunk per step, so a budget smaller than a chunk cannot stall prefills
+                if prefills and r.rows > budget:
+                    break
+                prefills.append(r)
+                budget -= r.rows
+            taken = set(map(id, decodes + prefills))
+            self._waiting = [r for r in self._waiting if id(r) not in taken]
+            self._step += 1
+            self._order.served(decodes + prefills, self._step)
+            return decodes, prefills
+
+    def _run(self) -> None:
+        while True:
+            work = self._take()
+            if work is None:
+                return
+            decodes, prefills = work
+            started = time.perf_counter()
+            obs = self._s.observer
+            for r in decodes + prefills:
+                obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
+            if decodes:
+                self._decode(decodes)
+            for r in prefills:
+                try:
+                    out = self._s.compute.prefill(r.served, r.tokens, r.state, prompt_end=r.prompt_end)
+                except BaseException as exc:  # noqa: BLE001 - the turn that asked gets its own error
+                    r.future.set_exception(exc)
+                else:
+                    r.future.set_result(out)
+            tokens = len(decodes) + sum(r.rows for r in prefills)
+            obs.step(
+                self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started
+            )
+            obs.gauges(self.model, running=self._s.running(self.model), waiting=self.waiting())
+
+    def _decode(self, decodes: list[PassRequest]) -> None:
+        served = decodes[0].served
+        try:
+            outs = self._s.compute.decode_many(served, [r.token for r in decodes], [r.state for r in decodes])
+        except BaseException as exc:  # noqa: BLE001 - isolate the failing sequence, below
+            if len(decodes) == 1:
+                decodes[0].future.set_exception(exc)
+                return
+            # One sequence's failure must not fail the others: run each alone (bit-identical anyway).
+            # decode_many validates before it touches any state, so no state was half-updated.
+            log.warning("batched_decode_failed", model=self.model, sequences=len(decodes), error=str(exc))
+            for r in decodes:
+                try:
+                    r.future.set_result(self._s.compute.decode(r.served, r.token, r.state))
+                except BaseException as one:  # noqa: BLE001 - the turn that asked gets its own error
+                    r.future.set_exception(one)
+            return
+        for r, out in zip(decodes, outs, strict=True):
+            r.future.set_result(out)
+
+
+class BatchingScheduler:
+    """One `_ModelLoop` per served model, started on the model's first pass.
+
+    Args:
+        compute: runs the passes (`decode_many` for the batched step).
+        max_batch_sequences: most sequences decoded in one step.
+        step_token_budget: prompt rows (plus decode rows) per step; also the prefill chunk size the turn
+            engine uses (`chunk_tokens`), so one chunk always fits a step.
+        max_running_turns: admission bound per model.
+        observer: where steps are reported (metrics).
+    """
+
+    name = "batching"
+
+    def __init__(
+        self,
+        compute: StepCompute,
+        *,
+        max_batch_sequences: int = 64,
+        step_token_budget: int = 256,
+        max_running_turns: int = 96,
+        observer: SchedulerObserver | None = None,
+    ) -> None:
+        if max_batch_sequences <= 0 or step_token_budget <= 0:
+            raise ValueError(
+                f"max_batch_sequences={max_batch_sequences} and step_token_budget={step_token_budget} "
+                "must be positive"
+            )
+        self.compute = compute
+        self.max_batch_sequences = max_batch_sequences
+        self.step_token_budget = step_token_budget
+        self.chunk_tokens: int | None = step_token_budget
+        self.observer = observer if observer is not None else NullObserver()
+        self._admission = Admission(max_running_turns)
+        self._loops: dict[str, _ModelLoop] = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    def admit(self, model: str, owner: WorkOwner) -> AbstractContextManager[None]:
+        return self._admission.admit(model)
+
+    def running(self, model: str) -> int:
+        return self._admission.running(model)
+
+    def _loop(self, model: str) -> _ModelLoop:
+        with self._lock:
+            loop = self._loops.get(model)
+            if loop is None:
+                loop = self._loops[model] = _ModelLoop(self, model)
+            return loop
+
+    def _request(self, owner: WorkOwner, served: Any, state: Any, **work: Any) -> PassRequest:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        return PassRequest(
+            owner=owner, served=served, state=state, seq=seq, enqueued_at=time.perf_counter(), **work
+        )
+
+    def prefill(
+        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
+    ) -> Any:
+        request = self._request(owner, served, state, tokens=list(tokens), prompt_end=prompt_end)
+        return self._loop(served.name).submit(request)
+
+    def decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Any:
+        if state is None:
+            raise ValueError("decode needs the state of the prompt it continues")
+        return self._loop(served.name).submit(self._request(owner, served, state, token=int(token)))
+
+    def close(self) -> None:
+        with self._lock:
+            loops, self._loops = list(self._loops.values()), {}
+        for loop in loops:
+            loop.close()

@@ -1,0 +1,46 @@
+"""The serial scheduler: every forward pass runs alone, in the turn's own thread, one at a time per model
+(the compute holds the model's lock). The baseline the batching scheduler is measured against
+(`scheduler = "serial"`), and the simplest correct one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from orchestrator.scheduler.admission import Admission
+from orchestrator.scheduler.work import NullObserver, SchedulerObserver, StepCompute, WorkOwner
+
+__all__ = ["SerialScheduler"]
+
+
+class SerialScheduler:
+    """Runs each pass as it is asked for. `chunk_tokens` None: the engine's own prefill chunk applies."""
+
+    name = "serial"
+    chunk_tokens: int | None = None
+
+    def __init__(
+        self, compute: StepCompute, *, max_running_turns: int = 96, observer: SchedulerObserver | None = None
+    ) -> None:
+        self.compute = compute
+        self._admission = Admission(max_running_turns)
+        self._observer = observer if observer is not None else NullObserver()
+
+    def admit(self, model: str, owner: WorkOwner) -> AbstractContextManager[None]:
+        return self._admission.admit(model)
+
+    def prefill(
+        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
+    ) -> Any:
+        return self.compute.prefill(served, tokens, state, prompt_end=prompt_end)
+
+    def decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Any:
+        return self.compute.decode(served, token, state)
+
+    def running(self, model: str) -> int:
+        return self._admission.running(model)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,79 @@
+"""What the schedulers schedule: forward-pass requests of turns, who owns them, and the compute they run.
+
+Knows nothing of gRPC, SQL or how a turn is planned; the turn engine hands its passes in and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["WorkOwner", "StepCompute", "PassRequest", "SchedulerObserver", "NullObserver"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkOwner:
+    """The turn a request belongs to: fairness is round-robin over tenants, then over their sessions."""
+
+    tenant_id: str
+    session_id: str
+
+
+class StepCompute(Protocol):
+    """The model operations a scheduler runs (the engine's ModelCompute, plus a batched decode)."""
+
+    def prefill(self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int) -> Any: ...
+
+    def decode(self, served: Any, token: int, state: Any) -> Any: ...
+
+    def decode_many(self, served: Any, tokens: Sequence[int], states: Sequence[Any]) -> list[Any]:
+        """One step for many sequences; each output equals that sequence's `decode` bit for bit."""
+        ...
+
+
+@dataclass(kw_only=True, eq=False)
+class PassRequest:
+    """One forward pass a turn waits for: a prefill chunk (`tokens`) or a decode step (`token`)."""
+
+    owner: WorkOwner
+    served: Any
+    state: Any
+    seq: int
+    enqueued_at: float
+    tokens: Sequence[int] | None = None
+    prompt_end: int = 0
+    token: int | None = None
+    future: Future = field(default_factory=Future)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.token is not None
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.token is not None else len(self.tokens or ())
+
+
+class SchedulerObserver(Protocol):
+    """Where a scheduler reports its steps (the service metrics)."""
+
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None: ...
+
+    def waited(self, model: str, kind: str, seconds: float) -> None: ...
+
+    def gauges(self, model: str, *, running: int, waiting: int) -> None: ...
+
+
+class NullObserver:
+    """Reports nowhere (tests, benchmarks without metrics)."""
+
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def waited(self, model: str, kind: str, seconds: float) -> None:
+        pass
+
+    def gauges(self, model: str, *, running: int, waiting: int) -> None:
+        pass

@@ -1,0 +1,170 @@
+"""The batching scheduler over a recording stand-in compute: what each step takes (every waiting decode
+in one batch, prefill chunks under the token budget), fair order across tenants, failure isolation,
+admission control. Exactness over the real model is in tests/orchestrator/test_e2e_batching.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from orchestrator.api import ResourceExhaustedError
+from orchestrator.scheduler import BatchingScheduler, FairOrder, PassRequest, SerialScheduler, WorkOwner
+
+
+@dataclass(frozen=True)
+class Served:
+    name: str = "m"
+
+
+@dataclass
+class Recorder:
+    """Runs nothing: records each call, and can block the loop until released."""
+
+    steps: list[tuple[str, list]] = field(default_factory=list)
+    gate: threading.Event = field(default_factory=threading.Event)
+    fail_token: int | None = None
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def prefill(self, served, tokens: Sequence[int], state, *, prompt_end: int):
+        self.gate.wait()
+        self.steps.append(("prefill", list(tokens)))
+        return ("prefilled", list(tokens))
+
+    def decode(self, served, token: int, state):
+        if token == self.fail_token:
+            raise ValueError(f"bad token {token}")
+        self.steps.append(("decode", [token]))
+        return ("decoded", token)
+
+    def decode_many(self, served, tokens: Sequence[int], states):
+        self.gate.wait()
+        if self.fail_token in tokens:
+            raise ValueError(f"bad token {self.fail_token}")
+        self.steps.append(("decode_many", list(tokens)))
+        return [("decoded", t) for t in tokens]
+
+
+def _owner(t: str, s: str) -> WorkOwner:
+    return WorkOwner(tenant_id=t, session_id=s)
+
+
+def _blocker(sched):
+    # the first request: it holds the loop inside its pass until the recorder's gate opens
+    return sched.prefill(Served(), [0], None, prompt_end=1, owner=_owner("a", "0"))
+
+
+def _in_threads(calls) -> tuple[list[threading.Thread], list]:
+    results: list = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for th in threads:
+        th.start()
+    return threads, results
+
+
+def test_waiting_decodes_share_one_step_and_prefill_respects_the_budget() -> None:
+    rec = Recorder()
+    sched = BatchingScheduler(rec, max_batch_sequences=3, step_token_budget=10)
+    try:
+        rec.gate.clear()
+        # the first request occupies the loop (blocked in its pass) while the others queue up
+        first, _ = _in_threads([lambda: _blocker(sched)])
+        time.sleep(0.2)
+        calls = [
+            (lambda i=i: sched.decode(Served(), 100 + i, object(), owner=_owner("a", f"d{i}")))
+            for i in range(5)
+        ]
+        calls += [
+            lambda: sched.prefill(Served(), [1] * 4, None, prompt_end=4, owner=_owner("b", "p1")),
+            lambda: sched.prefill(Served(), [2] * 4, None, prompt_end=4, owner=_owner("c", "p2")),
+        ]
+        threads, results = _in_threads(calls)
+        time.sleep(0.3)
+        rec.gate.set()
+        for th in first + threads:
+            th.join(timeout=10)
+        assert results[:5] == [("decoded", 100 + i) for i in range(5)]
+        steps = rec.steps[1:]
+        # step 2: three decodes (the cap), then prefill chunks while budget 10 - 3 lasts (one of 4 rows)
+        assert steps[0][0] == "decode_many" and len(steps[0][1]) == 3
+        assert [k for k, _ in steps[1:]].count("prefill") == 2
+        assert sorted(t for k, ts in rec.steps if k == "decode_many" for t in ts) == [100, 101, 102, 103, 104]
+    finally:
+        sched.close()
+
+
+def test_fair_order_is_round_robin_over_tenants_then_sessions() -> None:
+    order = FairOrder()
+
+    def req(t, s, seq):
+        return PassRequest(owner=_owner(t, s), served=Served(), state=None, seq=seq, enqueued_at=0, token=1)
+
+    big = [req("big", f"s{i}", i) for i in range(4)]
+    small = req("small", "x", 10)
+    ranked = order.rank([*big, small])
+    # a tenant never served comes before anyone else's second request; arrival breaks ties
+    order.served(ranked[:1], step=1)
+    ranked = order.rank([*big[1:], small])
+    assert ranked[0] is small
+    order.served([small], step=2)
+    order.served(big[1:2], step=3)
+    assert order.rank([big[1], big[2]])[0] is big[2]
+
+
+def test_a_failing_sequence_does_not_fail_its_batch() -> None:
+    rec = Recorder(fail_token=13)
+    sched = BatchingScheduler(rec, max_batch_sequences=8)
+    try:
+        rec.gate.clear()
+        first, _ = _in_threads([lambda: _blocker(sched)])
+        time.sleep(0.2)
+        calls = [
+            (lambda t=t: sched.decode(Served(), t, object(), owner=_owner("a", str(t)))) for t in (12, 13, 14)
+        ]
+        threads, results = _in_threads(calls)
+        time.sleep(0.3)
+        rec.gate.set()
+        for th in first + threads:
+            th.join(timeout=10)
+        assert results[0] == ("decoded", 12) and results[2] == ("decoded", 14)
+        assert isinstance(results[1], ValueError) and "13" in str(results[1])
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("kind", [BatchingScheduler, SerialScheduler])
+def test_admission_refuses_past_the_limit_with_a_retry_hint(kind) -> None:
+    sched = kind(Recorder(), max_running_turns=2)
+    try:
+        with sched.admit("m", _owner("a", "1")), sched.admit("m", _owner("a", "2")):
+            with pytest.raises(ResourceExhaustedError) as info, sched.admit("m", _owner("a", "3")):
+                pass
+            assert info.value.reason == "CAPACITY" and info.value.retry_after_s > 0
+            # another model has its own bound
+            with sched.admit("other", _owner("a", "4")):
+                pass
+        with sched.admit("m", _owner("a", "5")):
+            assert sched.running("m") == 1
+    finally:
+        sched.close()
+
+
+def test_decode_without_a_state_is_refused() -> None:
+    sched = BatchingScheduler(Recorder())
+    try:
+        with pytest.raises(ValueError, match="state"):
+            sched.decode(Served(), 1, None, owner=_owner("a", "1"))
+    finally:
+        sched.close()
