@@ -3,7 +3,7 @@ every resume path (cold, full hit, global-only + replay, FP4 vs unquantized glob
 `reference`), with mean next-token KL against cold prefill.
 
 Run: `python -m benchmarks.bench_quality [--models v41-sib-s v41-sib-l | DIR ...] [--episodes 32]
-[--json OUT.json] [--png OUT.png] [--write-eval] [--threads N]` (the same run as `kvresume eval`).
+[--json PATH|-] [--png OUT.png] [--write-eval] [--threads N]` (the same run as `kvresume eval`).
 Checkpoints load through `model.load_model`; episodes and the held-out loss come from the test split of
 the corpus recorded beside the shipped tokenizer (`model.train.quality` says how each path is built and
 `model.train.quality_report` what the JSON holds). Exit code 1 when the full-hit path is not

@@ -2,7 +2,14 @@
 and 64 concurrent sessions, with the model replaced by a NO-OP STAND-IN; (2) an agent-session replay
 comparing, turn by turn, kvresume's time to first token against re-prefilling the whole history.
 
-Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhead-turns 4]`.
+Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhead-turns 4]
+[--model-load [--model-sessions 64] [--model-turns 20]]`.
+
+(0) The anchors (`benchmarks/service_anchors.py`): a bare grpcio streaming no-op at 1 and 64 clients,
+one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the same run.
+(3) With `--model-load` (minutes; not part of any test suite): the real v41-sib-s checkpoint, many
+sessions at once (`benchmarks/service_model_load.py`), under the batching scheduler and under the
+serial baseline, side by side; and one session alone under the batching scheduler.
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
@@ -41,7 +48,9 @@ import torch
 
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
-from model import CacheFormatError, PassOutput, PassStats, greedy, prefill
+from benchmarks.service_anchors import measure_anchors
+from benchmarks.service_model_load import model_load
+from model import CacheFormatError, NumericsProfile, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
 from orchestrator.settings import Settings
@@ -357,12 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     add_json_flag(parser)
     parser.add_argument("--turns", type=int, default=12, help="turns of the agent-session replay")
     parser.add_argument("--overhead-turns", type=int, default=4, help="measured turns per session")
+    parser.add_argument("--model-load", action="store_true", help="also the real-model load run (minutes)")
+    parser.add_argument("--model-sessions", type=int, default=64, help="sessions of the load run")
+    parser.add_argument("--model-turns", type=int, default=20, help="turns per session of the load run")
+    parser.add_argument(
+        "--checkpoint", type=Path, default=Path("checkpoints/v41-sib-s"), help="model of the load run"
+    )
     args = parser.parse_args(argv)
     # the replay checks turn 1 as a full hit and puts the idle gap at turn n // 2; p99 needs two samples
     if args.turns < 4:
         parser.error(f"--turns={args.turns} must be >= 4 (turn 1 is checked as a full hit, before the idle)")
     if args.overhead_turns < 2:
         parser.error(f"--overhead-turns={args.overhead_turns} must be >= 2 (quantiles need two turns)")
+    if args.model_load and (args.model_sessions < 1 or args.model_turns < 2):
+        parser.error(
+            f"--model-sessions={args.model_sessions} must be >= 1 and --model-turns={args.model_turns} >= 2"
+        )
+    if args.model_load and not (args.checkpoint / "model.safetensors").is_file():
+        parser.error(f"--checkpoint {args.checkpoint} has no model.safetensors")
     logs_to_stderr()
     # the served default; the replay's real model refuses a profile that is not in force
     enter_numerics("portable", "benchmarks.bench_service", argv)
@@ -371,8 +392,44 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         session_replay = replay(root / "replay", args.turns)
         sweeps = [overhead(root / f"overhead-{c}", c, args.overhead_turns) for c in CONCURRENCY]
+        anchors = measure_anchors(int(sweeps[0]["chunk_bytes_per_token"] * 256))
+        load: dict[str, Any] = {}
+        if args.model_load:
+            for name, scheduler, n in (
+                ("c64_batching", "batching", args.model_sessions),
+                ("c64_serial", "serial", args.model_sessions),
+                ("c1_batching", "batching", 1),
+            ):
+                load[name] = model_load(
+                    root / f"load-{name}",
+                    args.checkpoint,
+                    scheduler=scheduler,
+                    sessions=n,
+                    turns=args.model_turns,
+                )
+    by_c = {s["concurrency"]: s for s in sweeps}
+    headline: dict[str, Any] = {
+        "turns_per_s_c64_noop": by_c[64]["turns_per_s"],
+        "p99_ms_c64_noop": by_c[64]["p99_ms"],
+        "p50_ms_c1_noop": by_c[1]["p50_ms"],
+        "anchor_calls_per_s_c64": anchors["grpc_stream_c64"]["calls_per_s"],
+        "anchor_turn_floor_ms_c1": anchors["turn_floor_ms_c1"],
+        "turns_per_s_c64_model": load["c64_batching"]["turns_per_s"] if load else None,
+        "baseline_turns_per_s_c64_model": load["c64_serial"]["turns_per_s"] if load else None,
+        "p99_ms_c64_model": load["c64_batching"]["p99_ms"] if load else None,
+        "engine_ttft_p99_ms_c64_model": load["c64_batching"]["engine_ttft_p99_ms"] if load else None,
+        "decode_tokens_per_s_c1_model": load["c1_batching"]["decode_tokens_per_s"] if load else None,
+        "decode_tokens_per_s_c64_model": load["c64_batching"]["decode_tokens_per_s"] if load else None,
+        # the label of the served models' profile (what their caches' fingerprints name)
+        "numerics_profile": NumericsProfile.for_device(
+            "cpu", kernel_backend="torch", cpu_path="portable"
+        ).label,
+    }
     result = {
+        **headline,
         "benchmark": "bench_service",
+        "anchors": anchors,
+        "model_load": load,
         "model_for_overhead": "NO-OP STAND-IN (NoOpCompute: no model arithmetic, real byte sizes)",
         "model_for_replay": "v41-tiny random-init (seed 1), torch CPU, 1 thread, ced mode",
         "overhead": sweeps,
@@ -433,6 +490,38 @@ def main(argv: list[str] | None = None) -> int:
             file=out,
         )
     print(f"median ratio over turns after the first: {result['ttft_ratio_vs_reprefill']:.3f}", file=out)
+    print(
+        f"\nanchors: bare gRPC stream {anchors['grpc_stream_c1']['calls_per_s']:.0f} calls/s at 1 client "
+        f"(p50 {anchors['grpc_stream_c1']['p50_ms']:.2f} ms), "
+        f"{anchors['grpc_stream_c64']['calls_per_s']:.0f} calls/s at 64; "
+        f"synced SQLite commit {anchors['sqlite_synced_commit_ms']:.2f} ms; synced RocksDB "
+        f"batch of one chunk {anchors['rocksdb_synced_batch_ms']:.2f} ms; turn floor "
+        f"{anchors['turn_floor_ms_c1']:.2f} ms",
+        file=out,
+    )
+    noop_ratio = by_c[64]["turns_per_s"] / anchors["grpc_stream_c64"]["calls_per_s"]
+    print(
+        f"no-op 64 sessions: {by_c[64]['turns_per_s']:.1f} turns/s = {noop_ratio:.2f}x the bare-gRPC "
+        "anchor "
+        f"(target >= 0.25), p99 {by_c[64]['p99_ms']:.0f} ms (target <= 2000); 1 session p50 "
+        f"{by_c[1]['p50_ms']:.1f} ms = {by_c[1]['p50_ms'] / anchors['turn_floor_ms_c1']:.1f}x the floor "
+        "(target <= 2)",
+        file=out,
+    )
+    if load:
+        print(f"\nreal-model load ({args.checkpoint.name}, 4 generated tokens per turn)", file=out)
+        print(
+            f"{'run':<14s} {'turns':>6s} {'turns/s':>8s} {'p50 ms':>9s} {'p99 ms':>9s} {'ttft p99':>9s} "
+            f"{'qwait ms':>9s} {'dec tok/s':>10s}",
+            file=out,
+        )
+        for name, r in load.items():
+            print(
+                f"{name:<14s} {r['turns']:>6d} {r['turns_per_s']:>8.2f} {r['p50_ms']:>9.0f} "
+                f"{r['p99_ms']:>9.0f} {r['engine_ttft_p99_ms']:>9.0f} {r['queue_wait_mean_ms']:>9.1f} "
+                f"{r['decode_tokens_per_s']:>10.1f}",
+                file=out,
+            )
     print(f"hardware: {result['hardware']}", file=out)
     write_json(result, args.json)
     return 0

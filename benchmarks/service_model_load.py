@@ -1,0 +1,137 @@
+"""A real-model load run of the service: many concurrent agent sessions on one served model over loopback
+gRPC, with the batching scheduler or the serial baseline.
+
+Each session: a first turn of `first_tokens` new tokens, then turns of 16-32 new tokens, 4 generated
+tokens per turn. Reported: client-side turn latency p50/p99 (request to the stats event), turns/s over
+the run's wall time, the engine's TTFT p99 (stats.ttft_s), the mean scheduler queue wait per forward
+pass, and aggregate decode tokens/s (generated tokens over wall time).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from orchestrator.api import build_server
+from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
+from orchestrator.settings import Settings
+
+__all__ = ["model_load"]
+
+_TENANTS = ("bench-a", "bench-b", "bench-c", "bench-d")
+
+
+def _registry(checkpoint: Path) -> ModelRegistry:
+    return ModelRegistry({"m": ServedModelSpec(name="m", checkpoint=checkpoint)})
+
+
+def _queue_wait(metrics: Any) -> tuple[float, int]:
+    total = count = 0.0
+    for family in metrics.queue_wait.collect():
+        for s in family.samples:
+            if s.name.endswith("_sum"):
+                total += s.value
+            elif s.name.endswith("_count"):
+                count += s.value
+    return total, int(count)
+
+
+def model_load(
+    root: Path,
+    checkpoint: Path,
+    *,
+    scheduler: str,
+    sessions: int,
+    turns: int,
+    first_tokens: int = 64,
+    generated: int = 4,
+) -> dict[str, Any]:
+    """One load run; raises RuntimeError when any turn fails."""
+    settings = Settings(
+        data_dir=root,
+        tenant_tokens={t: f"tok-{t}" for t in _TENANTS},
+        admin_token="bench-admin",
+        grpc_port=0,
+        metrics_enabled=False,
+        kv_chunk_tokens=256,
+        pool_budget_bytes=2 << 30,
+        grpc_workers=max(16, 2 * sessions),
+        max_sessions_per_tenant=100000,
+        max_running_turns=max(96, sessions),
+        scheduler=scheduler,
+    )
+    registry = _registry(checkpoint)
+    node = build_node(settings, registry=registry, preload=True)
+    server = build_server(node.ctx, host="127.0.0.1", port=0)
+    pb = node.ctx.stubs
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb.sessions_grpc.SessionsStub(channel)
+    vocab = registry.get("m").vocab_size  # type: ignore[union-attr]
+    latencies: list[float] = []
+    ttfts: list[float] = []
+    generated_total = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def session(i: int) -> None:
+        rng = random.Random(i)
+        tenant = _TENANTS[i % len(_TENANTS)]
+        md = (("authorization", f"Bearer tok-{tenant}"),)
+        try:
+            created = stub.CreateSession(pb.sessions.CreateSessionRequest(model="m"), metadata=md)
+            sid = created.session.session_id
+            for t in range(turns):
+                n = first_tokens if t == 0 else rng.randrange(16, 33)
+                req = pb.sessions.TurnRequest(
+                    session_id=sid,
+                    tokens=pb.sessions.TokenIds(ids=[rng.randrange(16, vocab) for _ in range(n)]),
+                    generation=pb.sessions.GenerationParams(max_new_tokens=generated),
+                )
+                t0 = time.perf_counter()
+                stats = None
+                for ev in stub.Turn(req, metadata=md):
+                    if ev.WhichOneof("event") == "stats":
+                        stats = ev.stats
+                elapsed = time.perf_counter() - t0
+                assert stats is not None
+                with lock:
+                    latencies.append(elapsed)
+                    ttfts.append(stats.ttft_s)
+                    generated_total[0] += stats.generated_tokens
+        except grpc.RpcError as exc:
+            with lock:
+                errors.append(f"{exc.code().name}: {exc.details()}")
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    wait_sum, wait_count = _queue_wait(node.ctx.metrics)
+    channel.close()
+    server.stop(grace_s=None)
+    node.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} sessions failed ({scheduler}, {sessions}): {errors[:3]}")
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
+    tq = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else ttfts * 99
+    return {
+        "scheduler": scheduler,
+        "sessions": sessions,
+        "turns": len(latencies),
+        "wall_s": wall,
+        "turns_per_s": len(latencies) / wall,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "engine_ttft_p99_ms": tq[98] * 1e3,
+        "queue_wait_mean_ms": (wait_sum / wait_count * 1e3) if wait_count else 0.0,
+        "decode_tokens_per_s": generated_total[0] / wall,
+    }
