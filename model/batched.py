@@ -68,14 +68,7 @@ def _attend_layer(
             backend=model.kernel_backend,
         )
         outs.append(attn.attend(x[i : i + 1], _row(rows, i), io, table))
-        state.windows[layer] = io.new_window
-        state.window_codes[layer] = io.new_window_codes
-        state.window_scales[layer] = io.new_window_scales
-        state.window_from[layer] = io.new_window_from
-        if layer in cfg.kv_source_layers:
-            state.sources[layer] = io.source
-        if io.published:
-            state.extra["index_k_slot"] = layer
+        model.keep_layer_io(layer, io, state)
     return attn.project_out(torch.cat(outs, dim=0), freqs)
 
 

@@ -205,15 +205,20 @@ class Transformer(nn.Module):
             stale_slot=stale,
         )
         h, pre = self.layers[i](h, pre, io, self.rope_for(i, end, h.device))
+        self.keep_layer_io(i, io, state)
+        return h, pre
+
+    def keep_layer_io(self, i: int, io: AttnIO, state: ModelState) -> None:
+        """Store what layer i's attention wrote in a pass (its ring, its global KV, a published index-key
+        slot) into `state` (also used per sequence by the batched decode, model/batched.py)."""
         state.windows[i] = io.new_window
         state.window_codes[i] = io.new_window_codes
         state.window_scales[i] = io.new_window_scales
         state.window_from[i] = io.new_window_from
-        if i in cfg.kv_source_layers:
+        if i in self.cfg.kv_source_layers:
             state.sources[i] = io.source
         if io.published:
             state.extra["index_k_slot"] = i
-        return h, pre
 
     def _compress_only(self, i: int, x: torch.Tensor, start: int, state: ModelState) -> None:
         """Write layer i's global KV for rows [start, start + T) without running the rest of the layer."""

@@ -11,7 +11,22 @@ from model import kv_bytes
 from orchestrator.api import ModelDescription, NotFoundError
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 
-__all__ = ["RegistryCatalog"]
+__all__ = ["RegistryCatalog", "served_or_not_found"]
+
+
+def served_or_not_found(registry: ModelRegistry, name: str) -> ServedModel:
+    """The loaded model `name`.
+
+    Raises:
+        NotFoundError: reason MODEL_NOT_SERVED, naming the models this node serves.
+    """
+    served = registry.get(name)
+    if served is None:
+        raise NotFoundError(
+            f"model {name!r} is not served here (served: {', '.join(registry.names)})",
+            reason="MODEL_NOT_SERVED",
+        )
+    return served
 
 
 class RegistryCatalog:
@@ -25,13 +40,7 @@ class RegistryCatalog:
         return self._registry.names
 
     def _served(self, name: str) -> ServedModel:
-        served = self._registry.get(name)
-        if served is None:
-            raise NotFoundError(
-                f"model {name!r} is not served here (served: {', '.join(self.names)})",
-                reason="MODEL_NOT_SERVED",
-            )
-        return served
+        return served_or_not_found(self._registry, name)
 
     def describe(self, name: str) -> ModelDescription | None:
         if name not in self._registry.names:

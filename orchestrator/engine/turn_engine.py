@@ -84,6 +84,23 @@ def actual_counts(
     )
 
 
+def _turn_row(f: TurnFacts) -> dict[str, Any]:
+    """The columns of a turn row that its plan decides (the same for a reservation and a finished row)."""
+    plan, c = f.plan, f.plan.counts
+    return dict(
+        session_id=f.session_id,
+        model=plan.model,
+        input_tokens=tokens_to_blob(f.new_tokens),
+        path=ResumePathName(str(plan.path)),
+        reason=plan.reason,
+        cached=c.cached,
+        replayed_encoder=c.replayed_encoder,
+        replayed_decoder=c.replayed_decoder,
+        prefilled=c.prefilled,
+        mapped=c.mapped,
+    )
+
+
 def _stored_tokens(outcome: Any, stored_before: int) -> int:
     """Tokens of the history covered by stored chunks after the turn (what was there before when the
     turn stored nothing)."""
@@ -169,7 +186,6 @@ class TurnEngine:
         if self._ctx.engine.dialect.name == "sqlite":
             return None, f.turn_count
         sessions, turns = SessionRow.__table__, TurnRow.__table__
-        plan, c = f.plan, f.plan.counts
 
         def work(s):
             row = s.execute(
@@ -201,20 +217,7 @@ class TurnEngine:
             try:
                 turn_id = s.scalar(
                     insert(turns)
-                    .values(
-                        session_id=f.session_id,
-                        index=row.turn_count,
-                        model=plan.model,
-                        status=TurnStatus.RUNNING,
-                        input_tokens=tokens_to_blob(f.new_tokens),
-                        path=ResumePathName(str(plan.path)),
-                        reason=plan.reason,
-                        cached=c.cached,
-                        replayed_encoder=c.replayed_encoder,
-                        replayed_decoder=c.replayed_decoder,
-                        prefilled=c.prefilled,
-                        mapped=c.mapped,
-                    )
+                    .values(index=row.turn_count, status=TurnStatus.RUNNING, **_turn_row(f))
                     .returning(turns.c.id)
                 )
             except IntegrityError as exc:
@@ -427,7 +430,7 @@ class TurnEngine:
             PreconditionError: the session was deleted, closed or advanced during the turn.
         """
         sessions, turns = SessionRow.__table__, TurnRow.__table__
-        plan, c = f.plan, f.plan.counts
+        plan = f.plan
         claimed = list(outcome.audit) if outcome is not None else []
         values = dict(
             status=TurnStatus.DONE,
@@ -453,22 +456,7 @@ class TurnEngine:
                     raise PreconditionError(
                         f"session {f.session_id} advanced to turn {row.turn_count} meanwhile"
                     )
-                s.execute(
-                    insert(turns).values(
-                        session_id=f.session_id,
-                        index=f.turn_count,
-                        model=plan.model,
-                        input_tokens=tokens_to_blob(f.new_tokens),
-                        path=ResumePathName(str(plan.path)),
-                        reason=plan.reason,
-                        cached=c.cached,
-                        replayed_encoder=c.replayed_encoder,
-                        replayed_decoder=c.replayed_decoder,
-                        prefilled=c.prefilled,
-                        mapped=c.mapped,
-                        **values,
-                    )
-                )
+                s.execute(insert(turns).values(index=f.turn_count, **_turn_row(f), **values))
             else:
                 done = s.execute(
                     update(turns)

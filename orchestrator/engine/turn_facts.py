@@ -28,6 +28,7 @@ from orchestrator.db import (
 )
 from orchestrator.db.models import SessionStatus
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
+from orchestrator.engine.model_catalog import served_or_not_found
 from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.pool_entry import unpack_pool_entry
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
@@ -90,13 +91,7 @@ class TurnPreparation:
         self.compute = compute
 
     def _served(self, name: str) -> ServedModel:
-        served = self.registry.get(name)
-        if served is None:
-            raise NotFoundError(
-                f"model {name!r} is not served here (served: {', '.join(self.registry.names)})",
-                reason="MODEL_NOT_SERVED",
-            )
-        return served
+        return served_or_not_found(self.registry, name)
 
     def _new_tokens(self, turn: TurnInput, served: ServedModel) -> list[int]:
         if turn.tokens is not None:
