@@ -70,8 +70,9 @@ def read_prefix(
 
     Args:
         registry: makes a read session of the registry (for the segment rows that name the chunks); it is
-            opened only after the store calls return, because the store's audit mirror writes SQL under
-            the store lock (an SQL transaction held across a store call could deadlock with it).
+            opened only after the store calls return: a store call may deliver audit records to the SQL
+            sink (outside the store lock, after its sync), so an SQL transaction held across it could
+            wait on itself.
         compute: the model operations (default: the real model).
     """
     compute = compute if compute is not None else TorchCompute()

@@ -222,8 +222,8 @@ class TurnPreparation:
                 turn_count=row.turn_count,
                 retention_s=min(row.retention_s, policy.ceiling_s),
             )
-        # Store reads happen outside any SQL transaction: the store mirrors its audit records into SQL
-        # under its own lock, so holding a SQLite write lock across a store call could deadlock.
+        # Store reads happen outside any SQL transaction: a store call may deliver audit records to the
+        # SQL sink, so holding a SQLite write lock across it could wait on itself.
         prefix = read_prefix(
             self.store,
             ctx.sessions,
