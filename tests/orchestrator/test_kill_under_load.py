@@ -1,0 +1,200 @@
+"""kill -9 of a real `kvresume serve` (batching scheduler) while many sessions run turns at once, then a
+restart on the same data directory: nothing is lost and nothing is wrong.
+
+Oracle: a turn whose final stats event reached its client was committed; at most the one turn in flight
+per session may have committed unseen. After the restart every session's registry history is the
+tokens of its committed turns, its next turn resumes from the stored global KV of that whole history
+(GLOBAL_REPLAY: the pool died with the process) and its tokens equal the uninterrupted greedy
+computation of a model built offline from the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from sqlalchemy.orm import Session
+
+from kvresume import Client
+from kvresume.v1 import common_pb2, sessions_pb2
+from model import Transformer, greedy, init_random, load_preset
+from orchestrator.db import SessionRepository, make_engine
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENS = {"acme": "tok-acme", "globex": "tok-globex"}
+
+
+def _start(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    ready = data_dir / f"ready-{time.monotonic_ns()}.json"
+    env = {
+        **os.environ,
+        "KVRESUME_TENANT_TOKENS": ",".join(f"{t}={k}" for t, k in TOKENS.items()),
+        "KVRESUME_ADMIN_TOKEN": "tok-admin",
+        "KVRESUME_SERVED_MODELS": "a=random:v41-tiny@1",
+        "KVRESUME_KV_CHUNK_TOKENS": "32",
+        "KVRESUME_MAX_SESSIONS_PER_TENANT": "1000",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
+         "--metrics-port", "0", "--json", str(ready)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(data_dir / "serve.log", "ab"),  # noqa: SIM115 - the child owns it
+    )
+    deadline = time.monotonic() + 120
+    while not ready.is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"serve did not start: {(data_dir / 'serve.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())["grpc"]
+
+
+def _turn(client: Client, sid: str, ids: list[int], max_new: int = 3):
+    request = sessions_pb2.TurnRequest(
+        session_id=sid,
+        tokens=sessions_pb2.TokenIds(ids=ids),
+        generation=sessions_pb2.GenerationParams(max_new_tokens=max_new),
+    )
+    plan = stats = None
+    out: list[int] = []
+    for event in client.call("sessions", "Turn", request):
+        kind = event.WhichOneof("event")
+        if kind == "plan":
+            plan = event.plan
+        elif kind == "tokens":
+            out += list(event.tokens.ids)
+        else:
+            stats = event.stats
+    return plan, stats, out
+
+
+def _history(db: Path, sid: str) -> list[int]:
+    """The session's token history as the registry holds it (read while the server runs: SQLite WAL)."""
+    engine = make_engine(f"sqlite:///{db}")
+    try:
+        with Session(engine) as s:
+            return SessionRepository(s).history(sid)
+    finally:
+        engine.dispose()
+
+
+def _cycle(data_dir: Path, sessions: dict[str, str], seen: dict[str, int], rng: random.Random, load_s: float):
+    """Start, load the sessions concurrently, kill -9 mid-load; returns nothing (state in `seen`)."""
+    proc, target = _start(data_dir)
+    stop = threading.Event()
+    failures: list[str] = []
+    killed = threading.Event()
+
+    def agent(sid: str, tenant: str) -> None:
+        client = Client(target, token=TOKENS[tenant], timeout_s=120)
+        local = random.Random(hash(sid) & 0xFFFF)
+        try:
+            while not stop.is_set():
+                ids = [local.randrange(16, 512) for _ in range(local.randrange(8, 40))]
+                _, stats, _ = _turn(client, sid, ids)
+                if stats is not None:
+                    seen[sid] += 1
+        except grpc.RpcError as exc:
+            if not killed.is_set():
+                failures.append(f"{exc.code().name}: {exc.details()}")  # not the kill: a real failure
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=agent, args=(sid, t)) for sid, t in sessions.items()]
+    for th in threads:
+        th.start()
+    time.sleep(load_s * (0.5 + rng.random()))
+    killed.set()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    stop.set()
+    for th in threads:
+        th.join(timeout=60)
+    assert not failures, failures[:3]
+
+
+def _run(tmp_path: Path, *, n_sessions: int, kills: int, load_s: float) -> dict[str, int]:
+    torch.set_num_threads(1)
+    rng = random.Random(5)
+    data_dir = tmp_path / "node"
+    data_dir.mkdir()
+    proc, target = _start(data_dir)
+    sessions: dict[str, str] = {}
+    try:
+        for i in range(n_sessions):
+            tenant = ("acme", "globex")[i % 2]
+            with Client(target, token=TOKENS[tenant], timeout_s=60) as client:
+                made = client.call("sessions", "CreateSession", sessions_pb2.CreateSessionRequest(model="a"))
+                sessions[made.session.session_id] = tenant
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    seen = dict.fromkeys(sessions, 0)
+    for _ in range(kills):
+        _cycle(data_dir, sessions, seen, rng, load_s)
+    model = init_random(Transformer(load_preset("v41-tiny")), seed=1).eval()
+    proc, target = _start(data_dir)
+    paths: dict[str, int] = {}
+    try:
+        db = data_dir / "registry.sqlite3"
+        for sid, tenant in sessions.items():
+            with Client(target, token=TOKENS[tenant], timeout_s=120) as client:
+                get = sessions_pb2.GetSessionRequest(session_id=sid)
+                row = client.call("sessions", "GetSession", get)
+                assert seen[sid] <= row.turn_count <= seen[sid] + kills, (sid, seen[sid], row.turn_count)
+                history = _history(db, sid)
+                assert len(history) == row.history_tokens
+                new = [rng.randrange(16, 512) for _ in range(7)]
+                plan, stats, out = _turn(client, sid, new)
+                path = common_pb2.ResumePath.Name(plan.path)
+                paths[path] = paths.get(path, 0) + 1
+                if history:
+                    # the whole history is stored: the pool died with the process, so a bounded replay
+                    assert path == "RESUME_PATH_GLOBAL_REPLAY" and stats.counts.cached == len(history), (
+                        sid, path, stats.counts.cached, len(history)
+                    )
+                with torch.inference_mode():
+                    expected = greedy(model, torch.tensor([history + new]), len(out))
+                assert out == expected, (
+                    f"session {sid}: wrong output after the restart (history {len(history)}, turns "
+                    f"{row.turn_count}, seen {seen[sid]}, replayed {stats.counts.replayed_encoder})"
+                )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert sum(seen.values()) > 0, "no turn finished before the kills: the load did not run"
+    return paths
+
+
+# Every restart then resumes by GLOBAL_REPLAY, which hits the open bug of
+# test_global_replay_exactness.py (wrong tokens); the registry and store checks before it pass.
+_REPLAY_BUG = pytest.mark.xfail(
+    reason="GLOBAL_REPLAY differs from the uninterrupted computation (test_global_replay_exactness.py)",
+    strict=False,
+)
+
+
+@pytest.mark.slow
+@_REPLAY_BUG
+def test_kill_during_concurrent_load_loses_nothing(tmp_path: Path) -> None:
+    # v41-tiny's FP8/FP4 linears are emulated on CPU (about 0.1 s a decode step), so a turn of 6 sessions
+    # at once takes seconds: the load runs long enough for several to commit before the kill
+    _run(tmp_path, n_sessions=6, kills=1, load_s=10.0)
+
+
+@pytest.mark.slow
+@_REPLAY_BUG
+def test_repeated_kills_during_concurrent_load_lose_nothing(tmp_path: Path) -> None:
+    _run(tmp_path, n_sessions=16, kills=5, load_s=15.0)
