@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
@@ -57,6 +57,11 @@ class _ModelLoop:
     def waiting(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    def forget(self, owner: WorkOwner) -> None:
+        """Drop a finished turn's session from the fair order (its memory stays bounded by live turns)."""
+        with self._cond:
+            self._order.forget(owner.tenant_id, owner.session_id)
 
     def close(self) -> None:
         with self._cond:
@@ -173,8 +178,16 @@ class BatchingScheduler:
         self._lock = threading.Lock()
         self._seq = 0
 
-    def admit(self, model: str, owner: WorkOwner) -> AbstractContextManager[None]:
-        return self._admission.admit(model)
+    @contextmanager
+    def admit(self, model: str, owner: WorkOwner) -> Iterator[None]:
+        with self._admission.admit(model):
+            try:
+                yield
+            finally:
+                with self._lock:
+                    loop = self._loops.get(model)
+                if loop is not None:
+                    loop.forget(owner)
 
     def running(self, model: str) -> int:
         return self._admission.running(model)

@@ -41,5 +41,9 @@ class FairOrder:
             self._session_step[(r.owner.tenant_id, r.owner.session_id)] = step
 
     def forget(self, tenant_id: str, session_id: str) -> None:
-        """Drop a session's entry when its turn ends (bounded memory over many sessions)."""
+        """Drop a session's entry when its turn ends (bounded memory over many sessions); the tenant's
+        entry stays, so a tenant does not jump the queue by ending and starting turns."""
         self._session_step.pop((tenant_id, session_id), None)
+
+    def __len__(self) -> int:
+        return len(self._session_step)

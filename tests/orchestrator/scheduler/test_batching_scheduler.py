@@ -168,3 +168,16 @@ def test_decode_without_a_state_is_refused() -> None:
             sched.decode(Served(), 1, None, owner=_owner("a", "1"))
     finally:
         sched.close()
+
+
+def test_finished_turns_leave_the_fair_order() -> None:
+    rec = Recorder()
+    sched = BatchingScheduler(rec)
+    try:
+        for i in range(5):
+            owner = _owner("a", str(i))
+            with sched.admit("m", owner):
+                sched.decode(Served(), 1, object(), owner=owner)
+        assert len(sched._loops["m"]._order) == 0
+    finally:
+        sched.close()
