@@ -15,6 +15,8 @@ from orchestrator.api.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    check_name_length,
+    model_not_served,
 )
 from orchestrator.api.metrics import ServiceMetrics
 from orchestrator.api.model_catalog import ModelCatalog, ModelDescription
@@ -68,6 +70,8 @@ __all__ = [
     "build_server",
     "configure_logging",
     "load_stubs",
+    "check_name_length",
+    "model_not_served",
     "log_turn_decision",
     "status_for",
 ]

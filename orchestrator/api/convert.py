@@ -90,7 +90,7 @@ class Converter:
             finish_reason=finish,
             total_s=event.total_s,
             persisted=event.persisted,
-            prompt_tokens=event.prompt_tokens or event.counts.prompt_tokens,
+            prompt_tokens=event.counts.prompt_tokens,
             stored_tokens=event.stored_tokens,
             kept=event.kept,
             request_id=request_id,

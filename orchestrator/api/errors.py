@@ -18,7 +18,14 @@ __all__ = [
     "UnavailableError",
     "DeadlineError",
     "CancelledError",
+    "MAX_NAME_CHARS",
+    "check_name_length",
+    "model_not_served",
 ]
+
+# The registry's columns for ids and model names are 128 characters; longer values are refused before
+# any lookup, and their text is never echoed (a 100 KB name in an error detail overflows gRPC's metadata).
+MAX_NAME_CHARS = 128
 
 
 class InvalidRequestError(OrchestratorError):
@@ -76,3 +83,23 @@ class CancelledError(OrchestratorError):
     """The turn was cancelled before it started streaming, or its client went away: nothing was kept."""
 
     default_reason = "CANCELLED"
+
+
+def check_name_length(field: str, value: str) -> None:
+    """Refuse an id or name longer than the registry holds, naming the field, not echoing the value.
+
+    Raises:
+        InvalidRequestError: `value` is longer than MAX_NAME_CHARS.
+    """
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidRequestError(
+            f"{field} of {len(value)} characters exceeds the limit of {MAX_NAME_CHARS}", field=field
+        )
+
+
+def model_not_served(name: str, served: tuple[str, ...] | list[str]) -> NotFoundError:
+    """The one NOT_FOUND of a model this node does not serve (reason MODEL_NOT_SERVED), naming those it
+    does."""
+    return NotFoundError(
+        f"model {name!r} is not served here (served: {', '.join(served)})", reason="MODEL_NOT_SERVED"
+    )

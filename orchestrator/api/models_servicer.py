@@ -10,14 +10,17 @@ from typing import Any
 import grpc
 
 from orchestrator.api.context import ServiceContext
-from orchestrator.api.errors import InvalidRequestError, NotFoundError, ResourceExhaustedError
+from orchestrator.api.errors import (
+    InvalidRequestError,
+    ResourceExhaustedError,
+    check_name_length,
+    model_not_served,
+)
 from orchestrator.api.model_catalog import ModelCatalog, ModelDescription
 from orchestrator.api.status_table import unary_errors
 
 __all__ = ["ModelsServicer", "servicer_class"]
 
-# A model name longer than the registry's column is refused without echoing it.
-_MAX_NAME_CHARS = 128
 
 
 def servicer_class(ctx: ServiceContext) -> type:
@@ -40,17 +43,11 @@ class ModelsServicer:
     def _described(self, name: str) -> ModelDescription:
         if not name:
             raise InvalidRequestError("model name is required", field="name")
-        if len(name) > _MAX_NAME_CHARS:
-            raise InvalidRequestError(
-                f"model name of {len(name)} characters exceeds the limit of {_MAX_NAME_CHARS}", field="name"
-            )
+        check_name_length("name", name)
         catalog = self._catalog()
         described = catalog.describe(name)
         if described is None:
-            raise NotFoundError(
-                f"model {name!r} is not served here (served: {', '.join(catalog.names)})",
-                reason="MODEL_NOT_SERVED",
-            )
+            raise model_not_served(name, catalog.names)
         return described
 
     def _info(self, d: ModelDescription) -> Any:

@@ -23,6 +23,8 @@ from orchestrator.api.errors import (
     NotFoundError,
     PreconditionError,
     ResourceExhaustedError,
+    check_name_length,
+    model_not_served,
 )
 from orchestrator.api.status_table import stream_errors, unary_errors
 from orchestrator.api.turn_log import log_turn_decision
@@ -60,18 +62,6 @@ def _after(token: str) -> tuple[dt.datetime, str] | None:
         raise InvalidRequestError(f"bad page_token {token!r}", field="page_token") from exc
 
 
-# The registry's columns for ids and model names are 128 characters; longer values are refused before
-# any lookup, and their text is never echoed (a 100 KB name in an error detail overflows gRPC's metadata).
-_MAX_NAME_CHARS = 128
-
-
-def _check_length(field: str, value: str) -> None:
-    if len(value) > _MAX_NAME_CHARS:
-        raise InvalidRequestError(
-            f"{field} of {len(value)} characters exceeds the limit of {_MAX_NAME_CHARS}", field=field
-        )
-
-
 def servicer_class(ctx: ServiceContext) -> type:
     """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED."""
     base = ctx.stubs.sessions_grpc.SessionsServicer
@@ -86,7 +76,7 @@ class SessionsServicer:
     def _get_owned(self, s: Any, session_id: str, tenant_id: str) -> Any:
         if not session_id:
             raise InvalidRequestError("session_id is required", field="session_id")
-        _check_length("session_id", session_id)
+        check_name_length("session_id", session_id)
         row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
         if row is None:
             raise NotFoundError(f"session {session_id} not found")
@@ -95,12 +85,10 @@ class SessionsServicer:
     def _check_served(self, model: str) -> None:
         """A model name this node serves (when it knows its models): refused at once, not at the first
         turn, and never echoed past its length limit."""
-        _check_length("model", model)
+        check_name_length("model", model)
         served = self._ctx.served_models
         if served is not None and model not in served:
-            raise NotFoundError(
-                f"model {model!r} is not served here (served: {', '.join(served)})", reason="MODEL_NOT_SERVED"
-            )
+            raise model_not_served(model, served)
 
     def _check_owned(self, session_id: str, tenant_id: str) -> None:
         """NotFoundError unless `tenant_id` owns the session (read-only; before acting on its turn)."""
@@ -240,7 +228,7 @@ class SessionsServicer:
         caller = self._ctx.auth.tenant(context)
         if not request.session_id and not request.request_id:
             raise InvalidRequestError("Abort needs session_id or request_id", field="session_id")
-        _check_length("request_id", request.request_id)
+        check_name_length("request_id", request.request_id)
         if request.session_id:
             # Another tenant's session reads as absent; it must not learn whether a turn runs there.
             self._check_owned(request.session_id, caller.tenant_id)
@@ -285,7 +273,7 @@ class SessionsServicer:
             )
         if request.model:
             self._check_served(request.model)
-        _check_length("request_id", request.request_id)
+        check_name_length("request_id", request.request_id)
         g = request.generation
         max_new = g.max_new_tokens or min(256, settings.max_new_tokens)
         if max_new > settings.max_new_tokens:
@@ -370,7 +358,6 @@ class SessionsServicer:
                 finish_reason=FinishReason.ABORTED,
                 total_s=time.perf_counter() - started,
                 persisted=False,
-                prompt_tokens=plan_event.plan.counts.prompt_tokens,
                 kept=False,
             )
             yield self._ctx.convert.turn_event(stats, request_id=turn.request_id)

@@ -98,8 +98,6 @@ class TurnStatsEvent:
     finish_reason: FinishReason
     total_s: float
     persisted: bool
-    # History plus new tokens of the turn.
-    prompt_tokens: int = 0
     # Tokens of the session's history whose global KV is stored after the turn.
     stored_tokens: int = 0
     # False when the turn was aborted without keep_partial: the session stays at its previous turn.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from model import kv_bytes
-from orchestrator.api import ModelDescription, NotFoundError
+from orchestrator.api import ModelDescription, model_not_served
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 
 __all__ = ["RegistryCatalog", "served_or_not_found"]
@@ -22,10 +22,7 @@ def served_or_not_found(registry: ModelRegistry, name: str) -> ServedModel:
     """
     served = registry.get(name)
     if served is None:
-        raise NotFoundError(
-            f"model {name!r} is not served here (served: {', '.join(registry.names)})",
-            reason="MODEL_NOT_SERVED",
-        )
+        raise model_not_served(name, registry.names)
     return served
 
 

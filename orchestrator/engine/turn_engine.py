@@ -9,6 +9,7 @@ entry. An abort with keep_partial during generation ends the turn as if generati
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -86,18 +87,15 @@ def actual_counts(
 
 def _turn_row(f: TurnFacts) -> dict[str, Any]:
     """The columns of a turn row that its plan decides (the same for a reservation and a finished row)."""
-    plan, c = f.plan, f.plan.counts
+    plan = f.plan
     return dict(
         session_id=f.session_id,
         model=plan.model,
         input_tokens=tokens_to_blob(f.new_tokens),
         path=ResumePathName(str(plan.path)),
         reason=plan.reason,
-        cached=c.cached,
-        replayed_encoder=c.replayed_encoder,
-        replayed_decoder=c.replayed_decoder,
-        prefilled=c.prefilled,
-        mapped=c.mapped,
+        # the turn row has one column per count kind, named as TokenCounts' fields
+        **dataclasses.asdict(plan.counts),
     )
 
 
@@ -387,7 +385,6 @@ class TurnEngine:
                 finish_reason=finish,
                 total_s=total,
                 persisted=persisted,
-                prompt_tokens=len(prompt),
                 stored_tokens=_stored_tokens(outcome, f.own_stored),
             )
         except CancelledError:
@@ -403,7 +400,6 @@ class TurnEngine:
                 finish_reason=FinishReason.ABORTED,
                 total_s=time.perf_counter() - started,
                 persisted=False,
-                prompt_tokens=len(f.history) + len(f.new_tokens),
                 stored_tokens=f.own_stored,
                 kept=False,
             )
