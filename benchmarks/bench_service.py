@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 import torch
 
+from benchmarks.concurrency import run_clients
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
 from benchmarks.service_anchors import measure_anchors
@@ -229,13 +230,7 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
             with lock:
                 errors.append(f"{exc.code().name}: {exc.details()}")
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(concurrency)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(session, concurrency)
     per_turn = counts.per_turn(concurrency * (turns + 1))
     client.channel.close()
     server.stop(grace_s=None)

@@ -23,6 +23,8 @@ from typing import Any
 import grpc
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
+from benchmarks.concurrency import run_clients
+
 __all__ = ["measure_anchors"]
 
 _METHOD = "/bench.Echo/Stream"
@@ -47,7 +49,7 @@ def _grpc_anchor(clients: int, calls_per_client: int) -> dict[str, float]:
     samples: list[float] = []
     lock = threading.Lock()
 
-    def client() -> None:
+    def client(_: int) -> None:
         mine = []
         for _ in range(calls_per_client):
             t0 = time.perf_counter()
@@ -59,13 +61,7 @@ def _grpc_anchor(clients: int, calls_per_client: int) -> dict[str, float]:
 
     for _ in range(3):  # warm the channel
         list(call(b"x"))
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(client, clients)
     channel.close()
     server.stop(None)
     return {"calls_per_s": len(samples) / wall, "p50_ms": statistics.median(samples) * 1e3}

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.concurrency import run_clients
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
 from orchestrator.settings import Settings
@@ -108,13 +109,7 @@ def model_load(
             with lock:
                 errors.append(f"{exc.code().name}: {exc.details()}")
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_clients(session, sessions)
     wait_sum, wait_count = _queue_wait(node.ctx.metrics)
     channel.close()
     server.stop(grace_s=None)
