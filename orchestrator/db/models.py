@@ -45,6 +45,8 @@ __all__ = [
     "CacheSegment",
     "SessionSegment",
     "MapperRow",
+    "FitJobPhase",
+    "FitJobRow",
     "AuditRow",
     "AuditHead",
     "tokens_to_blob",
@@ -272,6 +274,69 @@ class MapperRow(Base):
     gate_threshold: Mapped[float | None] = mapped_column(Float, default=None)
     passed_gate: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class FitJobPhase(enum.StrEnum):
+    """A mapper fitting job's phase, as stored in `fit_jobs.phase`; the last four are final."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    EVALUATING = "evaluating"
+    SUCCEEDED = "succeeded"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL_FIT_PHASES
+
+
+_FINAL_FIT_PHASES = frozenset(
+    {FitJobPhase.SUCCEEDED, FitJobPhase.REJECTED, FitJobPhase.FAILED, FitJobPhase.CANCELLED}
+)
+
+
+class FitJobRow(Base):
+    """A mapper fitting job: what was asked (pair, calibration source, token budget, gate), where it
+    stands (phase, rows done of total, ETA) and how it ended (reason, figures, the mapper it registered).
+
+    `node` is the node that runs it: a node starting up fails its own QUEUED/RUNNING/EVALUATING rows
+    ("node restarted"), since their child process died with it; a resubmission is a new row naming the
+    old one in `resubmitted_from`.
+    """
+
+    __tablename__ = "fit_jobs"
+    __table_args__ = (
+        Index("ix_fit_jobs_node_phase", "node", "phase"),
+        Index("ix_fit_jobs_created", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    actor: Mapped[str] = mapped_column(String(128), default="")
+    node: Mapped[str] = mapped_column(String(128), default="")
+    sender_model: Mapped[str] = mapped_column(String(128))
+    receiver_model: Mapped[str] = mapped_column(String(128))
+    # The calibration source as submitted (kind plus its fields) and the gate settings, as JSON objects.
+    source: Mapped[dict[str, object]] = mapped_column(JSON, default=dict)
+    budget_tokens: Mapped[int] = mapped_column(Integer)
+    gate: Mapped[dict[str, object]] = mapped_column(JSON, default=dict)
+    mapper_id: Mapped[str] = mapped_column(String(128), default="")
+    phase: Mapped[FitJobPhase] = mapped_column(
+        Enum(FitJobPhase, name="fit_job_phase", native_enum=False, length=16), default=FitJobPhase.QUEUED
+    )
+    reason: Mapped[str] = mapped_column(Text, default="")
+    rows_done: Mapped[int] = mapped_column(Integer, default=0)
+    rows_total: Mapped[int] = mapped_column(Integer, default=0)
+    eta_s: Mapped[float | None] = mapped_column(Float, default=None)
+    artifact_uri: Mapped[str] = mapped_column(Text, default="")
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    passed_gate: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    resubmitted_from: Mapped[str | None] = mapped_column(String(64), default=None)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 class AuditRow(Base):

@@ -19,6 +19,7 @@ TABLES = {
     "session_segments",
     "mappers",
     "audit_log",
+    "fit_jobs",
 }
 
 
