@@ -63,6 +63,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_CANCELLED: _ClassVar[ErrorReason]
     ERROR_REASON_UNIMPLEMENTED: _ClassVar[ErrorReason]
     ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
+    ERROR_REASON_FIT_JOB_NOT_FOUND: _ClassVar[ErrorReason]
 RESUME_PATH_UNSPECIFIED: ResumePath
 RESUME_PATH_FULL_HIT: ResumePath
 RESUME_PATH_GLOBAL_REPLAY: ResumePath
@@ -103,6 +104,7 @@ ERROR_REASON_DEADLINE_EXCEEDED: ErrorReason
 ERROR_REASON_CANCELLED: ErrorReason
 ERROR_REASON_UNIMPLEMENTED: ErrorReason
 ERROR_REASON_INTERNAL: ErrorReason
+ERROR_REASON_FIT_JOB_NOT_FOUND: ErrorReason
 
 class TokenCounts(_message.Message):
     __slots__ = ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvresume/v1/mappers.proto\x12\x0bkvresume.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf3\x02\n\x06Mapper\x12\x11\n\tmapper_id\x18\x01 \x01(\t\x12\x14\n\x0csender_model\x18\x02 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x03 \x01(\t\x12\x14\n\x0c\x61rtifact_uri\x18\x04 \x01(\t\x12\x17\n\x0f\x61rtifact_sha256\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x31\n\x07metrics\x18\x07 \x03(\x0b\x32 .kvresume.v1.Mapper.MetricsEntry\x12\x13\n\x0bgate_metric\x18\x08 \x01(\t\x12\x1b\n\x0egate_threshold\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0bpassed_gate\x18\n \x01(\x08\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_gate_threshold\"<\n\x15RegisterMapperRequest\x12#\n\x06mapper\x18\x01 \x01(\x0b\x32\x13.kvresume.v1.Mapper\"B\n\x12ListMappersRequest\x12\x14\n\x0csender_model\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x02 \x01(\t\";\n\x13ListMappersResponse\x12$\n\x07mappers\x18\x01 \x03(\x0b\x32\x13.kvresume.v1.Mapper\"%\n\x10GetMapperRequest\x12\x11\n\tmapper_id\x18\x01 \x01(\t2\xe7\x01\n\x07Mappers\x12I\n\x0eRegisterMapper\x12\".kvresume.v1.RegisterMapperRequest\x1a\x13.kvresume.v1.Mapper\x12P\n\x0bListMappers\x12\x1f.kvresume.v1.ListMappersRequest\x1a .kvresume.v1.ListMappersResponse\x12?\n\tGetMapper\x12\x1d.kvresume.v1.GetMapperRequest\x1a\x13.kvresume.v1.Mapperb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvresume/v1/mappers.proto\x12\x0bkvresume.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf3\x02\n\x06Mapper\x12\x11\n\tmapper_id\x18\x01 \x01(\t\x12\x14\n\x0csender_model\x18\x02 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x03 \x01(\t\x12\x14\n\x0c\x61rtifact_uri\x18\x04 \x01(\t\x12\x17\n\x0f\x61rtifact_sha256\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x31\n\x07metrics\x18\x07 \x03(\x0b\x32 .kvresume.v1.Mapper.MetricsEntry\x12\x13\n\x0bgate_metric\x18\x08 \x01(\t\x12\x1b\n\x0egate_threshold\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0bpassed_gate\x18\n \x01(\x08\x12.\n\ncreated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0f_gate_threshold\"<\n\x15RegisterMapperRequest\x12#\n\x06mapper\x18\x01 \x01(\x0b\x32\x13.kvresume.v1.Mapper\"B\n\x12ListMappersRequest\x12\x14\n\x0csender_model\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x02 \x01(\t\";\n\x13ListMappersResponse\x12$\n\x07mappers\x18\x01 \x03(\x0b\x32\x13.kvresume.v1.Mapper\"%\n\x10GetMapperRequest\x12\x11\n\tmapper_id\x18\x01 \x01(\t\"/\n\x11\x43\x61librationCorpus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"f\n\x11\x43\x61librationSource\x12\x30\n\x06\x63orpus\x18\x01 \x01(\x0b\x32\x1e.kvresume.v1.CalibrationCorpusH\x00\x12\x15\n\x0btokens_file\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x80\x02\n\x07\x46itGate\x12\x1c\n\x0fmin_attn_cosine\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11max_next_token_kl\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10min_index_recall\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x1a\n\rmin_retention\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x15\n\rtask_episodes\x18\x05 \x01(\r\x12\x14\n\x0c\x65val_prompts\x18\x06 \x01(\rB\x12\n\x10_min_attn_cosineB\x14\n\x12_max_next_token_klB\x13\n\x11_min_index_recallB\x10\n\x0e_min_retention\"\xdc\x01\n\x0fStartFitRequest\x12\x14\n\x0csender_model\x18\x01 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x02 \x01(\t\x12.\n\x06source\x18\x03 \x01(\x0b\x32\x1e.kvresume.v1.CalibrationSource\x12\x15\n\rbudget_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fsequence_tokens\x18\x05 \x01(\r\x12\"\n\x04gate\x18\x06 \x01(\x0b\x32\x14.kvresume.v1.FitGate\x12\x17\n\x0fresubmit_job_id\x18\x07 \x01(\t\"\xb7\x05\n\x06\x46itJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\'\n\x05phase\x18\x02 \x01(\x0e\x32\x18.kvresume.v1.FitJobPhase\x12\x14\n\x0csender_model\x18\x03 \x01(\t\x12\x16\n\x0ereceiver_model\x18\x04 \x01(\t\x12.\n\x06source\x18\x05 \x01(\x0b\x32\x1e.kvresume.v1.CalibrationSource\x12\x15\n\rbudget_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fsequence_tokens\x18\x07 \x01(\r\x12\"\n\x04gate\x18\x08 \x01(\x0b\x32\x14.kvresume.v1.FitGate\x12\x11\n\trows_done\x18\t \x01(\x04\x12\x12\n\nrows_total\x18\n \x01(\x04\x12\x12\n\x05\x65ta_s\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x31\n\x07metrics\x18\r \x03(\x0b\x32 .kvresume.v1.FitJob.MetricsEntry\x12\x18\n\x0bpassed_gate\x18\x0e \x01(\x08H\x01\x88\x01\x01\x12\x11\n\tmapper_id\x18\x0f \x01(\t\x12\x14\n\x0c\x61rtifact_uri\x18\x10 \x01(\t\x12\x18\n\x10resubmitted_from\x18\x11 \x01(\t\x12\x0c\n\x04node\x18\x12 \x01(\t\x12.\n\ncreated_at\x18\x13 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstarted_at\x18\x14 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x15 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_eta_sB\x0e\n\x0c_passed_gate\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.kvresume.v1.FitJob*\xef\x01\n\x0b\x46itJobPhase\x12\x1d\n\x19\x46IT_JOB_PHASE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46IT_JOB_PHASE_QUEUED\x10\x01\x12\x19\n\x15\x46IT_JOB_PHASE_RUNNING\x10\x02\x12\x1c\n\x18\x46IT_JOB_PHASE_EVALUATING\x10\x03\x12\x1b\n\x17\x46IT_JOB_PHASE_SUCCEEDED\x10\x04\x12\x1a\n\x16\x46IT_JOB_PHASE_REJECTED\x10\x05\x12\x18\n\x14\x46IT_JOB_PHASE_FAILED\x10\x06\x12\x1b\n\x17\x46IT_JOB_PHASE_CANCELLED\x10\x07\x32\xac\x04\n\x07Mappers\x12I\n\x0eRegisterMapper\x12\".kvresume.v1.RegisterMapperRequest\x1a\x13.kvresume.v1.Mapper\x12P\n\x0bListMappers\x12\x1f.kvresume.v1.ListMappersRequest\x1a .kvresume.v1.ListMappersResponse\x12?\n\tGetMapper\x12\x1d.kvresume.v1.GetMapperRequest\x1a\x13.kvresume.v1.Mapper\x12=\n\x08StartFit\x12\x1c.kvresume.v1.StartFitRequest\x1a\x13.kvresume.v1.FitJob\x12\x39\n\x06GetJob\x12\x1a.kvresume.v1.GetJobRequest\x1a\x13.kvresume.v1.FitJob\x12?\n\x08WatchJob\x12\x1c.kvresume.v1.WatchJobRequest\x1a\x13.kvresume.v1.FitJob0\x01\x12?\n\tCancelJob\x12\x1d.kvresume.v1.CancelJobRequest\x1a\x13.kvresume.v1.FitJob\x12G\n\x08ListJobs\x12\x1c.kvresume.v1.ListJobsRequest\x1a\x1d.kvresume.v1.ListJobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MAPPER_METRICSENTRY']._loaded_options = None
   _globals['_MAPPER_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_FITJOB_METRICSENTRY']._loaded_options = None
+  _globals['_FITJOB_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_FITJOBPHASE']._serialized_start=2206
+  _globals['_FITJOBPHASE']._serialized_end=2445
   _globals['_MAPPER']._serialized_start=76
   _globals['_MAPPER']._serialized_end=447
   _globals['_MAPPER_METRICSENTRY']._serialized_start=382
@@ -46,6 +50,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMAPPERSRESPONSE']._serialized_end=638
   _globals['_GETMAPPERREQUEST']._serialized_start=640
   _globals['_GETMAPPERREQUEST']._serialized_end=677
-  _globals['_MAPPERS']._serialized_start=680
-  _globals['_MAPPERS']._serialized_end=911
+  _globals['_CALIBRATIONCORPUS']._serialized_start=679
+  _globals['_CALIBRATIONCORPUS']._serialized_end=726
+  _globals['_CALIBRATIONSOURCE']._serialized_start=728
+  _globals['_CALIBRATIONSOURCE']._serialized_end=830
+  _globals['_FITGATE']._serialized_start=833
+  _globals['_FITGATE']._serialized_end=1089
+  _globals['_STARTFITREQUEST']._serialized_start=1092
+  _globals['_STARTFITREQUEST']._serialized_end=1312
+  _globals['_FITJOB']._serialized_start=1315
+  _globals['_FITJOB']._serialized_end=2010
+  _globals['_FITJOB_METRICSENTRY']._serialized_start=382
+  _globals['_FITJOB_METRICSENTRY']._serialized_end=428
+  _globals['_GETJOBREQUEST']._serialized_start=2012
+  _globals['_GETJOBREQUEST']._serialized_end=2043
+  _globals['_WATCHJOBREQUEST']._serialized_start=2045
+  _globals['_WATCHJOBREQUEST']._serialized_end=2078
+  _globals['_CANCELJOBREQUEST']._serialized_start=2080
+  _globals['_CANCELJOBREQUEST']._serialized_end=2114
+  _globals['_LISTJOBSREQUEST']._serialized_start=2116
+  _globals['_LISTJOBSREQUEST']._serialized_end=2148
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2150
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2203
+  _globals['_MAPPERS']._serialized_start=2448
+  _globals['_MAPPERS']._serialized_end=3004
 # @@protoc_insertion_point(module_scope)

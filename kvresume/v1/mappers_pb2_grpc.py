@@ -49,6 +49,31 @@ class MappersStub:
                 request_serializer=kvresume_dot_v1_dot_mappers__pb2.GetMapperRequest.SerializeToString,
                 response_deserializer=kvresume_dot_v1_dot_mappers__pb2.Mapper.FromString,
                 _registered_method=True)
+        self.StartFit = channel.unary_unary(
+                '/kvresume.v1.Mappers/StartFit',
+                request_serializer=kvresume_dot_v1_dot_mappers__pb2.StartFitRequest.SerializeToString,
+                response_deserializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/kvresume.v1.Mappers/GetJob',
+                request_serializer=kvresume_dot_v1_dot_mappers__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+                _registered_method=True)
+        self.WatchJob = channel.unary_stream(
+                '/kvresume.v1.Mappers/WatchJob',
+                request_serializer=kvresume_dot_v1_dot_mappers__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+                _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/kvresume.v1.Mappers/CancelJob',
+                request_serializer=kvresume_dot_v1_dot_mappers__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/kvresume.v1.Mappers/ListJobs',
+                request_serializer=kvresume_dot_v1_dot_mappers__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=kvresume_dot_v1_dot_mappers__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
 
 
 class MappersServicer:
@@ -73,6 +98,47 @@ class MappersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartFit(self, request, context):
+        """Fitting jobs (admin token, like RegisterMapper: a job's outcome is a registered mapper every tenant's
+        model switch may use). A job fits in a child process with a thread cap, then evaluates and gates the
+        artifact; one that passes is registered (SUCCEEDED), one that does not is kept with its figures
+        (REJECTED). Jobs are rows in the registry: a node that restarts marks its unfinished jobs FAILED
+        ("node restarted"), and StartFit with resubmit_job_id runs one again.
+
+        Queues a job and returns it (QUEUED). RESOURCE_EXHAUSTED (CAPACITY) when the queue is full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchJob(self, request, context):
+        """The job now, then the job again at every change of phase or progress; ends after a final phase.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Stops the child process and marks the job CANCELLED (a no-op on a CANCELLED job; FAILED_PRECONDITION
+        STATE_CHANGED on a job that ended otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Jobs, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MappersServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +156,31 @@ def add_MappersServicer_to_server(servicer, server):
                     servicer.GetMapper,
                     request_deserializer=kvresume_dot_v1_dot_mappers__pb2.GetMapperRequest.FromString,
                     response_serializer=kvresume_dot_v1_dot_mappers__pb2.Mapper.SerializeToString,
+            ),
+            'StartFit': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartFit,
+                    request_deserializer=kvresume_dot_v1_dot_mappers__pb2.StartFitRequest.FromString,
+                    response_serializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=kvresume_dot_v1_dot_mappers__pb2.GetJobRequest.FromString,
+                    response_serializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.SerializeToString,
+            ),
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=kvresume_dot_v1_dot_mappers__pb2.WatchJobRequest.FromString,
+                    response_serializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=kvresume_dot_v1_dot_mappers__pb2.CancelJobRequest.FromString,
+                    response_serializer=kvresume_dot_v1_dot_mappers__pb2.FitJob.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=kvresume_dot_v1_dot_mappers__pb2.ListJobsRequest.FromString,
+                    response_serializer=kvresume_dot_v1_dot_mappers__pb2.ListJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +264,141 @@ class Mappers:
             '/kvresume.v1.Mappers/GetMapper',
             kvresume_dot_v1_dot_mappers__pb2.GetMapperRequest.SerializeToString,
             kvresume_dot_v1_dot_mappers__pb2.Mapper.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartFit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvresume.v1.Mappers/StartFit',
+            kvresume_dot_v1_dot_mappers__pb2.StartFitRequest.SerializeToString,
+            kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvresume.v1.Mappers/GetJob',
+            kvresume_dot_v1_dot_mappers__pb2.GetJobRequest.SerializeToString,
+            kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvresume.v1.Mappers/WatchJob',
+            kvresume_dot_v1_dot_mappers__pb2.WatchJobRequest.SerializeToString,
+            kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvresume.v1.Mappers/CancelJob',
+            kvresume_dot_v1_dot_mappers__pb2.CancelJobRequest.SerializeToString,
+            kvresume_dot_v1_dot_mappers__pb2.FitJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvresume.v1.Mappers/ListJobs',
+            kvresume_dot_v1_dot_mappers__pb2.ListJobsRequest.SerializeToString,
+            kvresume_dot_v1_dot_mappers__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
