@@ -3,6 +3,14 @@
 Knows nothing of tensors (never imports torch); the cache format belongs to model/.
 """
 
+from storage.audit_anchor import (
+    Anchor,
+    AnchorFile,
+    AnchorKey,
+    check_anchor_chain,
+    check_claims,
+    seal_anchor,
+)
 from storage.audit_record import (
     GENESIS_HASH,
     AuditAction,
@@ -19,6 +27,13 @@ from storage.audit_rocks import RocksAuditSink
 from storage.errors import AuditRecordError, StorageError, StoreClosedError, StoreFormatError
 from storage.kv_store import GlobalKVStore
 from storage.policy import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, RetentionPolicy
+from storage.prefix_index import (
+    ContentKey,
+    PrefixIndex,
+    history_digest,
+    longest_prefix_by_scan,
+    prefix_digests,
+)
 from storage.store_config import StoreConfig
 from storage.store_results import (
     ChunkSpan,
@@ -35,9 +50,15 @@ from storage.store_results import (
     StoreStats,
     TenantStats,
 )
-from storage.window_pool import PoolConfig, PoolMiss, PoolPut, PoolStats, WindowPool
+from storage.window_pool import PoolConfig, PoolMiss, PoolPut, PoolStats, PrefixMatch, WindowPool
 
 __all__ = [
+    "Anchor",
+    "AnchorFile",
+    "AnchorKey",
+    "check_anchor_chain",
+    "check_claims",
+    "seal_anchor",
     "DEFAULT_CEILING_S",
     "DEFAULT_FLOOR_S",
     "GENESIS_HASH",
@@ -47,6 +68,7 @@ __all__ = [
     "AuditRecordError",
     "AuditSink",
     "ChunkSpan",
+    "ContentKey",
     "GlobalKVStore",
     "LookupResult",
     "MaintenanceReport",
@@ -56,6 +78,8 @@ __all__ = [
     "PoolMiss",
     "PoolPut",
     "PoolStats",
+    "PrefixIndex",
+    "PrefixMatch",
     "PrefixResult",
     "PurgeResult",
     "PutResult",
@@ -74,6 +98,9 @@ __all__ = [
     "WindowPool",
     "canonical_json",
     "chain_hash",
+    "history_digest",
+    "longest_prefix_by_scan",
+    "prefix_digests",
     "seal",
     "verify_chain",
 ]

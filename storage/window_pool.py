@@ -3,6 +3,11 @@ minutes-scale TTL and LRU eviction. Knows nothing of what the bytes mean (model/
 
 Losing an entry (TTL, pressure, restart) costs the caller one bounded replay, nothing else, so the
 pool never persists and never blocks a turn: a put that cannot fit is a typed refusal.
+
+An entry put with a `ContentKey` (the history it continues, by digest) is also found by content:
+`find_prefix` returns the tenant's entry of the longest such history a prompt starts with. The pool owns
+that index (`prefix_index.PrefixIndex`) and updates it with every put, drop, expiry and eviction, so the
+index never names an entry the pool no longer holds.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from storage.prefix_index import ContentKey, PrefixIndex, prefix_digests
 
 DEFAULT_TTL_S = 10 * 60.0
 DEFAULT_RAM_FRACTION = 0.10
@@ -61,6 +68,15 @@ class PoolPut:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrefixMatch:
+    """A pooled entry found by content: its session, the length of the history it continues, its value."""
+
+    session: str
+    n_tokens: int
+    value: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
 class PoolStats:
     entries: int
     bytes_used: int
@@ -74,9 +90,9 @@ class PoolStats:
 
 
 class WindowPool:
-    """Thread-safe LRU + TTL map from (tenant, session) to opaque bytes.
+    """Thread-safe LRU + TTL map from (tenant, session) to opaque bytes, with a per-tenant prefix index.
 
-    Keys include the tenant, so one tenant's get can never return another's entry.
+    Keys include the tenant, so one tenant's get or content lookup can never return another's entry.
     """
 
     def __init__(
@@ -88,11 +104,17 @@ class WindowPool:
         self._lock = threading.Lock()
         # key -> (value, expires_at); order is recency, oldest first.
         self._entries: OrderedDict[tuple[str, str], tuple[bytes, float]] = OrderedDict()
+        self._content: dict[tuple[str, str], ContentKey] = {}
+        self._index = PrefixIndex()
         self._bytes = 0
         self._hits = self._absent = self._expired_misses = self._evicted = self._expired = self._refused = 0
 
-    def put(self, tenant: str, session: str, value: bytes) -> PoolPut:
-        """Store (replace) a session's window state; evicts least recently used entries to fit."""
+    def put(self, tenant: str, session: str, value: bytes, *, content: ContentKey | None = None) -> PoolPut:
+        """Store (replace) a session's window state; evicts least recently used entries to fit.
+
+        Args:
+            content: the history the value continues; when given, `find_prefix` finds the entry by it.
+        """
         if not tenant or not session:
             raise ValueError(f"tenant and session must be non-empty, got {tenant!r}, {session!r}")
         size = len(value)
@@ -111,6 +133,9 @@ class WindowPool:
                 evicted += 1
             self._entries[(tenant, session)] = (bytes(value), now + self.config.ttl_s)
             self._bytes += size
+            if content is not None:
+                self._content[(tenant, session)] = content
+                self._index.add(tenant, session, content)
             return PoolPut(stored=True, evicted=evicted)
 
     def get(self, tenant: str, session: str) -> bytes | PoolMiss:
@@ -133,6 +158,43 @@ class WindowPool:
             self._hits += 1
             return value
 
+    def find_prefix(
+        self, tenant: str, namespace: str, token_ids: list[int] | bytes, *, max_tokens: int | None = None
+    ) -> PrefixMatch | None:
+        """The tenant's live entry of the longest indexed history of `namespace` that `token_ids` starts
+        with (at most `max_tokens` long), refreshing its TTL and recency like `get`; None when none.
+
+        The prompt is hashed outside the lock (one pass, snapshots at the indexed lengths); an entry
+        that expired is dropped and the next shorter history is tried.
+        """
+        n_ids = len(token_ids) // 4 if isinstance(token_ids, bytes) else len(token_ids)
+        limit = n_ids if max_tokens is None else min(max_tokens, n_ids)
+        if limit <= 0:
+            return None
+        with self._lock:
+            lengths = self._index.lengths(tenant, namespace, limit)
+        if not lengths:
+            return None
+        digests = prefix_digests(token_ids, lengths)
+        with self._lock:
+            now = self._clock()
+            for n in sorted(digests, reverse=True):
+                for session in reversed(self._index.sessions(tenant, namespace, n, digests[n])):
+                    key = (tenant, session)
+                    entry = self._entries.get(key)
+                    if entry is None:
+                        continue
+                    value, expires_at = entry
+                    if now >= expires_at:
+                        self._drop(key)
+                        self._expired += 1
+                        continue
+                    self._entries[key] = (value, now + self.config.ttl_s)
+                    self._entries.move_to_end(key)
+                    self._hits += 1
+                    return PrefixMatch(session=session, n_tokens=n, value=value)
+            return None
+
     def discard(self, tenant: str, session: str) -> bool:
         """Drop a session's entry (session closed or purged); True if there was one."""
         with self._lock:
@@ -144,6 +206,24 @@ class WindowPool:
             for key in keys:
                 self._drop(key)
             return len(keys)
+
+    def discard_namespace(self, namespace: str, *, tenant: str | None = None) -> int:
+        """Drop every entry put with a content key of `namespace` (optionally of one tenant): a model's
+        purge makes its windows stale. Returns how many."""
+        with self._lock:
+            keys = [
+                k
+                for k, c in self._content.items()
+                if c.namespace == namespace and (tenant is None or k[0] == tenant)
+            ]
+            for key in keys:
+                self._drop(key)
+            return len(keys)
+
+    def indexed(self) -> int:
+        """Entries the prefix index names (each one a live or not yet swept pool entry)."""
+        with self._lock:
+            return len(self._index)
 
     def sweep(self) -> int:
         """Drop every expired entry now; returns how many."""
@@ -169,6 +249,9 @@ class WindowPool:
         if entry is None:
             return False
         self._bytes -= len(entry[0])
+        content = self._content.pop(key, None)
+        if content is not None:
+            self._index.remove(key[0], key[1], content)
         return True
 
     def _sweep(self, now: float) -> int:
