@@ -1,5 +1,6 @@
 """Repositories over the registry tables; each receives the caller's Session and never commits."""
 
+from orchestrator.db.repositories.fit_jobs import UNFINISHED_PHASES, FitJobRepository, FitJobSubmission
 from orchestrator.db.repositories.mappers import MapperRegistration, MapperRepository
 from orchestrator.db.repositories.policies import EffectivePolicy, PolicyRepository
 from orchestrator.db.repositories.segments import DurableSegment, SegmentRepository, SegmentTotals
@@ -10,6 +11,8 @@ from orchestrator.db.repositories.turns import TurnCounts, TurnRepository, TurnT
 __all__ = [
     "DurableSegment",
     "EffectivePolicy",
+    "FitJobRepository",
+    "FitJobSubmission",
     "MapperRegistration",
     "MapperRepository",
     "PolicyRepository",
@@ -20,4 +23,5 @@ __all__ = [
     "TurnCounts",
     "TurnRepository",
     "TurnTimings",
+    "UNFINISHED_PHASES",
 ]
