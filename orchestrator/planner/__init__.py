@@ -5,7 +5,14 @@ Knows nothing of SQL, storage, gRPC or the model (W and the group alignment come
 
 from orchestrator.planner.calibration import measure_costs
 from orchestrator.planner.costs import BUILTIN_COSTS, Costs, CostTable, estimate_seconds
-from orchestrator.planner.inputs import CacheInventory, MapperInfo, ModelGeometry, PoolState, SessionView
+from orchestrator.planner.inputs import (
+    CacheInventory,
+    MapperInfo,
+    ModelGeometry,
+    PooledPrefix,
+    PoolState,
+    SessionView,
+)
 from orchestrator.planner.plan import Plan, PlanReason, ResumePath, TokenCounts
 from orchestrator.planner.planner import no_mapper_reason, plan_turn
 
@@ -19,6 +26,7 @@ __all__ = [
     "Plan",
     "PlanReason",
     "PoolState",
+    "PooledPrefix",
     "ResumePath",
     "SessionView",
     "TokenCounts",

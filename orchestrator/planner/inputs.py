@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ModelGeometry", "SessionView", "CacheInventory", "PoolState", "MapperInfo"]
+__all__ = ["ModelGeometry", "SessionView", "CacheInventory", "PoolState", "PooledPrefix", "MapperInfo"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,22 +63,37 @@ class SessionView:
 
 @dataclass(frozen=True, kw_only=True)
 class CacheInventory:
-    """What the store holds, verified, for one model and this session's history.
+    """What the store holds, verified, for one model and this turn's prompt (history + new tokens).
+
+    The tenant's chunks are found by content (chained hashes of the tokens), so the prefix may extend past
+    the history into the new tokens, and a new session's prompt may have one; it always leaves at least
+    the prompt's last token to compute (the logits the turn samples from).
 
     Attributes:
         model: the model whose global KV this is.
-        valid_prefix: length of the longest prefix [0, valid_prefix) of the history whose stored chunks
-            all passed their checks (checksum, tenant, not purged, within retention, same fingerprint).
+        valid_prefix: length of the longest prefix [0, valid_prefix) of the prompt whose stored chunks
+            all passed their checks (checksum, tenant, named by a committed turn's registry row, within
+            retention, same fingerprint).
         miss_reason: why valid_prefix is shorter than the history (None when it covers it all).
+        own_prefix: how much of valid_prefix this session's own registry links cover (None: all of it);
+            the rest was found by content (written by other sessions of the tenant).
     """
 
     model: str
     valid_prefix: int
     miss_reason: str | None = None
+    own_prefix: int | None = None
 
     def __post_init__(self) -> None:
         if self.valid_prefix < 0:
             raise ValueError(f"valid_prefix={self.valid_prefix} must be >= 0")
+        if self.own_prefix is not None and not 0 <= self.own_prefix:
+            raise ValueError(f"own_prefix={self.own_prefix} must be >= 0")
+
+    @property
+    def by_content(self) -> bool:
+        """True when part of the prefix lies past what this session's own links cover."""
+        return self.own_prefix is not None and self.valid_prefix > self.own_prefix
 
     @classmethod
     def empty(cls, model: str, reason: str) -> CacheInventory:
@@ -100,6 +115,29 @@ class PoolState:
     @classmethod
     def absent(cls) -> PoolState:
         return cls()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PooledPrefix:
+    """Pool windows that continue a prefix [0, n_tokens) of the prompt exactly, found by content.
+
+    The caller has verified everything a full hit needs: the entry's envelope names this model's
+    fingerprint, the length and the digest of prompt[:n_tokens]; the stored global KV of exactly that
+    prefix was read and verified; the windows imported cleanly onto it.
+
+    Attributes:
+        model: the model whose windows these are.
+        n_tokens: where the windows continue from (0 < n_tokens < prompt length).
+        own: the entry is this session's own (else another session of the tenant pooled it).
+    """
+
+    model: str
+    n_tokens: int
+    own: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_tokens <= 0:
+            raise ValueError(f"pooled prefix n_tokens={self.n_tokens} must be positive")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,8 +2,9 @@
 
 Knows nothing of SQL, storage, gRPC or the model; see `inputs.py` for what callers must verify first.
 Validity rules enforced here (ARCHITECTURE §1): a pool entry counts only for the same model at exactly
-the end of the history; a stored prefix counts only for the model that wrote it and never beyond the
-history; a model switch maps KV only through a registered mapper that passed its gate; the encoder
+the end of the history, or (found by content) at exactly the end of a verified stored prefix of the
+prompt; a stored prefix counts only for the model that wrote it and always leaves the prompt's last token
+to compute; a model switch maps KV only through a registered mapper that passed its gate; the encoder
 replay starts at a compression-group boundary at most W + group - 1 tokens before the resume point.
 """
 
@@ -13,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.planner.costs import Costs, estimate_seconds
-from orchestrator.planner.inputs import CacheInventory, MapperInfo, ModelGeometry, PoolState, SessionView
+from orchestrator.planner.inputs import (
+    CacheInventory,
+    MapperInfo,
+    ModelGeometry,
+    PooledPrefix,
+    PoolState,
+    SessionView,
+)
 from orchestrator.planner.plan import Plan, PlanReason, ResumePath, TokenCounts
 
 __all__ = ["plan_turn", "no_mapper_reason"]
@@ -101,19 +109,32 @@ def _checked_prefix(session: SessionView, cache: CacheInventory | None, model: s
         return 0
     if cache.model != model:
         raise ValueError(f"cache inventory of model {cache.model!r} passed where {model!r} was expected")
-    if cache.valid_prefix > session.history_len:
+    if cache.valid_prefix >= session.prompt_len:
         raise ValueError(
-            f"stored prefix {cache.valid_prefix} is longer than session {session.session_id}'s history "
-            f"{session.history_len}: the inventory is not of this history"
+            f"stored prefix {cache.valid_prefix} is not shorter than session {session.session_id}'s prompt "
+            f"of {session.prompt_len} tokens: the inventory is not of this prompt (its last token is always "
+            "computed)"
         )
     return cache.valid_prefix
 
 
 def _prefix_reason(prefix: int, session: SessionView, cache: CacheInventory) -> str:
-    if prefix == session.history_len:
-        return f"global KV of all {prefix} history tokens stored"
-    why = f" ({cache.miss_reason})" if cache.miss_reason else ""
-    return f"global KV of {prefix} of {session.history_len} history tokens stored{why}"
+    n = session.history_len
+    if prefix == n:
+        text = f"global KV of all {prefix} history tokens stored"
+    elif prefix > n:
+        text = f"global KV of {prefix} of {session.prompt_len} prompt tokens stored"
+        if n:
+            text += f" (the {n} history tokens and {prefix - n} new ones)"
+    else:
+        why = f" ({cache.miss_reason})" if cache.miss_reason else ""
+        text = f"global KV of {prefix} of {n} history tokens stored{why}"
+    if cache.by_content:
+        assert cache.own_prefix is not None
+        text += (
+            f", {prefix - cache.own_prefix} of them found by content (stored by other sessions of the tenant)"
+        )
+    return text
 
 
 def _pool_miss(pool: PoolState, session: SessionView, model: str, prefix: int) -> str:
@@ -127,34 +148,90 @@ def _pool_miss(pool: PoolState, session: SessionView, model: str, prefix: int) -
     return f"pool windows end at {pool.windows_end}, past the stored prefix"
 
 
-def _same_model_candidates(
-    session: SessionView, model: str, geometry: ModelGeometry, cache: CacheInventory | None, pool: PoolState
+def _full_hit(
+    session: SessionView, geometry: ModelGeometry, at: int, reason: str, code: PlanReason, model: str
+) -> _Candidate:
+    # Windows and encoder output rows continue exactly from `at`: no replay, everything after it encoded.
+    counts = TokenCounts(
+        cached=at, replayed_decoder=_decoder_replay(session, geometry), prefilled=session.prompt_len - at
+    )
+    return _Candidate(
+        path=ResumePath.FULL_HIT,
+        counts=counts,
+        resume_from=at,
+        replay_from=at,
+        source_model=model,
+        reason=reason,
+        reason_code=code,
+    )
+
+
+def _full_hits(
+    session: SessionView,
+    model: str,
+    geometry: ModelGeometry,
+    prefix: int,
+    stored: str,
+    pool: PoolState,
+    pooled: PooledPrefix | None,
 ) -> list[_Candidate]:
-    prefix = _checked_prefix(session, cache, model)
-    if prefix == 0:
-        why = (cache.miss_reason if cache is not None and cache.miss_reason else None) or "nothing stored"
-        return [_cold(session, geometry, f"nothing usable stored: {why}", PlanReason.NOTHING_USABLE_STORED)]
-    assert cache is not None
-    stored = _prefix_reason(prefix, session, cache)
-    cheaper = f"cold prefill is cheaper than reusing the {prefix} stored tokens"
-    out = [_cold(session, geometry, cheaper, PlanReason.COLD_CHEAPER)]
-    pool_fits = pool.model == model and pool.windows_end == session.history_len
-    if prefix == session.history_len and pool_fits:
-        # Windows and encoder output rows continue exactly from the end of the history: no replay.
-        counts = TokenCounts(
-            cached=prefix, replayed_decoder=_decoder_replay(session, geometry), prefilled=session.new_tokens
-        )
+    """FULL_HIT candidates: this session's pool entry at the end of a wholly stored history, and the
+    pooled prefix found by content (which may be the same entry, or another session's)."""
+    out: list[_Candidate] = []
+    n = session.history_len
+    if n and prefix == n and pool.model == model and pool.windows_end == n:
         out.append(
-            _Candidate(
-                path=ResumePath.FULL_HIT,
-                counts=counts,
-                resume_from=prefix,
-                replay_from=prefix,
-                source_model=model,
-                reason=f"{stored}; windows in the pool",
-                reason_code=PlanReason.WINDOWS_IN_POOL,
+            _full_hit(
+                session, geometry, n, f"{stored}; windows in the pool", PlanReason.WINDOWS_IN_POOL, model
             )
         )
+    if pooled is None or pooled.model != model or any(c.resume_from == pooled.n_tokens for c in out):
+        return out
+    at = pooled.n_tokens
+    if at >= session.prompt_len:
+        raise ValueError(
+            f"pooled prefix of {at} tokens is not shorter than session {session.session_id}'s prompt of "
+            f"{session.prompt_len} tokens"
+        )
+    if pooled.own and at == n:
+        reason, code = (
+            f"global KV of all {n} history tokens stored; windows in the pool",
+            PlanReason.WINDOWS_IN_POOL,
+        )
+    else:
+        who = "this session" if pooled.own else "another session of the tenant"
+        reason = (
+            f"global KV of {at} of {session.prompt_len} prompt tokens stored and the windows that continue "
+            f"them pooled by {who}, found by content"
+        )
+        code = PlanReason.WINDOWS_BY_CONTENT
+    out.append(_full_hit(session, geometry, at, reason, code, model))
+    return out
+
+
+def _same_model_candidates(
+    session: SessionView,
+    model: str,
+    geometry: ModelGeometry,
+    cache: CacheInventory | None,
+    pool: PoolState,
+    pooled: PooledPrefix | None = None,
+) -> list[_Candidate]:
+    prefix = _checked_prefix(session, cache, model)
+    stored = _prefix_reason(prefix, session, cache) if cache is not None and prefix else ""
+    hits = _full_hits(session, model, geometry, prefix, stored, pool, pooled)
+    if prefix == 0 and not hits:
+        if session.history_len == 0:
+            return [_cold(session, geometry, "new session: no history to reuse", PlanReason.NEW_SESSION)]
+        why = (cache.miss_reason if cache is not None and cache.miss_reason else None) or "nothing stored"
+        return [_cold(session, geometry, f"nothing usable stored: {why}", PlanReason.NOTHING_USABLE_STORED)]
+    reused = max([prefix, *(c.resume_from for c in hits)])
+    cheaper = f"cold prefill is cheaper than reusing the {reused} stored tokens"
+    out = [_cold(session, geometry, cheaper, PlanReason.COLD_CHEAPER), *hits]
+    if prefix == 0:
+        return out
+    assert cache is not None
+    if hits:
         window_why = "bounded replay instead of restoring the pool windows"
     else:
         window_why = f"{_pool_miss(pool, session, model, prefix)}, bounded replay"
@@ -166,7 +243,7 @@ def _same_model_candidates(
             path=ResumePath.GLOBAL_REPLAY,
             source_model=model,
             reason=f"{stored}; {window_why}",
-            reason_code=PlanReason.WINDOWS_REBUILT,
+            reason_code=PlanReason.PREFIX_BY_CONTENT if cache.by_content else PlanReason.WINDOWS_REBUILT,
         )
     )
     return out
@@ -180,6 +257,7 @@ def plan_turn(
     cache: CacheInventory | None,
     sender_cache: CacheInventory | None = None,
     pool: PoolState,
+    pooled: PooledPrefix | None = None,
     mappers: Sequence[MapperInfo] = (),
     costs: Costs,
     may_persist: bool = True,
@@ -191,9 +269,12 @@ def plan_turn(
         session: the session before the turn.
         model: the model requested for this turn (the receiver when it differs from `last_model`).
         geometry: the requested model's window W and compression-group alignment.
-        cache: verified stored global KV of the requested model for this history (None: not looked up).
+        cache: verified stored global KV of the requested model for this turn's prompt (None: not looked
+            up); it may extend past the history (found by content) but never covers the whole prompt.
         sender_cache: on a model switch, verified stored global KV of the last model.
         pool: the session's pool entry.
+        pooled: verified pool windows of a prompt prefix found by content (this session's entry or
+            another's of the tenant), with the stored global KV of exactly that prefix.
         mappers: registered mappers (any pairs; only validated ones for last_model -> model count).
         costs: per-token costs of the requested model.
         may_persist: False when residency forbids storing this tenant's KV on this node.
@@ -203,20 +284,19 @@ def plan_turn(
         The plan of the cheapest valid path; ties go to the more exact path.
 
     Raises:
-        ValueError: inconsistent inputs (an inventory of another model, a prefix longer than the history).
+        ValueError: inconsistent inputs (an inventory of another model, a stored or pooled prefix that is
+            not shorter than the prompt).
     """
     if not model:
         raise ValueError("requested model must be non-empty")
-    if session.history_len == 0:
-        candidates = [_cold(session, geometry, "new session: no history to reuse", PlanReason.NEW_SESSION)]
-    elif session.last_model == model:
-        candidates = _same_model_candidates(session, model, geometry, cache, pool)
+    if session.history_len == 0 or session.last_model == model:
+        candidates = _same_model_candidates(session, model, geometry, cache, pool, pooled)
     else:
         sender = session.last_model
         assert sender is not None
         candidates = [
             c
-            for c in _same_model_candidates(session, model, geometry, cache, pool)
+            for c in _same_model_candidates(session, model, geometry, cache, pool, pooled)
             if c.path != ResumePath.COLD_PREFILL
         ]
         valid = sorted(

@@ -11,6 +11,8 @@ from orchestrator.planner import (
     Costs,
     MapperInfo,
     ModelGeometry,
+    PlanReason,
+    PooledPrefix,
     PoolState,
     ResumePath,
     SessionView,
@@ -189,16 +191,103 @@ def test_plan_turn_model_switch_with_validated_mapper_maps() -> None:
     assert plan.counts == TokenCounts(mapped=1000, replayed_encoder=128, prefilled=10, replayed_decoder=118)
 
 
-def test_plan_turn_rejects_prefix_longer_than_history() -> None:
-    with pytest.raises(ValueError, match="longer than session s-1's history"):
+def test_plan_turn_rejects_prefix_covering_the_whole_prompt() -> None:
+    with pytest.raises(ValueError, match="not shorter than session s-1's prompt of 110 tokens"):
         plan_turn(
-            _session(100),
+            _session(100, 10),
             model="small",
             geometry=GEOM,
-            cache=CacheInventory(model="small", valid_prefix=101),
+            cache=CacheInventory(model="small", valid_prefix=110),
             pool=PoolState.absent(),
             costs=COSTS,
         )
+    with pytest.raises(ValueError, match="pooled prefix of 110 tokens is not shorter"):
+        plan_turn(
+            _session(100, 10),
+            model="small",
+            geometry=GEOM,
+            cache=CacheInventory(model="small", valid_prefix=100),
+            pool=PoolState.absent(),
+            pooled=PooledPrefix(model="small", n_tokens=110),
+            costs=COSTS,
+        )
+
+
+def test_plan_turn_new_session_reuses_a_stored_prefix_found_by_content() -> None:
+    # a new session whose 600-token prompt starts with 512 tokens another session stored
+    cache = CacheInventory(model="small", valid_prefix=512, own_prefix=0)
+    plan = plan_turn(
+        _session(0, 600), model="small", geometry=GEOM, cache=cache, pool=PoolState.absent(), costs=COSTS
+    )
+    assert plan.path == ResumePath.GLOBAL_REPLAY and plan.reason_code == PlanReason.PREFIX_BY_CONTENT
+    assert plan.counts == TokenCounts(cached=512, replayed_encoder=128, prefilled=88)
+    assert plan.reason == (
+        "global KV of 512 of 600 prompt tokens stored, 512 of them found by content (stored by other "
+        "sessions of the tenant); windows not in the pool, bounded replay"
+    )
+
+
+def test_plan_turn_new_session_full_hit_on_pooled_windows_found_by_content() -> None:
+    # the agent pattern: the prompt is another session's whole history plus a tool result
+    cache = CacheInventory(model="small", valid_prefix=700, own_prefix=0)
+    pooled = PooledPrefix(model="small", n_tokens=700)
+    plan = plan_turn(
+        _session(0, 740),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState.absent(),
+        pooled=pooled,
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.FULL_HIT and plan.reason_code == PlanReason.WINDOWS_BY_CONTENT
+    assert plan.counts == TokenCounts(cached=700, prefilled=40)
+    assert (plan.resume_from, plan.replay_from) == (700, 700)
+    assert "pooled by another session of the tenant, found by content" in plan.reason
+    # pooled windows of another model never count
+    other = plan_turn(
+        _session(0, 740),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState.absent(),
+        pooled=PooledPrefix(model="large", n_tokens=700),
+        costs=COSTS,
+    )
+    assert other.path == ResumePath.GLOBAL_REPLAY
+
+
+def test_plan_turn_own_full_hit_survives_a_longer_stored_prefix() -> None:
+    # the stored prefix reaches into the new tokens (found by content) while the session's own pool entry
+    # continues its history: both a full hit at the history's end and a replay from further on are valid
+    cache = CacheInventory(model="small", valid_prefix=1024, own_prefix=1000)
+    pooled = PooledPrefix(model="small", n_tokens=1000, own=True)
+    plan = plan_turn(
+        _session(1000, 30),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState(model="small", windows_end=1000),
+        pooled=pooled,
+        costs=COSTS,
+    )
+    assert plan.path == ResumePath.FULL_HIT and plan.reason_code == PlanReason.WINDOWS_IN_POOL
+    assert plan.counts.cached == 1000 and plan.counts.prefilled == 30
+    assert {p for p, _ in plan.alternatives} == {
+        ResumePath.FULL_HIT,
+        ResumePath.GLOBAL_REPLAY,
+        ResumePath.COLD_PREFILL,
+    }
+    replay = plan_turn(
+        _session(1000, 30),
+        model="small",
+        geometry=GEOM,
+        cache=cache,
+        pool=PoolState.absent(),
+        costs=COSTS,
+    )
+    assert replay.path == ResumePath.GLOBAL_REPLAY and replay.reason_code == PlanReason.PREFIX_BY_CONTENT
+    assert replay.counts.cached == 1024 and replay.counts.prefilled == 6
 
 
 def test_plan_turn_rejects_inventory_of_another_model() -> None:
@@ -227,7 +316,7 @@ def test_plan_turn_residency_forbids_persisting() -> None:
     assert not plan.persist and plan.persist_note == "region eu-1 not in [us-1]"
 
 
-def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom):
+def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom, pooled=None):
     """Slow twin: enumerate every path, keep those the architecture's table allows, take the cheapest."""
     total = session.prompt_len
     dec = max(0, min(geom.window, total) - session.new_tokens)
@@ -238,7 +327,12 @@ def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs,
         return prefix - (start - start % geom.group)
 
     n = session.history_len
-    if n and cache is not None and cache.valid_prefix:
+    if pooled is not None and pooled.model == model:
+        p = pooled.n_tokens
+        options.append(
+            (ResumePath.FULL_HIT, TokenCounts(cached=p, prefilled=total - p, replayed_decoder=dec))
+        )
+    if cache is not None and cache.valid_prefix:
         p = cache.valid_prefix
         options.append(
             (
@@ -246,7 +340,7 @@ def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs,
                 TokenCounts(cached=p, replayed_encoder=replay(p), prefilled=total - p, replayed_decoder=dec),
             )
         )
-        if p == n and pool.model == model and pool.windows_end == n:
+        if n and p == n and pool.model == model and pool.windows_end == n:
             options.append(
                 (ResumePath.FULL_HIT, TokenCounts(cached=p, prefilled=total - p, replayed_decoder=dec))
             )
@@ -281,9 +375,24 @@ def _reference_choice(session, model, cache, sender_cache, pool, mappers, costs,
     load=st.floats(0, 1e-3),
     encode=st.floats(1e-6, 1e-3),
     mapc=st.floats(0, 1e-3),
+    content=st.sampled_from(["none", "stored", "pooled"]),
+    content_frac=st.floats(0, 1),
 )
 def test_plan_turn_matches_reference_on_random_inputs(
-    history, new, prefix_frac, sender_frac, pool_kind, switch, mapper_kind, window, group, load, encode, mapc
+    history,
+    new,
+    prefix_frac,
+    sender_frac,
+    pool_kind,
+    switch,
+    mapper_kind,
+    window,
+    group,
+    load,
+    encode,
+    mapc,
+    content,
+    content_frac,
 ) -> None:
     geom = ModelGeometry(window=window, group=group)
     costs = Costs(load_s=load, encode_s=encode, decode_replay_s=encode, map_s=mapc, pool_restore_s=1e-4)
@@ -291,6 +400,13 @@ def test_plan_turn_matches_reference_on_random_inputs(
     model = "large" if (switch and history) else "small"
     session = SessionView(session_id="s", tenant_id="t", history_len=history, new_tokens=new, last_model=last)
     cache = CacheInventory(model=model, valid_prefix=int(history * prefix_frac))
+    pooled = None
+    if content != "none":
+        # found by content: a stored prefix (and maybe pooled windows at its end) reaching into the new tokens
+        reach = int((history + new - 1) * content_frac)
+        cache = CacheInventory(model=model, valid_prefix=reach, own_prefix=min(reach, cache.valid_prefix))
+        if content == "pooled" and reach:
+            pooled = PooledPrefix(model=model, n_tokens=reach)
     sender_cache = (
         CacheInventory(model="small", valid_prefix=int(history * sender_frac)) if model != last else None
     )
@@ -319,10 +435,11 @@ def test_plan_turn_matches_reference_on_random_inputs(
         cache=cache,
         sender_cache=sender_cache,
         pool=pool,
+        pooled=pooled,
         mappers=mappers,
         costs=costs,
     )
-    best, options = _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom)
+    best, options = _reference_choice(session, model, cache, sender_cache, pool, mappers, costs, geom, pooled)
     assert (plan.path, plan.counts) in options
     assert plan.estimated_s == pytest.approx(best, rel=1e-12, abs=1e-15)
     assert plan.counts.prompt_tokens == history + new
