@@ -9,6 +9,7 @@ overrides (CLI flags). Unknown TOML keys and unknown override names are errors, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -97,6 +98,12 @@ class Settings:
     step_token_budget: int = 256
     # Turns admitted at once per model (running or waiting for a step); past it RESOURCE_EXHAUSTED.
     max_running_turns: int = 96
+    # A file holding the audit anchor key (at least 16 bytes; never stored in SQL or the store): with
+    # it the node writes HMAC anchors of every audit chain head every `audit_anchor_interval_s`, to the
+    # store and to `data_dir/audit-anchors/<node>.jsonl`, and audit verify checks them. Unset: audit
+    # verify says "unanchored", since a cut or re-forged chain then passes every other check.
+    audit_anchor_key_file: Path | None = None
+    audit_anchor_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -122,6 +129,8 @@ class Settings:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads={self.torch_threads} must be >= 0")
+        if not (math.isfinite(self.audit_anchor_interval_s) and self.audit_anchor_interval_s > 0):
+            raise ValueError(f"audit_anchor_interval_s={self.audit_anchor_interval_s} must be finite and > 0")
         if self.pool_ttl_s <= 0:
             raise ValueError(f"pool_ttl_s={self.pool_ttl_s} must be positive")
         if self.retention_floor_s < 0 or self.retention_ceiling_s <= 0:
@@ -166,6 +175,11 @@ class Settings:
         return self.node_name or socket.gethostname()
 
     @property
+    def audit_anchor_file(self) -> Path:
+        """This node's append-only anchor file."""
+        return self.data_dir / "audit-anchors" / f"{self.resolved_node_name}.jsonl"
+
+    @property
     def tls_enabled(self) -> bool:
         return self.tls_cert_file is not None
 
@@ -175,7 +189,7 @@ class Settings:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-_PATH_FIELDS = {"data_dir", "tls_cert_file", "tls_key_file", "calibration_file"}
+_PATH_FIELDS = {"data_dir", "tls_cert_file", "tls_key_file", "calibration_file", "audit_anchor_key_file"}
 _INT_FIELDS = {
     "version",
     "grpc_port",
@@ -194,7 +208,7 @@ _INT_FIELDS = {
     "max_running_turns",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
-_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s"}
+_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s"}
 
 
 def _coerce(name: str, value: Any) -> Any:

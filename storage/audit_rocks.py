@@ -2,7 +2,9 @@
 entries and its audit record commit in one write batch (made durable by the store before its
 operation returns). Knows nothing of chunks.
 
-Keys: `A` + seq (8 bytes big-endian) -> AuditRecord.to_json(); `H` -> head (seq 8 BE + 32-byte hash).
+Keys: `A` + seq (8 bytes big-endian) -> AuditRecord.to_json(); `H` -> head (seq 8 BE + 32-byte hash);
+`N` + n (8 bytes big-endian) -> Anchor.to_json() (the store's copy of this node's audit anchors,
+audit_anchor.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
+from storage.audit_anchor import Anchor
 from storage.audit_record import (
     GENESIS_HASH,
     AuditEvent,
@@ -27,6 +30,7 @@ from storage.errors import AuditRecordError
 
 AUDIT_PREFIX = b"A"
 HEAD_KEY = b"H"
+ANCHOR_PREFIX = b"N"
 _SEQ = struct.Struct(">Q")
 
 
@@ -114,6 +118,43 @@ class RocksAuditSink(AuditSink):
             self.advance(records)
             return records[0]
 
+    def put_anchors(self, anchors: Sequence[Anchor]) -> None:
+        """Store anchors (keyed by their n) in one synced write; one already stored under its n is
+        overwritten with the same bytes."""
+        if not anchors:
+            return
+        with self.lock:
+            batch = WriteBatch(raw_mode=True)
+            for anchor in anchors:
+                batch.put(ANCHOR_PREFIX + _SEQ.pack(anchor.n), anchor.to_json())
+            self._db.write(batch, self._write_opts)
+
+    def anchors(self) -> tuple[list[Anchor], list[str]]:
+        """(the stored anchors in n order, problems: entries that do not decode)."""
+        out: list[Anchor] = []
+        problems: list[str] = []
+        it = self._db.iter()
+        it.seek(ANCHOR_PREFIX)
+        while it.valid() and it.key().startswith(ANCHOR_PREFIX):
+            (n,) = _SEQ.unpack_from(it.key(), len(ANCHOR_PREFIX))
+            try:
+                out.append(Anchor.from_json(it.value()))
+            except ValueError as exc:
+                problems.append(f"store anchor n={n}: {exc}")
+            it.next()
+        return out, problems
+
+    def first_hash(self) -> str | None:
+        """The hash of record seq 1 (the chain's identity: a store started afresh has another), None
+        while the chain is empty or its first record does not decode."""
+        raw = self._db.get(audit_key(1))
+        if raw is None:
+            return None
+        try:
+            return AuditRecord.from_json(raw).hash
+        except AuditRecordError:
+            return None
+
     def iter_records(self, *, after: int = 0) -> Iterator[AuditRecord]:
         """Every record with seq > `after`, in seq order."""
         # Stored order is key order, which is seq order; a record whose key and seq disagree (a moved
@@ -125,6 +166,17 @@ class RocksAuditSink(AuditSink):
             if not key.startswith(AUDIT_PREFIX):
                 break
             yield AuditRecord.from_json(it.value())
+            it.next()
+
+    def iter_decodable(self) -> Iterator[AuditRecord]:
+        """Every record that decodes, in seq order (`verify` reports the others as a break)."""
+        it = self._db.iter()
+        it.seek(AUDIT_PREFIX)
+        while it.valid() and it.key().startswith(AUDIT_PREFIX):
+            try:
+                yield AuditRecord.from_json(it.value())
+            except AuditRecordError:
+                pass
             it.next()
 
     def verify(self) -> VerifyResult:

@@ -115,7 +115,7 @@ class VerifyAuditRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifyAuditResponse(_message.Message):
-    __slots__ = ("ok", "records", "first_break_seq", "reason", "head_seq", "head_hash", "chains", "first_break_chain")
+    __slots__ = ("ok", "records", "first_break_seq", "reason", "head_seq", "head_hash", "chains", "first_break_chain", "verdict", "store_chain", "problems", "anchors", "store_records_pending")
     OK_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BREAK_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,11 @@ class VerifyAuditResponse(_message.Message):
     HEAD_HASH_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BREAK_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    STORE_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    ANCHORS_FIELD_NUMBER: _ClassVar[int]
+    STORE_RECORDS_PENDING_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     records: int
     first_break_seq: int
@@ -132,7 +137,12 @@ class VerifyAuditResponse(_message.Message):
     head_hash: str
     chains: _containers.RepeatedCompositeFieldContainer[AuditChainVerdict]
     first_break_chain: str
-    def __init__(self, ok: _Optional[bool] = ..., records: _Optional[int] = ..., first_break_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_seq: _Optional[int] = ..., head_hash: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[AuditChainVerdict, _Mapping]]] = ..., first_break_chain: _Optional[str] = ...) -> None: ...
+    verdict: str
+    store_chain: AuditChainVerdict
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    anchors: int
+    store_records_pending: int
+    def __init__(self, ok: _Optional[bool] = ..., records: _Optional[int] = ..., first_break_seq: _Optional[int] = ..., reason: _Optional[str] = ..., head_seq: _Optional[int] = ..., head_hash: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[AuditChainVerdict, _Mapping]]] = ..., first_break_chain: _Optional[str] = ..., verdict: _Optional[str] = ..., store_chain: _Optional[_Union[AuditChainVerdict, _Mapping]] = ..., problems: _Optional[_Iterable[str]] = ..., anchors: _Optional[int] = ..., store_records_pending: _Optional[int] = ...) -> None: ...
 
 class AuditChainVerdict(_message.Message):
     __slots__ = ("chain", "ok", "records", "first_break_seq", "reason", "head_seq", "head_hash")

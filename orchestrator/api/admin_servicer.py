@@ -14,6 +14,7 @@ from orchestrator.api.context import ServiceContext
 from orchestrator.api.errors import InvalidRequestError, NotFoundError
 from orchestrator.api.status_table import unary_errors
 from orchestrator.db import (
+    AuditChecker,
     EffectivePolicy,
     PolicyRepository,
     SegmentRepository,
@@ -177,27 +178,42 @@ class AdminServicer:
     @unary_errors
     def VerifyAudit(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._ctx.auth.admin(context)
+        checker = self._ctx.audit_checker or AuditChecker(self._ctx.audit)
+        report = checker.verify()
         heads: dict[str, tuple[int, str]] = {}
-        response = self._pb.VerifyAuditResponse(ok=True)
-        for v in self._ctx.audit.verify_chains():
-            heads[v.chain] = (v.head_seq, v.head_hash)
-            chain = response.chains.add(
-                chain=v.chain,
-                ok=v.result.ok,
-                records=v.result.records,
-                reason=v.result.reason,
-                head_seq=v.head_seq,
-                head_hash=v.head_hash,
-            )
-            response.records += v.result.records
+        response = self._pb.VerifyAuditResponse(
+            ok=report.ok,
+            verdict=report.verdict,
+            problems=report.problems,
+            anchors=report.anchors,
+            store_records_pending=report.store_pending,
+        )
+        verdicts = [(v, response.chains.add()) for v in report.sql]
+        if report.store is not None:
+            verdicts.append((report.store, response.store_chain))
+        first_break = True
+        for v, chain in verdicts:
+            chain.chain = v.chain
+            chain.ok = v.result.ok
+            chain.records = v.result.records
+            chain.reason = v.result.reason
+            chain.head_seq = v.head_seq
+            chain.head_hash = v.head_hash
             if v.result.first_break_seq is not None:
                 chain.first_break_seq = v.result.first_break_seq
-            if not v.result.ok and response.ok:
-                response.ok = False
+            if v is report.store:
+                continue
+            heads[v.chain] = (v.head_seq, v.head_hash)
+            response.records += v.result.records
+        for v, _ in verdicts:
+            if not v.result.ok and first_break:
+                first_break = False
                 response.reason = v.result.reason
                 response.first_break_chain = v.chain
                 if v.result.first_break_seq is not None:
                     response.first_break_seq = v.result.first_break_seq
+        if first_break and report.problems:
+            response.reason = report.problems[0]
         response.head_seq = sum(seq for seq, _ in heads.values())
         response.head_hash = heads_digest(heads)
         return response

@@ -19,6 +19,7 @@ from orchestrator.api.running_turns import RunningTurns
 from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
 from orchestrator.db import (
+    AuditChecker,
     EffectivePolicy,
     Purger,
     SegmentRepository,
@@ -76,6 +77,8 @@ class ServiceContext:
     store_stats: Callable[[], StoreStats] | None = None
     # The served models for the Models service (None: the service answers UNIMPLEMENTED).
     model_catalog: ModelCatalog | None = None
+    # The whole audit check (both chains, their agreement, the anchors); None: the SQL chains alone.
+    audit_checker: AuditChecker | None = None
 
     def close(self) -> None:
         self.engine.dispose()

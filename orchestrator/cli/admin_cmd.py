@@ -193,8 +193,26 @@ def _audit_text(doc: dict[str, Any]) -> str:
     if "records" in doc and isinstance(doc["records"], list):
         columns = [(key, key) for key in ("seq", "ts_us", "actor", "action", "tenant", "subject", "nbytes")]
         return table_text(doc["records"], columns) if doc["records"] else "no audit records"
-    state = "ok" if doc["ok"] else f"BROKEN at seq {doc.get('first_break_seq')}: {doc['reason']}"
-    return f"audit chain {state}; {doc['records']} records, head seq {doc['head_seq']}"
+    verdict = doc.get("verdict") or ("ok" if doc["ok"] else "broken")
+    if verdict == "broken":
+        where = ""
+        if "first_break_seq" in doc:
+            where = f" chain {doc['first_break_chain']!r} seq {doc['first_break_seq']}"
+        state = f"BROKEN{where}: {doc['reason']}"
+    else:
+        state = verdict
+    lines = [f"audit {state}; {doc['records']} records, head seq {doc['head_seq']}"]
+    store = doc.get("store_chain")
+    if store:
+        pending = doc.get("store_records_pending", 0)
+        lines.append(f"store chain {store['chain']}: {'ok' if store.get('ok') else 'BROKEN'}, "
+                     f"{store.get('records', 0)} records, {pending} pending delivery")
+    if verdict != "unanchored":
+        lines.append(f"anchors checked: {doc.get('anchors', 0)}")
+    else:
+        lines.append("unanchored: no audit_anchor_key_file, so a cut or re-forged chain would pass")
+    lines.extend(f"problem: {p}" for p in doc.get("problems", []))
+    return "\n".join(lines)
 
 
 _TEXT: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -3,6 +3,7 @@
 Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per call or turn).
 """
 
+from orchestrator.db.audit_check import STORE_CHAIN_PREFIX, AuditChecker, AuditReport
 from orchestrator.db.audit_sink import NODE_CHAIN, ChainVerdict, SqlAuditSink, heads_digest
 from orchestrator.db.engine import make_engine, make_session_factory
 from orchestrator.db.migrate import downgrade, upgrade
@@ -27,6 +28,9 @@ from orchestrator.db.transactions import run_serializable, serializable_factory
 
 __all__ = [
     "NODE_CHAIN",
+    "STORE_CHAIN_PREFIX",
+    "AuditChecker",
+    "AuditReport",
     "ChainVerdict",
     "DurableSegment",
     "EffectivePolicy",

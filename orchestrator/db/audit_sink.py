@@ -252,6 +252,12 @@ class SqlAuditSink(AuditSink):
                     yield record_from_row(row)
                 after = rows[-1].seq
 
+    def mirrored(self) -> dict[str, AuditRecord]:
+        """Every record mirrored from a store record, by that store record's hash (`source_hash`)."""
+        with self._engine.connect() as conn:
+            rows = conn.execute(select(_LOG).where(_LOG.c.source_hash.is_not(None)))
+            return {row.source_hash: record_from_row(row) for row in rows}
+
     def heads(self) -> dict[str, tuple[int, str]]:
         """Every chain's head: chain -> (seq, hash)."""
         with self._engine.connect() as conn:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from model import ModelConfig, load_preset
 from orchestrator.api import PoolStats, ServiceContext, build_context
 from orchestrator.db import (
+    AuditChecker,
     EffectivePolicy,
     PolicyRepository,
     ReconcileReport,
@@ -34,7 +35,16 @@ from orchestrator.engine.turn_engine import TurnEngine
 from orchestrator.planner import CostTable
 from orchestrator.scheduler import MetricsObserver, build_scheduler
 from orchestrator.settings import Settings
-from storage import GlobalKVStore, PoolConfig, PurgeResult, RetentionPolicy, StoreConfig, WindowPool
+from storage import (
+    AnchorFile,
+    AnchorKey,
+    GlobalKVStore,
+    PoolConfig,
+    PurgeResult,
+    RetentionPolicy,
+    StoreConfig,
+    WindowPool,
+)
 
 __all__ = ["NodeService", "build_node", "PurgeFanout"]
 
@@ -131,6 +141,28 @@ def _sync_policies(ctx: ServiceContext, store: GlobalKVStore) -> int:
     return pushed
 
 
+def _audit_checker(
+    settings: Settings, ctx: ServiceContext, store: GlobalKVStore, clock: Callable[[], float]
+) -> AuditChecker:
+    """The node's audit check over the SQL log and the store's chain, anchored when a key file is set.
+
+    Raises:
+        ValueError: `audit_anchor_key_file` is set but cannot be read or holds too short a key.
+    """
+    key_file = settings.audit_anchor_key_file
+    key = AnchorKey.from_file(key_file) if key_file is not None else None
+    return AuditChecker(
+        ctx.audit,
+        store_audit=store.audit,
+        store_acked_seq=lambda: store.audit_acked_seq,
+        anchor_file=AnchorFile(settings.audit_anchor_file) if key is not None else None,
+        key=key,
+        node=ctx.node,
+        interval_s=settings.audit_anchor_interval_s,
+        clock=clock,
+    )
+
+
 def _drop_stale_turns(ctx: ServiceContext) -> int:
     """Delete RUNNING turn rows of this node's sessions: at start-up no turn runs here, so they are
     leftovers of a process that died mid-turn (they never became history)."""
@@ -158,6 +190,9 @@ class NodeService:
 
     def close(self) -> None:
         self.engine.scheduler.close()
+        if self.ctx.audit_checker is not None:
+            # A last anchor while the store is still open: a clean stop leaves no unanchored tail.
+            self.ctx.audit_checker.stop()
         self.store.stop_maintenance()
         self.store.close()
         self.ctx.close()
@@ -234,6 +269,7 @@ def build_node(
     store = GlobalKVStore(store_cfg, clock=clock, on_audit=ctx.audit.mirror)
     fanout.store = store
     ctx.store_stats = store.stats
+    ctx.audit_checker = _audit_checker(settings, ctx, store, clock)
 
     def on_policy_change(policy: EffectivePolicy, actor: str) -> None:
         store.set_policy(policy.tenant_id, _store_policy(policy), actor=actor)
@@ -280,6 +316,9 @@ def build_node(
     ctx.metrics.set_served_models({n: _model_labels(registry, n, loaded=preload) for n in registry.names})
     if maintenance:
         store.start_maintenance()
+    # After the store re-mirrored its unacknowledged records and the policy sync: the first anchor
+    # covers the chains as this start leaves them.
+    ctx.audit_checker.start()
     log.info(
         "node_ready",
         models={n: registry.spec(n).source for n in registry.names},  # type: ignore[union-attr]
