@@ -18,26 +18,17 @@ import structlog
 
 from orchestrator.api.context import ServiceContext
 from orchestrator.api.errors import (
-    CancelledError,
     InvalidRequestError,
     NotFoundError,
-    PreconditionError,
     ResourceExhaustedError,
     check_name_length,
     model_not_served,
 )
+from orchestrator.api.running_turns import TurnHandle
 from orchestrator.api.status_table import stream_errors, unary_errors
-from orchestrator.api.turn_log import log_turn_decision
-from orchestrator.api.turn_types import (
-    FinishReason,
-    GenerationSpec,
-    PlanEvent,
-    TokenChunkEvent,
-    TurnInput,
-    TurnStatsEvent,
-)
-from orchestrator.db import PolicyRepository, SessionRepository, TenantRepository, run_serializable
-from orchestrator.db.models import SessionStatus
+from orchestrator.api.turn_runner import create_session, generation_spec, owned_session, run_turn
+from orchestrator.api.turn_types import TurnInput
+from orchestrator.db import SessionRepository, run_serializable
 
 __all__ = ["SessionsServicer", "servicer_class"]
 
@@ -74,13 +65,7 @@ class SessionsServicer:
         self._pb = ctx.stubs.sessions
 
     def _get_owned(self, s: Any, session_id: str, tenant_id: str) -> Any:
-        if not session_id:
-            raise InvalidRequestError("session_id is required", field="session_id")
-        check_name_length("session_id", session_id)
-        row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
-        if row is None:
-            raise NotFoundError(f"session {session_id} not found")
-        return row
+        return owned_session(s, session_id, tenant_id)
 
     def _check_served(self, model: str) -> None:
         """A model name this node serves (when it knows its models): refused at once, not at the first
@@ -98,7 +83,6 @@ class SessionsServicer:
     @unary_errors
     def CreateSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.tenant(context)
-        settings = self._ctx.settings
         if not request.model:
             raise InvalidRequestError("model is required", field="model")
         self._check_served(request.model)
@@ -106,32 +90,13 @@ class SessionsServicer:
         if hint is not None and not hint > 0:
             raise InvalidRequestError(f"retention_s={hint} must be positive", field="retention.retention_s")
 
-        def work(s: Any) -> tuple[Any, float]:
-            tenant = TenantRepository(s).ensure(caller.tenant_id)
-            repo = SessionRepository(s)
-            if repo.count(tenant_id=tenant.id) >= settings.max_sessions_per_tenant:
-                raise ResourceExhaustedError(
-                    f"tenant {tenant.id} has {settings.max_sessions_per_tenant} sessions, the limit",
-                    reason="SESSION_LIMIT",
-                    retry_after_s=60.0,
-                )
-            policy = PolicyRepository(s).effective(
-                tenant.id,
-                default_floor_s=settings.retention_floor_s,
-                default_ceiling_s=settings.retention_ceiling_s,
-            )
-            granted = policy.clip_retention(hint)
-            row = repo.create(
-                tenant_id=tenant.id,
-                model=request.model,
-                retention_s=granted,
-                retention_hint_s=hint,
-                node=self._ctx.node,
-                region=settings.region,
-            )
-            return self._ctx.convert.session(row), granted
-
-        session, granted = run_serializable(self._ctx.serializable, work)
+        session, granted = create_session(
+            self._ctx,
+            tenant_id=caller.tenant_id,
+            model=request.model,
+            retention_hint_s=hint,
+            convert=self._ctx.convert.session,
+        )
         c = self._ctx.stubs.common
         if hint is None:
             outcome = c.RETENTION_OUTCOME_DEFAULTED
@@ -275,23 +240,15 @@ class SessionsServicer:
             self._check_served(request.model)
         check_name_length("request_id", request.request_id)
         g = request.generation
-        max_new = g.max_new_tokens or min(256, settings.max_new_tokens)
-        if max_new > settings.max_new_tokens:
-            raise InvalidRequestError(
-                f"max_new_tokens={max_new} exceeds the limit {settings.max_new_tokens}",
-                field="generation.max_new_tokens",
-            )
-        try:
-            spec = GenerationSpec(
-                max_new_tokens=max_new,
-                temperature=g.temperature,
-                top_p=g.top_p if g.top_p > 0 else 1.0,
-                top_k=g.top_k,
-                seed=g.seed if g.HasField("seed") else None,
-                stop_token_ids=tuple(g.stop_token_ids),
-            )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+        spec = generation_spec(
+            self._ctx,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            seed=g.seed if g.HasField("seed") else None,
+            stop_token_ids=tuple(g.stop_token_ids),
+        )
         return TurnInput(
             session_id=request.session_id,
             tenant_id=tenant_id,
@@ -309,119 +266,10 @@ class SessionsServicer:
         remaining = context.time_remaining()
         # Without a client deadline gRPC reports a practically infinite remaining time.
         turn = self._turn_input(request, caller.tenant_id, remaining if remaining < _NO_DEADLINE_S else None)
-        with self._ctx.sessions() as s:
-            row = self._get_owned(s, request.session_id, caller.tenant_id)
-            if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
-        handler = self._ctx.turn_handler
-        if handler is None:
-            raise NotImplementedError("this server has no turn engine configured")
-        handle = self._ctx.running.start(turn.session_id, turn.request_id, caller.tenant_id)
-        context.add_callback(lambda: handle.cancel("client cancelled"))
-        structlog.contextvars.bind_contextvars(session_id=turn.session_id, request_id=turn.request_id)
-        started = time.perf_counter()
-        plan_event: PlanEvent | None = None
-        outcome = "failed"
-        stats: TurnStatsEvent | None = None
-        generated = 0
-        # Seconds from `started` at which each token chunk was streamed (TTFT and inter-token latency).
-        chunk_at: list[float] = []
-        try:
-            for event in handler.run_turn(turn, handle):
-                # The stream contract (plan first, stats last) is what callers parse; enforce it here.
-                if (plan_event is None) != isinstance(event, PlanEvent) or stats is not None:
-                    raise RuntimeError(f"turn engine broke the event order with {type(event).__name__}")
-                if isinstance(event, PlanEvent):
-                    plan_event = event
-                    structlog.contextvars.bind_contextvars(turn_id=event.turn_index)
-                elif isinstance(event, TokenChunkEvent):
-                    generated += len(event.ids)
-                    chunk_at.append(time.perf_counter() - started)
-                else:
-                    stats = event
-                yield self._ctx.convert.turn_event(event, request_id=turn.request_id)
-            if stats is None:
-                raise RuntimeError("turn engine ended the stream without its stats")
-            outcome = "aborted" if stats.finish_reason == FinishReason.ABORTED else "done"
-        except CancelledError:
-            outcome = "aborted"
-            if plan_event is None:
-                raise
-            # A handler that stops by raising after its plan: the stream still ends with the turn's
-            # record (ABORTED, nothing kept), as the TurnHandler contract promises callers.
-            stats = TurnStatsEvent(
-                turn_index=plan_event.turn_index,
-                ttft_s=chunk_at[0] if chunk_at else 0.0,
-                decode_tokens_per_s=0.0,
-                counts=plan_event.plan.counts,
-                generated_tokens=generated,
-                finish_reason=FinishReason.ABORTED,
-                total_s=time.perf_counter() - started,
-                persisted=False,
-                kept=False,
-            )
-            yield self._ctx.convert.turn_event(stats, request_id=turn.request_id)
-        except GeneratorExit:
-            # The client went away mid-stream (gRPC closes the generator).
-            outcome = "aborted"
-            raise
-        finally:
-            self._ctx.running.finish(handle)
-            if plan_event is not None:
-                self._report(
-                    turn, plan_event, stats, outcome, generated, time.perf_counter() - started, chunk_at
-                )
-            structlog.contextvars.unbind_contextvars("session_id", "request_id", "turn_id")
+        convert = self._ctx.convert
 
-    def _report(
-        self,
-        turn: TurnInput,
-        plan_event: PlanEvent,
-        stats: TurnStatsEvent | None,
-        outcome: str,
-        generated: int,
-        elapsed_s: float,
-        chunk_at: list[float],
-    ) -> None:
-        """Metrics and the canonical log line of a turn that got as far as its plan.
+        def on_start(handle: TurnHandle) -> None:
+            context.add_callback(lambda: handle.cancel("client cancelled"))
 
-        Args:
-            chunk_at: seconds after the servicer took the turn at which each token chunk was streamed;
-                the first is the TTFT of a turn that ended without stats (aborted, failed).
-        """
-        plan = plan_event.plan
-        m = self._ctx.metrics
-        path, model = str(plan.path), plan.model
-        m.turns.labels(model=model, path=path, outcome=outcome).inc()
-        for kind in ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped"):
-            m.turn_tokens.labels(model=model, kind=kind).inc(getattr(plan.counts, kind))
-        m.turn_latency.labels(model=model, path=path).observe(stats.total_s if stats else elapsed_s)
-        ttft = stats.ttft_s if stats is not None else (chunk_at[0] if chunk_at else None)
-        if ttft is not None:
-            m.ttft.labels(model=model, path=path).observe(ttft)
-        m.generated_tokens.labels(model=model).inc(generated)
-        itl = m.inter_token.labels(model=model)
-        for before, after in zip(chunk_at, chunk_at[1:], strict=False):
-            itl.observe(after - before)
-        # Residency (plan.persist False) and an abort that keeps nothing are not failures; a refused or
-        # failed store write is.
-        if stats is not None and stats.kept and plan.persist and not stats.persisted:
-            m.persist_failures.labels(model=model).inc()
-        if stats is not None:
-            finish: str | None = str(stats.finish_reason)
-        else:
-            finish = str(FinishReason.ABORTED) if outcome == "aborted" else None
-        log_turn_decision(
-            session_id=turn.session_id,
-            tenant=turn.tenant_id,
-            turn_index=plan_event.turn_index,
-            request_id=turn.request_id,
-            plan=plan,
-            outcome=outcome,
-            finish_reason=finish,
-            ttft_s=ttft,
-            decode_tokens_per_s=stats.decode_tokens_per_s if stats else None,
-            total_s=stats.total_s if stats else elapsed_s,
-            generated_tokens=generated,
-            persisted=stats.persisted if stats else False,
-        )
+        for event in run_turn(self._ctx, turn, on_start=on_start):
+            yield convert.turn_event(event, request_id=turn.request_id)

@@ -2,7 +2,8 @@
 
 Only orchestrator/ maps exceptions to status codes (STYLE rule 14), and only here. Every failed call carries
 google.rpc.Status details: an ErrorInfo (stable reason, domain kvresume.v1, the field at fault) and, on
-RESOURCE_EXHAUSTED, UNAVAILABLE and a concurrent turn, a RetryInfo.
+RESOURCE_EXHAUSTED, UNAVAILABLE and a concurrent turn, a RetryInfo. The HTTP column (`HTTP_BY_CODE`,
+`http_error_for`) gives the HTTP front door's status and OpenAI error type for the same errors.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ from storage import StorageError, StoreClosedError
 __all__ = [
     "STATUS_TABLE",
     "ERROR_DOMAIN",
+    "HTTP_BY_CODE",
+    "HTTP_BY_REASON",
     "CallerError",
+    "HttpError",
     "error_for",
+    "http_error_for",
     "rich_status",
     "status_for",
     "unary_errors",
@@ -56,6 +61,28 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED, "UNIMPLEMENTED"),
     (StorageError, grpc.StatusCode.INTERNAL, "INTERNAL"),
 )
+# The HTTP column of the table: each status code's HTTP status and OpenAI error `type` (what the HTTP front
+# door answers; the openai client raises its error class by the HTTP status).
+HTTP_BY_CODE: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    # a closed session, or a turn already running on it (TURN_RUNNING): a conflict with its state
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    # nginx's "client closed request": the caller went away before its turn was planned
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+}
+# Reasons whose HTTP status differs from their code's: a request over a size limit is not helped by a retry
+# (429 would make OpenAI clients retry it), so it is a 400 as OpenAI answers a context-length overflow.
+HTTP_BY_REASON: dict[str, tuple[int, str]] = {
+    "REQUEST_TOO_LARGE": (400, "invalid_request_error"),
+}
 # The ErrorInfo domain of every error (kvresume.client.ERROR_DOMAIN says the same to clients).
 ERROR_DOMAIN = "kvresume.v1"
 # When the caller may retry an UNAVAILABLE registry or store.
@@ -88,6 +115,28 @@ def error_for(exc: BaseException) -> CallerError:
                 retry = _UNAVAILABLE_RETRY_S
             return CallerError(code=code, message=message, reason=reason, field=field, retry_after_s=retry)
     return CallerError(code=grpc.StatusCode.INTERNAL, message="internal error", reason="INTERNAL")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpError:
+    """What a failed HTTP request tells its caller: status, OpenAI error type, and the details."""
+
+    status: int
+    type: str
+    message: str
+    reason: str
+    field: str | None = None
+    retry_after_s: float | None = None
+
+
+def http_error_for(exc: BaseException) -> HttpError:
+    """The HTTP form of an exception, through the same table as its gRPC status (500 when unexpected)."""
+    err = error_for(exc)
+    status, kind = HTTP_BY_REASON.get(err.reason) or HTTP_BY_CODE[err.code]
+    retry = err.retry_after_s if status != 400 else None
+    return HttpError(
+        status=status, type=kind, message=err.message, reason=err.reason, field=err.field, retry_after_s=retry
+    )
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
