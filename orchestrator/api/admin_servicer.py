@@ -5,13 +5,15 @@ Every call needs the admin token; every change appends an audit record in the sa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
+import structlog
 from sqlalchemy import func, select
 
 from orchestrator.api.context import ServiceContext
-from orchestrator.api.errors import InvalidRequestError, NotFoundError
+from orchestrator.api.errors import InvalidRequestError, NotFoundError, UnavailableError, check_name_length
 from orchestrator.api.status_table import unary_errors
 from orchestrator.db import (
     AuditChecker,
@@ -27,8 +29,12 @@ from storage import AuditAction, AuditEvent
 
 __all__ = ["AdminServicer", "servicer_class"]
 
+log = structlog.get_logger(__name__)
+
 _DEFAULT_AUDIT_PAGE = 100
 _MAX_AUDIT_PAGE = 10000
+# Region labels one residency policy may list (a policy is one row; labels are short names).
+_MAX_REGIONS = 64
 
 
 def servicer_class(ctx: ServiceContext) -> type:
@@ -51,8 +57,30 @@ class AdminServicer:
     @staticmethod
     def _tenant_id(value: str) -> str:
         if not value:
-            raise InvalidRequestError("tenant_id is required")
+            raise InvalidRequestError("tenant_id is required", field="tenant_id")
+        check_name_length("tenant_id", value)
         return value
+
+    @staticmethod
+    def _check_retention(floor_s: float, ceiling_s: float) -> None:
+        """Every float finite and in range, before anything is written (an inf or NaN row would be
+        refused by the store at every later start, and SQLite stores NaN as NULL)."""
+        if not (math.isfinite(floor_s) and floor_s >= 0):
+            raise InvalidRequestError(f"floor_s={floor_s} must be finite and >= 0", field="floor_s")
+        if not (math.isfinite(ceiling_s) and ceiling_s > 0):
+            raise InvalidRequestError(f"ceiling_s={ceiling_s} must be finite and > 0", field="ceiling_s")
+
+    @staticmethod
+    def _check_regions(regions: list[str]) -> None:
+        if len(regions) > _MAX_REGIONS:
+            raise InvalidRequestError(
+                f"allowed_regions lists {len(regions)} labels, more than {_MAX_REGIONS}",
+                field="allowed_regions",
+            )
+        for region in regions:
+            if not region:
+                raise InvalidRequestError("allowed_regions contains an empty label", field="allowed_regions")
+            check_name_length("allowed_regions", region)
 
     @unary_errors
     def GetRetentionPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -77,13 +105,26 @@ class AdminServicer:
     ) -> EffectivePolicy:
         caller = self._ctx.auth.admin(context)
         tenant_id = self._tenant_id(tenant_id)
+        if retention is not None:
+            self._check_retention(*retention)
+        if regions is not None:
+            self._check_regions(regions)
+        prior: list[tuple[float, float, list[str]] | None] = []
 
         def work(s: Any) -> EffectivePolicy:
             TenantRepository(s).ensure(tenant_id)
+            row = PolicyRepository(s).get(tenant_id)
+            prior[:] = [
+                None if row is None
+                else (row.retention_floor_s, row.retention_ceiling_s, list(row.allowed_regions))
+            ]
             current = self._effective(s, tenant_id)
             floor, ceiling = retention if retention is not None else (current.floor_s, current.ceiling_s)
             allowed = regions if regions is not None else list(current.allowed_regions)
             PolicyRepository(s).set(tenant_id, floor_s=floor, ceiling_s=ceiling, allowed_regions=allowed)
+            # The store accepts the policy before SQL commits: a policy it refuses rolls this back.
+            if self._ctx.check_policy is not None:
+                self._ctx.check_policy(self._effective(s, tenant_id))
             what = (
                 f"retention:floor_s={floor:g},ceiling_s={ceiling:g}"
                 if retention is not None
@@ -105,8 +146,48 @@ class AdminServicer:
 
         policy = run_serializable(self._ctx.serializable, work)
         if self._ctx.on_policy_change is not None:
-            self._ctx.on_policy_change(policy, caller.actor)
+            try:
+                self._ctx.on_policy_change(policy, caller.actor)
+            except Exception as exc:
+                # The store failed to apply what it accepted (a closed store, a full disk): put SQL back
+                # as it was, so that both keep the old policy and the caller can retry.
+                self._restore_policy(tenant_id, prior[0] if prior else None, caller.actor, exc)
+                raise UnavailableError(
+                    f"the store could not apply the policy of tenant {tenant_id!r} (the registry keeps the "
+                    f"previous one): {exc}"
+                ) from exc
         return policy
+
+    def _restore_policy(
+        self, tenant_id: str, prior: tuple[float, float, list[str]] | None, actor: str, exc: Exception
+    ) -> None:
+        def work(s: Any) -> None:
+            repo = PolicyRepository(s)
+            if prior is None:
+                row = repo.get(tenant_id)
+                if row is not None:
+                    s.delete(row)
+                    s.flush()
+                what = "restored:default"
+            else:
+                floor, ceiling, regions = prior
+                repo.set(tenant_id, floor_s=floor, ceiling_s=ceiling, allowed_regions=regions)
+                what = f"restored:floor_s={floor:g},ceiling_s={ceiling:g},regions={','.join(regions) or '*'}"
+            self._ctx.audit.append_in(
+                s,
+                [
+                    AuditEvent(
+                        actor=actor,
+                        action=AuditAction.POLICY_CHANGE,
+                        tenant=tenant_id,
+                        subject=what,
+                        reason="store_apply_failed",
+                    )
+                ],
+            )
+
+        run_serializable(self._ctx.serializable, work)
+        log.error("policy_change_reverted", tenant=tenant_id, error=str(exc))
 
     @unary_errors
     def SetRetentionPolicy(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -69,6 +69,9 @@ class ServiceContext:
     node: str
     turn_handler: TurnHandler | None = None
     pool_stats: Callable[[], PoolStats] | None = None
+    # Called inside a policy change's transaction, before it commits: raises ValueError for a policy
+    # the store would refuse, so that SQL never holds one (the store's validation, no write).
+    check_policy: Callable[[EffectivePolicy], None] | None = None
     # Called after a policy change commits (e.g. to apply it to the store: GlobalKVStore.set_policy).
     on_policy_change: Callable[[EffectivePolicy, str], None] | None = None
     # Names of the models this node serves (None: not known here, nothing is checked at CreateSession).

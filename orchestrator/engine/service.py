@@ -116,28 +116,34 @@ def _sync_policies(ctx: ServiceContext, store: GlobalKVStore) -> int:
     while the node was down, or on another replica, reaches it here. Returns how many were pushed.
     """
     settings = ctx.settings
+    policies: list[EffectivePolicy] = []
     with ctx.sessions() as s:
-        policies = [
-            PolicyRepository(s).effective(
-                tenant,
-                default_floor_s=settings.retention_floor_s,
-                default_ceiling_s=settings.retention_ceiling_s,
-            )
-            for tenant in TenantRepository(s).list_ids()
-        ]
+        repo = PolicyRepository(s)
+        for tenant in TenantRepository(s).list_ids():
+            try:
+                policies.append(
+                    repo.effective(
+                        tenant,
+                        default_floor_s=settings.retention_floor_s,
+                        default_ceiling_s=settings.retention_ceiling_s,
+                    )
+                )
+            except ValueError as exc:
+                # No stored row may stop a node from starting (see below).
+                log.error("policy_sync_refused", tenant=tenant[:128], error=str(exc)[:1024])
     pushed = 0
     for policy in policies:
         try:
             wanted = _store_policy(policy)
+            # Equal copies are skipped so that a restart does not write one audit record per tenant.
+            if store.get_policy(policy.tenant_id) != wanted:
+                store.set_policy(policy.tenant_id, wanted, actor="node_start", reason="sync_from_registry")
+                pushed += 1
         except ValueError as exc:
-            # A row the store cannot hold (written by an older version that validated less) must not
-            # stop the node: the store keeps its current copy, and the admin can set a valid policy.
-            log.error("policy_sync_refused", tenant=policy.tenant_id, error=str(exc))
-            continue
-        # Equal copies are skipped so that a restart does not write one audit record per tenant.
-        if store.get_policy(policy.tenant_id) != wanted:
-            store.set_policy(policy.tenant_id, wanted, actor="node_start", reason="sync_from_registry")
-            pushed += 1
+            # A row the store cannot hold (written by an older version that validated less, or a tenant
+            # id longer than the store's) must not stop the node: the store keeps its current copy, and
+            # the admin can set a valid policy.
+            log.error("policy_sync_refused", tenant=policy.tenant_id[:128], error=str(exc)[:1024])
     return pushed
 
 
@@ -276,6 +282,11 @@ def build_node(
         if not policy.may_store_in(settings.region):
             pool.discard_tenant(policy.tenant_id)
 
+    def check_policy(policy: EffectivePolicy) -> None:
+        # The store's own validation (RetentionPolicy); tenant ids were bounded at the edge.
+        _store_policy(policy)
+
+    ctx.check_policy = check_policy
     ctx.on_policy_change = on_policy_change
     costs = (
         CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
