@@ -24,7 +24,14 @@ from storage.audit_record import (
     verify_chain,
 )
 from storage.audit_rocks import RocksAuditSink
-from storage.errors import AuditRecordError, StorageError, StoreClosedError, StoreFormatError
+from storage.errors import (
+    AuditRecordError,
+    StorageError,
+    StoreClosedError,
+    StoreDamagedError,
+    StoreFormatError,
+    StoreVersionError,
+)
 from storage.kv_store import GlobalKVStore
 from storage.policy import DEFAULT_CEILING_S, DEFAULT_FLOOR_S, RetentionPolicy
 from storage.prefix_index import (
@@ -34,7 +41,10 @@ from storage.prefix_index import (
     longest_prefix_by_scan,
     prefix_digests,
 )
+from storage.quarantine import QuarantineArea, QuarantinedStore
 from storage.store_config import StoreConfig
+from storage.store_health import HealthReason, StoreHealth
+from storage.store_open import CheckStatus, StoreCheck, StoreRepair, check_store, open_store, repair_store
 from storage.store_results import (
     ChunkSpan,
     LookupResult,
@@ -67,9 +77,11 @@ __all__ = [
     "AuditRecord",
     "AuditRecordError",
     "AuditSink",
+    "CheckStatus",
     "ChunkSpan",
     "ContentKey",
     "GlobalKVStore",
+    "HealthReason",
     "LookupResult",
     "MaintenanceReport",
     "Miss",
@@ -83,24 +95,34 @@ __all__ = [
     "PrefixResult",
     "PurgeResult",
     "PutResult",
+    "QuarantineArea",
+    "QuarantinedStore",
     "RecoveryReport",
     "Refusal",
     "RefusalKind",
     "RetentionPolicy",
     "RocksAuditSink",
     "StorageError",
+    "StoreCheck",
     "StoreClosedError",
     "StoreConfig",
+    "StoreDamagedError",
     "StoreFormatError",
+    "StoreHealth",
+    "StoreRepair",
     "StoreStats",
+    "StoreVersionError",
     "TenantStats",
     "VerifyResult",
     "WindowPool",
     "canonical_json",
     "chain_hash",
+    "check_store",
     "history_digest",
     "longest_prefix_by_scan",
+    "open_store",
     "prefix_digests",
+    "repair_store",
     "seal",
     "verify_chain",
 ]

@@ -34,6 +34,7 @@ class AuditAction(StrEnum):
     PURGE = "purge"
     POLICY_CHANGE = "policy_change"
     CHECKPOINT = "checkpoint"
+    QUARANTINE = "quarantine"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -242,12 +242,23 @@ class ChunkWriter:
         inflight_bytes = sum(m.value_len for m in self._inflight.values())
         need = (
             self._index.bytes_stored
+            + self._quarantined_bytes
             + inflight_bytes
             - replaced_bytes
             + new_bytes
             - self.config.capacity_bytes
         )
         evicted = 0
+        if need > 0 and self._quarantined_bytes:
+            # Quarantined copies go first: nothing can be served from them.
+            before, drop, covered = self._quarantined_bytes, [], 0
+            for entry in self.quarantine.list():
+                if covered >= need:
+                    break
+                drop.append(entry)
+                covered += entry.nbytes
+            self._drop_quarantined(drop, actor=ACTOR, reason="capacity")
+            need -= before - self._quarantined_bytes
         if need > 0:
             protect = {addr for _, _, addr, _, _, _ in plan}
             victims = self._pick_victims(need, protect, now)

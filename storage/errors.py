@@ -21,3 +21,16 @@ class StoreFormatError(StorageError):
 class AuditRecordError(StorageError):
     """An audit record could not be decoded (bad JSON, missing or unknown field). Treat the log as
     tampered: run `verify()` and report the first break."""
+
+
+class StoreDamagedError(StorageError):
+    """The database cannot be read whole: RocksDB reports corruption or an I/O error, a file it needs
+    (MANIFEST, CURRENT, an SST) is damaged, or one of the store's own entries does not decode. The
+    store is a cache of data SQL holds authoritatively: quarantine the directory (`open_store` does,
+    `kvresume admin store repair` offline) and start empty; never delete entries of it in place."""
+
+
+class StoreVersionError(StoreFormatError):
+    """The directory holds a store of a newer on-disk format than this code knows. Run the newer
+    version (or point this one at another directory); it is neither opened nor quarantined, so a
+    downgrade never wipes a newer store."""

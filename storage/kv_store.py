@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -40,24 +41,15 @@ from storage.chunk_index import (
     CHECKPOINT_CEILING,
     CHUNK,
     CLOCK_HWM,
-    EXPIRY,
     F64,
     FORMAT,
-    META,
-    MODEL_IDX,
-    POLICY,
-    REF,
     SALT,
     SESSION_IDX,
     STORE_FORMAT_VERSION,
-    TENANT_IDX,
     ChunkIndex,
     ChunkMeta,
-    index_keys,
 )
 from storage.chunk_key import (
-    ADDRESS_BYTES,
-    TAG_BYTES,
     chain_root,
     check_id,
     chunk_address,
@@ -66,10 +58,12 @@ from storage.chunk_key import (
     token_bytes,
 )
 from storage.chunk_writer import ACTOR, ChunkWriter
-from storage.errors import StoreClosedError, StoreFormatError
+from storage.errors import AuditRecordError, StoreClosedError, StoreDamagedError, StoreFormatError
 from storage.policy import RetentionPolicy
+from storage.quarantine import QUARANTINE_DIR, QuarantineArea, QuarantinedStore
 from storage.retention import RetentionOps
 from storage.store_config import StoreConfig
+from storage.store_health import HealthReason, StoreHealth, WriteHealth
 from storage.store_results import (
     ChunkSpan,
     LookupResult,
@@ -80,6 +74,7 @@ from storage.store_results import (
     StoreStats,
     TenantStats,
 )
+from storage.store_scan import iter_prefix, scan_store
 from storage.wal_sync import GroupSync, ReleaseHookLock
 
 log = structlog.get_logger(__name__)
@@ -118,7 +113,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             store opens again (so the consumer must skip records it already holds).
 
     Raises:
-        StoreFormatError: the directory holds a database of another store format.
+        StoreVersionError: the directory holds a store of a newer format (nothing was written).
+        StoreFormatError: the directory holds data without a store format mark.
+        StoreDamagedError: the database cannot be read whole or an entry of ours does not decode;
+            nothing was written (`store_open.open_store` quarantines it and opens an empty store).
     """
 
     def __init__(
@@ -155,17 +153,57 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         self._hwm = 0.0
         self._maintenance_thread: threading.Thread | None = None
         self._maintenance_stop = threading.Event()
-        config.db_path.mkdir(parents=True, exist_ok=True)
-        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self._db = Rdict(str(config.db_path), _db_options())
-        self._db.set_read_options(_read_options())
-        self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)  # type: ignore[arg-type]
         self._sync_guard = threading.Lock()
         self._db_closed = False
         self._wal = GroupSync(self._sync_wal)
-        self.recovery = self._recover()
+        self._writes = WriteHealth()
+        self._read_error: str | None = None
+        self.quarantine = QuarantineArea(config.path)
+        # Set by store_open.open_store when it moved a damaged database aside before this open.
+        self.quarantined_at_open: QuarantinedStore | None = None
+        self._open_db()
+        # Quarantined copies count against capacity (retention.py); cached, refreshed when they change.
+        self._quarantined_bytes = sum(e.nbytes for e in self.quarantine.list())
         log.info("store_opened", path=config.path, **self.recovery.__dict__)
-        self._redeliver()
+
+    def _open_db(self) -> None:
+        """Open the database and recover the index from it, or raise without writing anything.
+
+        Raises:
+            StoreVersionError: a newer store format (never opened, never quarantined).
+            StoreFormatError: data without a store format mark.
+            StoreDamagedError: anything that keeps the database from being read whole, or a read
+                error recorded while it last served.
+        """
+        config = self.config
+        mark = self.quarantine.damage_mark()
+        if mark is not None:
+            raise StoreDamagedError(f"{config.db_path}: a read error was recorded while serving: {mark}")
+        config.db_path.mkdir(parents=True, exist_ok=True)
+        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = Rdict(str(config.db_path), _db_options())
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises a plain Exception for every RocksDB status
+            raise StoreDamagedError(f"{config.db_path}: the database does not open: {exc}") from exc
+        try:
+            self._db.set_read_options(_read_options())
+            self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)  # type: ignore[arg-type]
+            self.recovery = self._recover()
+            self._redeliver()
+        except StoreFormatError:
+            self._db.close()
+            raise
+        except StoreDamagedError:
+            self._db.close()
+            raise
+        except Exception as exc:
+            self._db.close()
+            # rocksdict raises a plain Exception carrying RocksDB's status, and an entry of ours that
+            # does not decode raises struct.error or AuditRecordError; anything else is a bug
+            # of ours and must not be mistaken for damage (that would move a healthy store aside).
+            if type(exc) is not Exception and not isinstance(exc, AuditRecordError | struct.error):
+                raise
+            raise StoreDamagedError(f"{config.db_path}: {exc}") from exc
 
     @property
     def audit(self) -> RocksAuditSink:
@@ -241,8 +279,14 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
     def _sync_wal(self) -> None:
         # A sync racing close() finds the database closed; close() synced every write before that.
         with self._sync_guard:
-            if not self._db_closed:
+            if self._db_closed:
+                return
+            try:
                 self._db.flush_wal(True)
+            except Exception as exc:
+                self._writes.failed(str(exc))
+                raise
+            self._writes.ok()
 
     def _commit(self, batch: WriteBatch, events: list[AuditEvent]) -> list[AuditRecord]:
         """Write `batch` plus the audit records of `events`, the clock mark and the audit ack mark,
@@ -255,7 +299,11 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         batch.put(CLOCK_HWM, F64.pack(now))
         with self._ack_lock:
             batch.put(AUDIT_ACK, SEQ.pack(self._ack_mark))
-        self._db.write(batch, self._nosync_opts)
+        try:
+            self._db.write(batch, self._nosync_opts)
+        except Exception as exc:
+            self._writes.failed(str(exc))
+            raise
         state = self._pending_state()
         state.ticket = self._wal.note_write()
         self._stats.synced_writes += 1
@@ -280,51 +328,27 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         return super()._delete_chunks(addrs, action=action, actor=actor, reason=reason)
 
     def _recover(self) -> RecoveryReport:
+        """Rebuild the index from disk and remove leftovers of interrupted operations. Deletes only
+        after the scan read every entry without an error (store_scan.py); raises before any write
+        otherwise."""
         db = self._db
-        fmt = db.get(FORMAT)
-        if fmt is None:
-            if any(True for _ in self._iter_prefix(b"")):
-                raise StoreFormatError(f"{self.config.db_path} holds data without a store format mark")
+        where = str(self.config.db_path)
+        found = scan_store(db, where)
+        if not found.formatted:
             db.put(FORMAT, STORE_FORMAT_VERSION, self._write_opts)
-        elif fmt != STORE_FORMAT_VERSION:
-            raise StoreFormatError(
-                f"{self.config.db_path} has store format {fmt!r}, not {STORE_FORMAT_VERSION!r}"
-            )
-        raw_hwm = db.get(CLOCK_HWM)
-        self._hwm = F64.unpack(raw_hwm)[0] if raw_hwm is not None else 0.0
-        for key, salt in self._iter_prefix(SALT, values=True):
-            tenant = key[1:].decode()
-            self._salts[tenant] = salt
-            self._tenant_of_tag[tenant_tag(salt)] = tenant
-        for key, raw in self._iter_prefix(POLICY, values=True):
-            self._policies[key[1:].decode()] = RetentionPolicy.from_json(raw)
-        metas: list[tuple[bytes, ChunkMeta]] = []
-        leftovers: list[bytes] = []
-        for key, raw in self._iter_prefix(META, values=True):
-            meta = ChunkMeta.decode(raw)
-            if meta is None or len(key) != 1 + ADDRESS_BYTES:
-                leftovers.append(key)
-            else:
-                metas.append((key[1:], meta))
-        values = {key[1:] for key, _ in self._iter_prefix(CHUNK)}
-        for addr, meta in sorted(metas, key=lambda item: item[1].created_at):
-            if addr in values:
-                self._index.add(addr, meta)
-            else:
-                leftovers.extend(index_keys(addr, meta))
-        known = self._index.meta
-        leftovers.extend(CHUNK + a for a in values if a not in known)
-        # Index entries end with the address; references start with it.
-        for prefix, addr_at in ((EXPIRY, 9), (TENANT_IDX, 1 + TAG_BYTES), (MODEL_IDX, 1 + TAG_BYTES)):
-            leftovers.extend(k for k, _ in self._iter_prefix(prefix) if k[addr_at:] not in known)
-        leftovers.extend(k for k, _ in self._iter_prefix(REF) if k[1 : 1 + ADDRESS_BYTES] not in known)
-        leftovers.extend(k for k, _ in self._iter_prefix(SESSION_IDX) if k[1 + TAG_BYTES :] not in known)
+        self._hwm = found.clock_high_water
+        self._salts.update(found.salts)
+        self._tenant_of_tag.update({tenant_tag(salt): t for t, salt in found.salts.items()})
+        self._policies.update(found.policies)
+        for addr, meta in found.chunks:
+            self._index.add(addr, meta)
+        leftovers = found.leftovers
         if leftovers:
             batch = WriteBatch(raw_mode=True)
-            for key in set(leftovers):
+            for key in leftovers:
                 batch.delete(key)
             self._db.write(batch, self._write_opts)
-            log.warning("store_leftovers_removed", count=len(set(leftovers)))
+            log.warning("store_leftovers_removed", count=len(leftovers))
         stale = 0
         for entry in self.config.checkpoint_dir.iterdir():
             # RocksDB builds a checkpoint in `<name>.tmp` and renames it when complete.
@@ -332,7 +356,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                 shutil.rmtree(entry, ignore_errors=True)
                 stale += 1
         existing = {p.name.encode() for p in self.config.checkpoint_dir.iterdir()}
-        gone = [k for k, _ in self._iter_prefix(CHECKPOINT_CEILING) if k[1:] not in existing]
+        gone = [CHECKPOINT_CEILING + name for name in found.checkpoint_ceilings if name not in existing]
         if gone:
             batch = WriteBatch(raw_mode=True)
             for key in gone:
@@ -343,22 +367,33 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             chunks=len(self._index),
             bytes_stored=self._index.bytes_stored,
             tenants=len(self._salts),
-            orphans_removed=len(set(leftovers)),
+            orphans_removed=len(leftovers),
             stale_checkpoints_removed=stale,
             audit_head_seq=self._audit.head()[0],
             clock_high_water=self._hwm,
         )
 
     def _iter_prefix(self, prefix: bytes, *, values: bool = False):
-        """Yield (key, value or None) for keys starting with `prefix`, in key order."""
-        it = self._db.iter()
-        it.seek(prefix)
-        while it.valid():
-            key = it.key()
-            if not key.startswith(prefix):
-                return
-            yield key, (it.value() if values else None)
-            it.next()
+        """Yield (key, value or None) for keys starting with `prefix`, in key order.
+
+        Raises:
+            StoreDamagedError: RocksDB stopped the iteration with an error; while serving, the store
+                is marked damaged first (`health()`, and quarantine at the next open).
+        """
+        try:
+            yield from iter_prefix(self._db, prefix, values=values, where=str(self.config.db_path))
+        except StoreDamagedError as exc:
+            if hasattr(self, "recovery"):
+                self._on_read_error(str(exc))
+            raise
+
+    def _on_read_error(self, detail: str) -> None:
+        """A read failed while serving: report it in `health()` and leave the mark that makes the
+        next open quarantine this database (its own entries may not be writable any more)."""
+        if self._read_error is None:
+            self._read_error = detail
+            self.quarantine.mark_damaged(detail, now=self._clock())
+            log.error("store_read_error", detail=detail)
 
     def _salt(self, tenant: str, *, create: bool) -> bytes | None:
         salt = self._salts.get(tenant)
@@ -447,7 +482,12 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             salt = self._salts.get(tenant)
         ttag = tenant_tag(salt) if salt is not None else b""
         for span in found.spans:
-            value = self._db.get(CHUNK + span.address)
+            try:
+                value = self._db.get(CHUNK + span.address)
+            except Exception as exc:  # noqa: BLE001 - rocksdict raises a plain Exception for RocksDB errors
+                self._on_read_error(f"{self.config.db_path}: reading a chunk value failed: {exc}")
+                miss = Miss(reason=MissReason.CORRUPT, at_token=span.start, detail="read_error")
+                break
             if value is None:
                 with self._lock:
                     indexed = span.address in self._index.meta
@@ -514,6 +554,65 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             snap.bytes_stored = self._index.bytes_stored
             snap.tenants = len(self._salts)
             return snap
+
+    def health(self) -> StoreHealth:
+        """Whether the store serves as a cache now, and why not (store_health.py)."""
+        entries = self.quarantine.list()
+        reasons: list[HealthReason] = []
+        details: list[str] = []
+        if entries:
+            reasons.append(HealthReason.QUARANTINED)
+            latest = entries[-1]
+            details.append(f"{len(entries)} quarantined store(s), latest {latest.name}: {latest.detail}")
+        if self._read_error is not None:
+            reasons.append(HealthReason.READ_ERROR)
+            details.append(self._read_error)
+        if self._writes.failing:
+            reasons.append(HealthReason.WRITE_FAILING)
+            failures, error = self._writes.failures, self._writes.last_error
+            details.append(f"{failures} write attempts failed in a row: {error}")
+        return StoreHealth(
+            reasons=tuple(reasons),
+            detail="; ".join(details),
+            quarantined_stores=len(entries),
+            quarantined_bytes=sum(e.nbytes for e in entries),
+            consecutive_write_failures=self._writes.failures,
+        )
+
+    def probe_write(self) -> bool:
+        """Write and sync the clock and ack marks once: whether the disk takes writes now. A health
+        poller calls this while writes fail, so that health recovers when space returns even if no
+        turn writes in the meantime."""
+        with self._lock:
+            if self._closed:
+                return False
+            try:
+                self._commit(WriteBatch(raw_mode=True), [])
+            except Exception:  # noqa: BLE001 - the failure is what the probe measures (counted by _commit)
+                return False
+            ticket, records = self._take_pending()
+        try:
+            self._wal.wait(ticket)
+        except Exception:  # noqa: BLE001 - the failure is what the probe measures (counted by _sync_wal)
+            return False
+        if records:
+            self._deliver(records)
+        return True
+
+    def record_quarantine(self, entry: QuarantinedStore, *, actor: str = ACTOR) -> None:
+        """Write the audit record of a database moved aside (into this, the fresh store's, chain)."""
+        event = AuditEvent(
+            actor=actor,
+            action=AuditAction.QUARANTINE,
+            tenant="",
+            subject=f"store:{QUARANTINE_DIR}/{entry.name}",
+            reason=entry.reason,
+            nbytes=entry.nbytes,
+        )
+        with self._lock:
+            self._check_open()
+            self._commit(WriteBatch(raw_mode=True), [event])
+        self._quarantined_bytes = sum(e.nbytes for e in self.quarantine.list())
 
     def tenant_stats(self, tenant: str) -> TenantStats:
         """What this tenant has stored on this node; says nothing about any other tenant."""

@@ -51,6 +51,7 @@ from storage.chunk_index import (
 )
 from storage.chunk_key import ADDRESS_BYTES, TAG_BYTES, check_id, model_tag, session_tag, tenant_tag
 from storage.policy import RetentionPolicy
+from storage.quarantine import QUARANTINE_DIR, QuarantinedStore
 from storage.store_results import MaintenanceReport, PurgeResult
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ class RetentionOps:
         """Remove a session's references and every chunk only it used (shared chunks stay)."""
         with self._lock:
             self._check_open()
+            self._purge_quarantined(actor)
             salt = self._salts.get(tenant)
             if salt is None:
                 return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
@@ -243,6 +245,7 @@ class RetentionOps:
     def _purge_tenant_locked(
         self: GlobalKVStore, tenant: str, *, actor: str, reason: str, keep_salt: bool
     ) -> PurgeResult:
+        self._purge_quarantined(actor)
         salt = self._salts.get(tenant)
         if salt is None:
             return PurgeResult(chunks_deleted=0, bytes_deleted=0, checkpoints_removed=0)
@@ -278,6 +281,7 @@ class RetentionOps:
             check_id("tenant", tenant)
         with self._lock:
             self._check_open()
+            self._purge_quarantined(actor)
             mtag = model_tag(model_fingerprint)
             addrs = [k[1 + TAG_BYTES :] for k, _ in self._iter_prefix(MODEL_IDX + mtag)]
             if tenant is not None:
@@ -323,6 +327,13 @@ class RetentionOps:
             self._persist_clock()
             compacted = self._remove_pending_bytes()
             removed = self._drop_checkpoints(actor="maintenance", reason="past_ceiling", older_than=now)
+            longest = max((p.ceiling_s for p in self._policies.values()), default=0.0)
+            longest = max(longest, RetentionPolicy().ceiling_s)
+            self._drop_quarantined(
+                [q for q in self.quarantine.list() if q.quarantined_at + longest <= now],
+                actor="maintenance",
+                reason="past_ceiling",
+            )
             if count or compacted or removed:
                 log.info(
                     "maintenance_pass",
@@ -383,6 +394,48 @@ class RetentionOps:
         self._commit(batch, [event])
         return len(names)
 
+    def _drop_quarantined(
+        self: GlobalKVStore, entries: list[QuarantinedStore], *, actor: str, reason: str
+    ) -> list[QuarantinedStore]:
+        """Delete quarantined copies, one audit record each; lock held. Every chunk they hold was
+        written before they were moved aside, so `quarantined_at` + the longest ceiling of any
+        policy bounds every ceiling in them."""
+        done: list[QuarantinedStore] = []
+        for entry in entries:
+            try:
+                self.quarantine.remove(entry)
+            except OSError as exc:
+                log.error("quarantined_store_removal_failed", name=entry.name, error=str(exc))
+                continue
+            event = AuditEvent(
+                actor=actor,
+                action=AuditAction.QUARANTINE,
+                tenant="",
+                subject=f"store:{QUARANTINE_DIR}/{entry.name}",
+                reason=f"removed_{reason}",
+                nbytes=entry.nbytes,
+            )
+            self._commit(WriteBatch(raw_mode=True), [event])
+            done.append(entry)
+        if done:
+            self._quarantined_bytes = sum(e.nbytes for e in self.quarantine.list())
+        return done
+
+    def _purge_quarantined(self: GlobalKVStore, actor: str) -> None:
+        """A purge reaches quarantined copies too. Their databases do not read, so the purged
+        tenant's, session's or model's entries cannot be picked out: each copy goes whole."""
+        if self._quarantined_bytes or self.quarantine.dir.is_dir():
+            self._drop_quarantined(self.quarantine.list(), actor=actor, reason="purge")
+
+    def remove_quarantined(
+        self: GlobalKVStore, *, actor: str, reason: str = "repaired"
+    ) -> list[QuarantinedStore]:
+        """Delete every quarantined copy of this store (an operator's repair); returns what went."""
+        check_id("actor", actor)
+        with self._lock:
+            self._check_open()
+            return self._drop_quarantined(self.quarantine.list(), actor=actor, reason=reason)
+
     def create_checkpoint(self: GlobalKVStore, name: str, *, actor: str = "admin") -> Path:
         """Take a consistent on-disk snapshot (backup) under `path/checkpoints/<name>`.
 
@@ -440,3 +493,24 @@ class RetentionOps:
         self._maintenance_stop.set()
         thread.join()
         self._maintenance_thread = None
+
+    def chunks_stored_before(self: GlobalKVStore, cutoff: float) -> list[bytes]:
+        """Addresses of the chunks stored (first written) before `cutoff`, seconds on the store's clock."""
+        with self._lock:
+            self._check_open()
+            return [addr for addr, meta in self._index.meta.items() if meta.created_at < cutoff]
+
+    def delete_orphans(
+        self: GlobalKVStore, addrs: list[bytes], *, older_than: float, actor: str, reason: str
+    ) -> tuple[int, int]:
+        """Delete chunks the caller's registry names nowhere (a turn that never committed), one PURGE
+        record each, if they were still stored before `older_than` (the grace period, checked again
+        under the lock: a chunk written since is some running turn's). Their bytes go in the next
+        maintenance pass. Returns (chunks, bytes)."""
+        check_id("actor", actor)
+        with self._lock:
+            self._check_open()
+            due = [
+                a for a in addrs if (m := self._index.meta.get(a)) is not None and m.created_at < older_than
+            ]
+            return self._delete_chunks(due, action=AuditAction.PURGE, actor=actor, reason=reason)
