@@ -6,7 +6,14 @@ Knows nothing of protobuf: it implements `orchestrator.api.TurnHandler` over dom
 
 from orchestrator.engine.global_kv import PersistOutcome, StoredPrefix, chunk_ranges, read_prefix
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
-from orchestrator.engine.pool_entry import PoolEntry, history_digest, pack_pool_entry, unpack_pool_entry
+from orchestrator.engine.pool_entry import (
+    PoolEntry,
+    chunks_digest,
+    history_digest,
+    pack_pool_entry,
+    unpack_pool_entry,
+)
+from orchestrator.engine.prefix_reuse import ContentReuse, find_reuse
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import (
     DEFAULT_SIBLINGS,
@@ -34,6 +41,7 @@ __all__ = [
     "ArtifactMappers",
     "BpeCodec",
     "ByteCodec",
+    "ContentReuse",
     "KVMapperApplier",
     "MapperArtifact",
     "ModelCompute",
@@ -56,7 +64,9 @@ __all__ = [
     "build_node",
     "choose_codec",
     "chunk_ranges",
+    "chunks_digest",
     "default_model_specs",
+    "find_reuse",
     "history_digest",
     "load_served",
     "pack_pool_entry",

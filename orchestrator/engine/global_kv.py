@@ -9,7 +9,7 @@ cache format accepts it; the first chunk failing any of these ends the prefix (a
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.db.models import CacheSegment
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
+from orchestrator.engine.pool_entry import chunks_digest
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
 from storage import AuditRecord, GlobalKVStore, MissReason
@@ -158,6 +159,7 @@ class PersistOutcome:
     segments: tuple[DurableSegment, ...]
     new_bytes: int = 0
     audit: tuple[AuditRecord, ...] = ()
+    chunks: bytes = b""
 
 
 def persist_chunks(
@@ -173,24 +175,40 @@ def persist_chunks(
     node: str,
     clock: Callable[[], float],
     compute: ModelCompute | None = None,
+    known: Mapping[tuple[int, int], bytes] | None = None,
 ) -> PersistOutcome:
     """Export the chunks of `history` not yet stored for this session and write them durably.
 
     Args:
         history: the whole history after the turn ([1, n] tokens the state covers exactly).
         already_stored: this session's stored prefix before the turn (full chunks below it are kept).
+        known: payloads by range that the state was loaded from (verified stored chunks, maybe another
+            session's found by content): used as they are instead of exporting them again, and written
+            (a reference of this session on a chunk another session stored) when not yet this session's.
 
     Returns:
-        The durable segments of the whole history to link in the registry, or why nothing was persisted.
+        The durable segments of the whole history to link in the registry, or why nothing was persisted;
+        `chunks`, the `chunks_digest` of the whole history's chunks as the state holds them (what a pool
+        entry of this state continues).
     """
     compute = compute if compute is not None else TorchCompute()
+    known = known if known is not None else {}
     n = len(history)
     if state.n_tokens != n:
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
     size = store.config.chunk_tokens
     fp = served.fingerprint_hex
+    every = chunk_ranges(n, size)
     ranges = chunk_ranges(n, size, from_pos=already_stored)
-    payloads = {r: compute.export_global(served, state, r[0], r[1]) for r in ranges}
+
+    def payload(r: tuple[int, int]) -> bytes:
+        held = known.get(r)
+        return held if held is not None else compute.export_global(served, state, r[0], r[1])
+
+    payloads = {r: payload(r) for r in ranges}
+    # the kept full chunks below already_stored count in the digest as the state holds them
+    below = {r: payload(r) for r in every if r not in payloads}
+    digest = chunks_digest(every, [payloads[r] if r in payloads else below[r] for r in every])
     new_bytes = 0
     claimed: list[AuditRecord] = []
     if payloads:
@@ -223,7 +241,7 @@ def persist_chunks(
         for s in spans
     )
     return PersistOutcome(
-        persisted=True, note="", segments=segments, new_bytes=new_bytes, audit=tuple(claimed)
+        persisted=True, note="", segments=segments, new_bytes=new_bytes, audit=tuple(claimed), chunks=digest
     )
 
 

@@ -57,7 +57,7 @@ from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
 from orchestrator.scheduler import SerialScheduler, TurnScheduler, WorkOwner
-from storage import GlobalKVStore, WindowPool
+from storage import ContentKey, GlobalKVStore, WindowPool
 
 __all__ = ["TurnEngine", "actual_counts"]
 
@@ -243,7 +243,7 @@ class TurnEngine:
     def _start_state(self, f: TurnFacts) -> Any | None:
         plan = f.plan
         if plan.path == ResumePath.FULL_HIT:
-            assert f.full_hit_state is not None
+            assert f.full_hit_state is not None and f.full_hit_state.n_tokens == plan.resume_from
             return f.full_hit_state
         if plan.path == ResumePath.GLOBAL_REPLAY:
             assert f.prefix.state is not None and f.prefix.n_tokens == plan.resume_from
@@ -276,9 +276,7 @@ class TurnEngine:
         while pos < len(prompt):
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
-            out = self.scheduler.prefill(
-                served, prompt[pos:end], state, prompt_end=len(prompt), owner=owner
-            )
+            out = self.scheduler.prefill(served, prompt[pos:end], state, prompt_end=len(prompt), owner=owner)
             state, logits = out.state, out.logits
             passes.append(out.stats)
             pos = end
@@ -358,6 +356,7 @@ class TurnEngine:
                     node=self._ctx.node,
                     clock=self._clock,
                     compute=self.compute,
+                    known=f.reused,
                 )
                 persisted = outcome.persisted
             try:
@@ -373,9 +372,15 @@ class TurnEngine:
             self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
             status = TurnStatus.DONE
             if persisted:
+                assert outcome is not None
                 windows = self.compute.export_windows(served, state)
-                entry = pack_pool_entry(fingerprint=served.fingerprint, history=full, windows=windows)
-                self.pool.put(f.tenant_id, f.session_id, entry)
+                entry = pack_pool_entry(
+                    fingerprint=served.fingerprint, history=full, windows=windows, chunks=outcome.chunks
+                )
+                # Indexed by content: a later prompt of the tenant that starts with this history (another
+                # session's too: a stateless client resending the conversation) continues from here.
+                content = ContentKey.of(served.fingerprint_hex, full)
+                self.pool.put(f.tenant_id, f.session_id, entry, content=content)
             yield TurnStatsEvent(
                 turn_index=index,
                 ttft_s=ttft,

@@ -1,6 +1,7 @@
 """A turn's facts before it runs: the session, history and policy from the registry, the longest usable
-stored prefix of the receiver (and of the sender on a model switch), the pool entry, the usable mappers,
-and the plan `plan_turn` chooses over them.
+stored prefix of the receiver's prompt and the pooled windows of a prompt prefix, both found by content
+(`prefix_reuse.py`; of the sender's history on a model switch), the usable mappers, and the plan
+`plan_turn` chooses over them.
 
 Knows nothing of executing a plan (`turn_engine.py`). Store reads happen outside any SQL transaction.
 """
@@ -11,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from model import CacheFormatError
 from orchestrator.api import (
     InvalidRequestError,
     NotFoundError,
@@ -30,11 +30,11 @@ from orchestrator.db.models import SessionStatus
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_catalog import served_or_not_found
 from orchestrator.engine.model_compute import ModelCompute
-from orchestrator.engine.pool_entry import unpack_pool_entry
+from orchestrator.engine.prefix_reuse import find_reuse, lookup_result
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, MapperArtifact
-from orchestrator.planner import CostTable, MapperInfo, Plan, PoolState, plan_turn
-from storage import GlobalKVStore, PoolMiss, WindowPool
+from orchestrator.planner import CostTable, MapperInfo, Plan, ResumePath, plan_turn
+from storage import GlobalKVStore, WindowPool
 
 __all__ = ["TurnFacts", "TurnPreparation"]
 
@@ -45,10 +45,16 @@ class TurnFacts:
     session), the stored prefixes and pool state it may resume from, and the plan chosen over them.
 
     Attributes:
-        own_stored: this session's own contiguous stored prefix of the receiver (full chunks below it
-            need not be written again).
-        full_hit_state: the receiver state with the pool windows imported (None unless they continue the
-            whole stored history).
+        prefix: the receiver's longest usable stored prefix of the prompt (found by content; what a
+            GLOBAL_REPLAY loads).
+        own_stored: this session's own contiguous stored prefix of the receiver, within what the plan
+            loads (full chunks below it need not be written again).
+        full_hit_state: the receiver state with pooled windows imported (None unless windows found by
+            content continue a stored prefix of the prompt exactly; what a FULL_HIT continues).
+        reused: the verified payloads, by range, of the stored chunks the plan loads: at turn end the
+            session stores (and so links, in the store and the registry) its history's chunks from these
+            instead of exporting them again.
+        content_source: the session whose pooled windows a FULL_HIT continues (None otherwise).
         artifacts: mapper artifacts the plan may name, by mapper id.
     """
 
@@ -66,6 +72,8 @@ class TurnFacts:
     sender: ServedModel | None
     full_hit_state: Any | None
     artifacts: dict[str, MapperArtifact]
+    reused: dict[tuple[int, int], bytes] = dataclasses.field(default_factory=dict)
+    content_source: str | None = None
 
 
 class TurnPreparation:
@@ -111,40 +119,6 @@ class TurnPreparation:
                 field="tokens",
             )
         return tokens
-
-    def _pool_state(
-        self,
-        turn: TurnInput,
-        served: ServedModel,
-        prefix: StoredPrefix,
-        history: list[int],
-        last_model: str | None,
-    ) -> tuple[PoolState, Any | None]:
-        """The pool entry as the planner sees it, and a full-hit state when the entry continues the
-        whole stored history and imports cleanly (validated before planning, so a plan never promises
-        windows that are not there)."""
-        got = self.pool.get(turn.tenant_id, turn.session_id)
-        if isinstance(got, PoolMiss):
-            return PoolState.absent(), None
-        entry = unpack_pool_entry(got)
-        if entry is None:
-            return PoolState.absent(), None
-        if entry.fingerprint != served.fingerprint:
-            # Written by another model (the previous one on a switch) or by older weights of this one.
-            other = last_model if last_model not in (None, served.name) else f"{served.name} (other weights)"
-            return PoolState(model=other, windows_end=entry.n_tokens), None
-        if entry.continues(served.fingerprint, history) is not None:
-            if entry.n_tokens == len(history):
-                return PoolState.absent(), None
-            return PoolState(model=served.name, windows_end=entry.n_tokens), None
-        if prefix.state is None or prefix.n_tokens != len(history):
-            return PoolState(model=served.name, windows_end=entry.n_tokens), None
-        trial = prefix.state.clone()
-        try:
-            self.compute.import_windows(served, trial, entry.windows)
-        except CacheFormatError:
-            return PoolState.absent(), None
-        return PoolState(model=served.name, windows_end=entry.n_tokens), trial
 
     def prepare(self, turn: TurnInput) -> TurnFacts:
         """Read the session, its stored KV and pool entry, and plan the turn.
@@ -216,6 +190,7 @@ class TurnPreparation:
                         score=score,
                     )
                     candidates.append((art, info))
+            row_id = row.id
             facts = dict(
                 session_id=row.id,
                 tenant_id=row.tenant_id,
@@ -224,14 +199,19 @@ class TurnPreparation:
             )
         # Store reads happen outside any SQL transaction: a store call may deliver audit records to the
         # SQL sink, so holding a SQLite write lock across it could wait on itself.
-        prefix = read_prefix(
+        reuse = find_reuse(
             self.store,
+            self.pool,
             ctx.sessions,
+            self.compute,
             tenant=turn.tenant_id,
+            session_id=row_id,
             served=served,
             history=history,
-            compute=self.compute,
+            new_tokens=new_tokens,
+            last_model=last,
         )
+        prefix = reuse.prefix
         if foreign and prefix.n_tokens < len(history):
             prefix = dataclasses.replace(prefix, miss_reason=_foreign_reason(served, foreign, prefix))
         sender = sender_prefix = None
@@ -254,8 +234,9 @@ class TurnPreparation:
                         artifacts[art.mapper_id] = art
                         infos.append(info)
         if history:
-            # a new session has nothing to look up; the metric counts lookups (hit, partial, miss, corrupt)
-            ctx.metrics.cache_lookups.labels(result=prefix.lookup_result).inc()
+            # The metric counts lookups of a history (hit: all of it stored); a new session's lookup of its
+            # prompt by content shows in its plan's reason and counts instead.
+            ctx.metrics.cache_lookups.labels(result=lookup_result(prefix, len(history))).inc()
         region = self.store.config.region
         may_persist = policy.may_store_in(region)
         note = (
@@ -264,14 +245,15 @@ class TurnPreparation:
             else f"residency: tenant {turn.tenant_id} allows regions {list(policy.allowed_regions)}, "
             f"this node is in {region!r}; served without persisting"
         )
-        pool, full_state = self._pool_state(turn, served, prefix, history, view.last_model)
+        inventory = dataclasses.replace(prefix.inventory(), own_prefix=min(own_stored, prefix.n_tokens))
         plan = plan_turn(
             view,
             model=name,
             geometry=served.geometry,
-            cache=prefix.inventory(),
+            cache=inventory,
             sender_cache=sender_prefix.inventory() if sender_prefix is not None else None,
-            pool=pool,
+            pool=reuse.pool,
+            pooled=reuse.pooled,
             mappers=infos,
             costs=self.costs.for_model(name),
             may_persist=may_persist,
@@ -279,6 +261,15 @@ class TurnPreparation:
         )
         if not may_persist:
             plan = _with_reason(plan, f"{plan.reason}; {note}")
+        loaded = prefix
+        if plan.path == ResumePath.FULL_HIT:
+            assert reuse.pooled_prefix is not None and reuse.pooled_prefix.n_tokens == plan.resume_from
+            loaded = reuse.pooled_prefix
+        reused = (
+            dict(zip(loaded.ranges, loaded.blobs, strict=True))
+            if plan.path in (ResumePath.FULL_HIT, ResumePath.GLOBAL_REPLAY)
+            else {}
+        )
         return TurnFacts(
             **facts,
             history=history,
@@ -286,11 +277,13 @@ class TurnPreparation:
             served=served,
             new_tokens=new_tokens,
             prefix=prefix,
-            own_stored=min(own_stored, prefix.n_tokens),
+            own_stored=min(own_stored, loaded.n_tokens),
             sender_prefix=sender_prefix,
             sender=sender,
-            full_hit_state=full_state,
+            full_hit_state=reuse.full_hit_state if plan.path == ResumePath.FULL_HIT else None,
             artifacts=artifacts,
+            reused=reused,
+            content_source=reuse.source_session if plan.path == ResumePath.FULL_HIT else None,
         )
 
 

@@ -234,10 +234,12 @@ def test_two_tenants_are_isolated(node) -> None:
     assert node.service.store.lookup("globex", fp, history).n_tokens == 0
     t2 = run_turn(node, theirs, prompt, tenant="globex")
     assert t2.path == "COLD_PREFILL" and t2.tokens == t.tokens
-    # inside one tenant a fork shares the parent's stored chunks (no pool entry of its own yet)
+    # inside one tenant a fork shares the parent's stored chunks, and (no pool entry of its own yet) the
+    # parent's pooled windows, which continue exactly the forked history: found by content, a full hit
     child = st.ForkSession(pb.sessions.ForkSessionRequest(session_id=mine, at_turn=1), metadata=md()).session
     t3 = run_turn(node, child.session_id, _ids(11, 5))
-    assert t3.path == "GLOBAL_REPLAY" and t3.stats.counts.cached == len(history)
+    assert t3.path == "FULL_HIT" and t3.stats.counts.cached == len(history)
+    assert t3.plan.reason_code == pb.common.PLAN_REASON_WINDOWS_BY_CONTENT
 
 
 def test_residency_serves_without_persisting(node) -> None:

@@ -1,0 +1,175 @@
+"""Content-addressed reuse for one turn: the longest stored prefix of the turn's prompt among the tenant's
+chunks (their keys are chained hashes of fingerprint, tenant salt and tokens, so any session's committed
+chunks of the same tokens are found), and the tenant's pool windows of the longest pooled history the
+prompt starts with (`WindowPool.find_prefix`), verified down to a state a full hit continues exactly.
+
+Knows nothing of plans: the planner chooses among what this finds. What counts is what `read_prefix`
+serves (verified chunks that a committed turn's registry row names) and pool entries whose envelope
+names this fingerprint and the digest of exactly that prefix; the prompt's last token is always left to
+compute, since the turn samples from its logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from model import CacheFormatError
+from orchestrator.engine.global_kv import StoredPrefix, read_prefix
+from orchestrator.engine.model_compute import ModelCompute
+from orchestrator.engine.pool_entry import chunks_digest, unpack_pool_entry
+from orchestrator.engine.served_models import ServedModel
+from orchestrator.planner import PooledPrefix, PoolState
+from storage import GlobalKVStore, PoolMiss, WindowPool
+
+__all__ = ["ContentReuse", "find_reuse", "lookup_result"]
+
+
+@dataclass(kw_only=True)
+class ContentReuse:
+    """What a turn may resume from, found by content.
+
+    Attributes:
+        prefix: the longest usable stored prefix of the prompt without its last token.
+        pool: this session's own pool entry as the planner's reason texts describe it.
+        pooled: verified windows of a prompt prefix (None when none fits).
+        pooled_prefix: the stored prefix of exactly [0, pooled.n_tokens) (`prefix` itself when it ends
+            there; its state is not the full-hit state, which is a copy with the windows imported).
+        full_hit_state: the state a full hit continues from (None without `pooled`).
+        source_session: the session whose turn end pooled the windows.
+    """
+
+    prefix: StoredPrefix
+    pool: PoolState
+    pooled: PooledPrefix | None = None
+    pooled_prefix: StoredPrefix | None = None
+    full_hit_state: Any | None = None
+    source_session: str | None = None
+
+
+def lookup_result(prefix: StoredPrefix, history_len: int) -> str:
+    """The cache-lookup metric's result of a turn: `hit` when the whole history is stored (and maybe
+    more of the prompt, found by content), `partial`, `miss`, or `corrupt` (a chunk failed its checks)."""
+    if prefix.lookup_result == "corrupt":
+        return "corrupt"
+    if prefix.n_tokens == 0:
+        return "miss"
+    return "hit" if prefix.n_tokens >= history_len else "partial"
+
+
+def _own_entry(
+    pool: WindowPool,
+    tenant: str,
+    session_id: str,
+    served: ServedModel,
+    history: Sequence[int],
+    last_model: str | None,
+) -> PoolState:
+    """This session's pool entry as the reason texts see it, when no verified full hit continues its history
+    (an entry that continues it but failed to import reads as absent: a plan never promises windows that are
+    not there)."""
+    got = pool.get(tenant, session_id)
+    if isinstance(got, PoolMiss):
+        return PoolState.absent()
+    entry = unpack_pool_entry(got)
+    if entry is None:
+        return PoolState.absent()
+    if entry.fingerprint != served.fingerprint:
+        # Written by another model (the previous one on a switch) or by older weights of this one.
+        other = last_model if last_model not in (None, served.name) else f"{served.name} (other weights)"
+        return PoolState(model=other, windows_end=entry.n_tokens)
+    if entry.n_tokens == len(history):
+        return PoolState.absent()
+    return PoolState(model=served.name, windows_end=entry.n_tokens)
+
+
+def find_reuse(
+    store: GlobalKVStore,
+    pool: WindowPool,
+    registry: Callable[[], Session],
+    compute: ModelCompute,
+    *,
+    tenant: str,
+    session_id: str,
+    served: ServedModel,
+    history: Sequence[int],
+    new_tokens: Sequence[int],
+    last_model: str | None,
+) -> ContentReuse:
+    """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
+
+    Args:
+        registry: makes a read session of the registry (see `read_prefix`: opened after store calls).
+        history, new_tokens: the session's history and this turn's tokens (> 0 of them).
+    """
+    prompt = list(history) + list(new_tokens)
+    probe = prompt[:-1]
+    prefix = read_prefix(store, registry, tenant=tenant, served=served, history=probe, compute=compute)
+    match = pool.find_prefix(tenant, served.fingerprint_hex, probe) if probe else None
+    reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
+    if match is not None:
+        reuse = _verified(store, registry, compute, reuse, match.session, match.value, tenant, served, prompt)
+    if reuse.pooled is not None and reuse.pooled.own and reuse.pooled.n_tokens == len(history):
+        reuse.pool = PoolState(model=served.name, windows_end=len(history))
+    elif history:
+        reuse.pool = _own_entry(pool, tenant, session_id, served, history, last_model)
+    if reuse.pooled is not None:
+        reuse.pooled = dataclasses.replace(reuse.pooled, own=reuse.source_session == session_id)
+    return reuse
+
+
+def _verified(
+    store: GlobalKVStore,
+    registry: Callable[[], Session],
+    compute: ModelCompute,
+    reuse: ContentReuse,
+    source: str,
+    value: bytes,
+    tenant: str,
+    served: ServedModel,
+    prompt: list[int],
+) -> ContentReuse:
+    """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
+    envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
+    very bytes the windows were computed over (chunks digest), a clean import."""
+    entry = unpack_pool_entry(value)
+    if entry is None or not 0 < entry.n_tokens < len(prompt):
+        return reuse
+    n = entry.n_tokens
+    if entry.continues(served.fingerprint, prompt[:n]) is not None:
+        return reuse
+    prefix = reuse.prefix
+    if prefix.n_tokens < n:
+        # the chunks of [0, n) are not all stored and verified (the longest lookup would have found them)
+        return reuse
+    if prefix.n_tokens == n:
+        exact = prefix
+        assert prefix.state is not None
+        state = prefix.state.clone()
+    else:
+        # the longest prefix runs past n through a full chunk: read exactly [0, n) (the source's tail)
+        exact = read_prefix(
+            store, registry, tenant=tenant, served=served, history=prompt[:n], compute=compute
+        )
+        if exact.n_tokens != n or exact.state is None:
+            return reuse
+        state = exact.state.clone()
+    if chunks_digest(exact.ranges, exact.blobs) != entry.chunks:
+        # The stored bytes of this prefix are not the ones the windows were computed over (a chunk of the
+        # same tokens kept another writer's bytes, or was deleted and written anew): not provably exact.
+        return reuse
+    try:
+        compute.import_windows(served, state, entry.windows)
+    except CacheFormatError:
+        return reuse
+    return dataclasses.replace(
+        reuse,
+        pooled=PooledPrefix(model=served.name, n_tokens=n),
+        pooled_prefix=exact,
+        full_hit_state=state,
+        source_session=source,
+    )
