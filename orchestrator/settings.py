@@ -104,6 +104,9 @@ class Settings:
     # verify says "unanchored", since a cut or re-forged chain then passes every other check.
     audit_anchor_key_file: Path | None = None
     audit_anchor_interval_s: float = 60.0
+    # Chunks the store holds without any registry row (a turn that never committed) are deleted once
+    # older than this, by a sweep at start-up and every min(orphan_grace_s, 600) s while serving.
+    orphan_grace_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
@@ -129,6 +132,8 @@ class Settings:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads={self.torch_threads} must be >= 0")
+        if not (math.isfinite(self.orphan_grace_s) and self.orphan_grace_s >= 0):
+            raise ValueError(f"orphan_grace_s={self.orphan_grace_s} must be finite and >= 0")
         if not (math.isfinite(self.audit_anchor_interval_s) and self.audit_anchor_interval_s > 0):
             raise ValueError(f"audit_anchor_interval_s={self.audit_anchor_interval_s} must be finite and > 0")
         if self.pool_ttl_s <= 0:
@@ -208,7 +213,8 @@ _INT_FIELDS = {
     "max_running_turns",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
-_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s"}
+_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s",
+                 "orphan_grace_s"}
 
 
 def _coerce(name: str, value: Any) -> Any:

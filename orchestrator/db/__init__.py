@@ -9,7 +9,16 @@ from orchestrator.db.engine import make_engine, make_session_factory
 from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
-from orchestrator.db.reconcile import ReconcileReport, reconcile_segments, reconcile_with_prefixes
+from orchestrator.db.reconcile import (
+    ORPHAN_REASON,
+    OrphanSweeper,
+    ReconcileReport,
+    collect_orphans,
+    forget_gone_chunks,
+    mirror_and_forget,
+    reconcile_segments,
+    reconcile_with_prefixes,
+)
 from orchestrator.db.repositories import (
     DurableSegment,
     EffectivePolicy,
@@ -28,6 +37,8 @@ from orchestrator.db.transactions import run_serializable, serializable_factory
 
 __all__ = [
     "NODE_CHAIN",
+    "ORPHAN_REASON",
+    "OrphanSweeper",
     "STORE_CHAIN_PREFIX",
     "AuditChecker",
     "AuditReport",
@@ -50,10 +61,13 @@ __all__ = [
     "TurnRepository",
     "TurnTimings",
     "downgrade",
+    "collect_orphans",
+    "forget_gone_chunks",
     "heads_digest",
     "make_engine",
     "make_session_factory",
     "mapper_infos",
+    "mirror_and_forget",
     "reconcile_segments",
     "reconcile_with_prefixes",
     "run_serializable",

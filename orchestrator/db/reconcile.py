@@ -1,24 +1,48 @@
-"""Start-up reconciliation of the registry with this node's store after a crash.
+"""Reconciliation of the registry with this node's store: at start-up after a crash, as the store's
+records arrive, and in a periodic sweep.
 
 Knows nothing of the store's layout: the caller passes which keys the store holds durably. Rows that
-point at a chunk the store does not hold are deleted (SQL never points at garbage); chunks the store
-holds without a row are returned for the caller to delete or keep under the store's own retention.
+point at a chunk the store does not hold are deleted (SQL never points at garbage): at start-up, and
+whenever a store record says a chunk was expired, evicted, found corrupt or purged (`forget_gone_chunks`,
+so GetStoreStats, read from SQL, stays right). Chunks the store holds without a row, past a grace
+period, are orphans of turns that never committed: `collect_orphans` deletes them from the store, one
+audit record each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from orchestrator.db.audit_sink import SqlAuditSink
 from orchestrator.db.models import CacheSegment, SessionSegment
 from orchestrator.db.repositories import SegmentRepository, SessionRepository
 from orchestrator.db.transactions import run_serializable
+from storage import AuditAction, AuditRecord
 
-__all__ = ["ReconcileReport", "reconcile_segments", "reconcile_with_prefixes"]
+__all__ = [
+    "ORPHAN_REASON",
+    "OrphanStore",
+    "OrphanSweeper",
+    "ReconcileReport",
+    "collect_orphans",
+    "forget_gone_chunks",
+    "mirror_and_forget",
+    "reconcile_segments",
+    "reconcile_with_prefixes",
+]
+
+ORPHAN_REASON = "orphan_no_registry_row"
+"""The reason of the PURGE record of each orphan chunk deleted."""
+
+# Store records after which the named chunk is gone from the store.
+_GONE = frozenset({AuditAction.EXPIRE, AuditAction.EVICT, AuditAction.READ_CORRUPT, AuditAction.PURGE})
 
 log = structlog.get_logger(__name__)
 
@@ -111,3 +135,139 @@ def reconcile_with_prefixes(
     return ReconcileReport(
         rows_checked=checked, dangling_rows_deleted=deleted, unreferenced_chunks=frozenset()
     )
+
+
+def _gone_keys(records: Iterable[AuditRecord]) -> list[bytes]:
+    keys: list[bytes] = []
+    for rec in records:
+        if rec.action in _GONE and rec.subject.startswith("chunk:"):
+            try:
+                keys.append(bytes.fromhex(rec.subject[len("chunk:") :]))
+            except ValueError:
+                continue
+    return keys
+
+
+def forget_gone_chunks(session: Session, *, node: str, records: Iterable[AuditRecord]) -> int:
+    """Inside `session`'s transaction: delete this node's segment rows of the chunks that `records`
+    (store records) say were expired, evicted, found corrupt or purged; returns rows deleted. Rows of
+    other nodes name other stores' copies and stay."""
+    keys = _gone_keys(records)
+    if not keys:
+        return 0
+    rows = list(
+        session.scalars(
+            select(CacheSegment).where(CacheSegment.store_key.in_(keys), CacheSegment.node == node)
+        )
+    )
+    for row in rows:
+        session.delete(row)
+    session.flush()
+    return len(rows)
+
+
+def mirror_and_forget(
+    factory: sessionmaker[Session], sink: SqlAuditSink, *, node: str
+) -> Callable[[list[AuditRecord]], list[AuditRecord]]:
+    """The store's `on_audit`: mirror its records into the SQL log and, in the same transaction, drop
+    the rows of the chunks they say are gone (so the registry never outlives an expiry until restart)."""
+
+    def on_audit(records: list[AuditRecord]) -> list[AuditRecord]:
+        batch = list(records)
+        if not batch:
+            return []
+
+        def work(s: Session) -> list[AuditRecord]:
+            mirrored = sink.mirror_in(s, batch, skip_known=True)
+            forget_gone_chunks(s, node=node, records=batch)
+            return mirrored
+
+        return run_serializable(factory, work)
+
+    return on_audit
+
+
+class OrphanStore(Protocol):
+    """What `collect_orphans` needs of a store (storage.GlobalKVStore has it)."""
+
+    def chunks_stored_before(self, cutoff: float) -> list[bytes]: ...
+
+    def delete_orphans(
+        self, addrs: list[bytes], *, older_than: float, actor: str, reason: str
+    ) -> tuple[int, int]: ...
+
+
+def collect_orphans(
+    factory: sessionmaker[Session], store: OrphanStore, *, node: str, grace_s: float, now: float
+) -> tuple[int, int]:
+    """Delete from the store every chunk stored more than `grace_s` before `now` that no segment row of
+    this node names (the chunks of turns that never committed). Returns (chunks, bytes) deleted.
+
+    The SQL read comes before the store's deletion and not under its lock (no SQL under the store
+    lock); a turn that links one of these old chunks in between loses it to a miss at its next
+    resume (a cold prefill, never wrong data), and the start-up reconciliation drops its row.
+    """
+    cutoff = now - grace_s
+    candidates = store.chunks_stored_before(cutoff)
+    if not candidates:
+        return 0, 0
+    with factory() as s:
+        named = set(
+            s.scalars(
+                select(CacheSegment.store_key).where(
+                    CacheSegment.store_key.in_(candidates), CacheSegment.node == node
+                )
+            )
+        )
+    orphans = [a for a in candidates if a not in named]
+    if not orphans:
+        return 0, 0
+    chunks, freed = store.delete_orphans(orphans, older_than=cutoff, actor="reconcile", reason=ORPHAN_REASON)
+    log.info("orphan_chunks_deleted", node=node, chunks=chunks, bytes=freed, grace_s=grace_s)
+    return chunks, freed
+
+
+class OrphanSweeper:
+    """Runs `collect_orphans` every `interval_s` on a daemon thread until `stop`."""
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        store: OrphanStore,
+        *,
+        node: str,
+        grace_s: float,
+        interval_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._sweep = lambda: collect_orphans(factory, store, node=node, grace_s=grace_s, now=clock())
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.deleted: Sequence[int] = (0, 0)
+
+    def sweep(self) -> tuple[int, int]:
+        chunks, freed = self._sweep()
+        self.deleted = (self.deleted[0] + chunks, self.deleted[1] + freed)
+        return chunks, freed
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(self._interval):
+                try:
+                    self.sweep()
+                except Exception as exc:  # noqa: BLE001 - a closed store or a busy database: next pass
+                    log.error("orphan_sweep_failed", error=str(exc))
+
+        self._thread = threading.Thread(target=loop, name="orphan-sweep", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join()

@@ -38,6 +38,7 @@ from orchestrator.db import (
     SessionRepository,
     TurnRepository,
     TurnTimings,
+    forget_gone_chunks,
     run_serializable,
 )
 from orchestrator.db.models import (
@@ -479,6 +480,8 @@ class TurnEngine:
                 link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
             if claimed:
                 self._ctx.audit.mirror_in(s, claimed)
+                # An eviction this put made names chunks other rows point at: they go with it.
+                forget_gone_chunks(s, node=self._ctx.node, records=claimed)
 
         try:
             run_serializable(self._ctx.serializable, work)

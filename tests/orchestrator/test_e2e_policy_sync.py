@@ -77,7 +77,9 @@ def test_build_node_syncs_policies_changed_while_down(tmp_path: Path) -> None:
         assert store.tenant_stats("acme").chunks == 0
         assert store.lookup("globex", fp, histories["globex"]).miss.reason == MissReason.EXPIRED
         assert _segments(second, "acme") == _segments(second, "globex") == 0
-        assert second.service.reconcile.dangling_rows_deleted >= 4
+        # acme's rows went with the store's per-chunk purge records (mirrored with their rows dropped),
+        # globex's, past their ceiling, in the reconciliation.
+        assert second.service.reconcile.dangling_rows_deleted >= 2
         assert sorted(_policy_records(second)) == [("acme", "node_start"), ("globex", "node_start")]
 
         t = run_turn(second, sids["acme"], _ids(3, 8), tenant="acme", max_new=1)
