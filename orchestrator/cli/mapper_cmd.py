@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cli.connection import ANY, add_connection_flags, connect
+from orchestrator.cli.mapper_remote import register_jobs, route_fit_target
 from orchestrator.cli.output import add_json_flag, table_text, text_stream, write_json
 
 
@@ -381,7 +382,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     # fit's and eval's options name the model presets: added when the command is chosen (model stack).
     fit = sub.add_parser(
-        "fit", help="fit a ridge mapper between two models, evaluate, gate and save it (server)",
+        "fit", help="fit a ridge mapper between two models, evaluate, gate and save it (server); with "
+        "--target HOST:PORT, submit a fitting job to that server and follow it (client, mapper_remote.py)",
         options=_fit_options,
     )
     fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
@@ -408,3 +410,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_connection_flags(get, role=ANY)
     add_json_flag(get, what="the mapper")
     get.set_defaults(handler=_run_registered)
+    route_fit_target(fit)
+    register_jobs(sub)
+

@@ -20,9 +20,11 @@ from orchestrator.api import PoolStats, ServiceContext, build_context
 from orchestrator.db import (
     AuditChecker,
     EffectivePolicy,
+    OrphanSweeper,
     PolicyRepository,
     ReconcileReport,
     TenantRepository,
+    mirror_and_forget,
     reconcile_with_prefixes,
     run_serializable,
 )
@@ -193,12 +195,15 @@ class NodeService:
     registry: ModelRegistry
     engine: TurnEngine
     reconcile: ReconcileReport
+    orphans: OrphanSweeper | None = None
 
     def close(self) -> None:
         self.engine.scheduler.close()
         if self.ctx.audit_checker is not None:
             # A last anchor while the store is still open: a clean stop leaves no unanchored tail.
             self.ctx.audit_checker.stop()
+        if self.orphans is not None:
+            self.orphans.stop()
         self.store.stop_maintenance()
         self.store.close()
         self.ctx.close()
@@ -272,7 +277,9 @@ def build_node(
         capacity_bytes=settings.kv_capacity_bytes,
     )
     # The SQL audit log is authoritative while the service runs: every store record is mirrored there.
-    store = GlobalKVStore(store_cfg, clock=clock, on_audit=ctx.audit.mirror)
+    # Mirrored with them: the rows of chunks the store's records say are gone (expired, evicted, ...).
+    on_audit = mirror_and_forget(ctx.serializable, ctx.audit, node=ctx.node)
+    store = GlobalKVStore(store_cfg, clock=clock, on_audit=on_audit)
     fanout.store = store
     ctx.store_stats = store.stats
     ctx.audit_checker = _audit_checker(settings, ctx, store, clock)
@@ -321,12 +328,22 @@ def build_node(
     report = reconcile_with_prefixes(
         ctx.serializable, node=ctx.node, stored_prefix=lambda t, fp, toks: store.lookup(t, fp, toks).n_tokens
     )
+    orphans = OrphanSweeper(
+        ctx.serializable,
+        store,
+        node=ctx.node,
+        grace_s=settings.orphan_grace_s,
+        interval_s=min(max(settings.orphan_grace_s, 1.0), 600.0),
+        clock=clock,
+    )
+    orphans.sweep()
     if preload:
         for name in registry.names:
             registry.get(name)
     ctx.metrics.set_served_models({n: _model_labels(registry, n, loaded=preload) for n in registry.names})
     if maintenance:
         store.start_maintenance()
+        orphans.start()
     # After the store re-mirrored its unacknowledged records and the policy sync: the first anchor
     # covers the chains as this start leaves them.
     ctx.audit_checker.start()
@@ -336,7 +353,10 @@ def build_node(
         region=settings.region,
         chunk_tokens=settings.kv_chunk_tokens,
         dangling_rows_deleted=report.dangling_rows_deleted,
+        orphan_chunks_deleted=orphans.deleted[0],
         stale_running_turns_deleted=stale,
         policies_synced=policies_synced,
     )
-    return NodeService(ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report)
+    return NodeService(
+        ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report, orphans=orphans
+    )
