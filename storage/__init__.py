@@ -44,7 +44,15 @@ from storage.prefix_index import (
 from storage.quarantine import QuarantineArea, QuarantinedStore
 from storage.store_config import StoreConfig
 from storage.store_health import HealthReason, StoreHealth
-from storage.store_open import CheckStatus, StoreCheck, StoreRepair, check_store, open_store, repair_store
+from storage.store_open import (
+    CheckStatus,
+    StoreCheck,
+    StoreRepair,
+    check_store,
+    open_store,
+    refuse_newer_format,
+    repair_store,
+)
 from storage.store_results import (
     ChunkSpan,
     LookupResult,
@@ -121,6 +129,7 @@ __all__ = [
     "history_digest",
     "longest_prefix_by_scan",
     "open_store",
+    "refuse_newer_format",
     "prefix_digests",
     "repair_store",
     "seal",

@@ -18,11 +18,12 @@ from rocksdict import AccessType, Options, Rdict
 
 from storage.audit_record import AuditRecord
 from storage.audit_rocks import RocksAuditSink
+from storage.chunk_index import FORMAT
 from storage.errors import StoreDamagedError, StoreFormatError, StoreVersionError
 from storage.kv_store import GlobalKVStore
 from storage.quarantine import QuarantineArea, QuarantinedStore
 from storage.store_config import StoreConfig
-from storage.store_scan import read_all, scan_store
+from storage.store_scan import check_format_mark, read_all, scan_store
 
 
 class QuarantineReason(StrEnum):
@@ -72,6 +73,33 @@ def open_store(
     store.record_quarantine(entry, actor=actor)
     store.quarantined_at_open = entry
     return store
+
+
+def refuse_newer_format(config: StoreConfig) -> None:
+    """Raise before anything else is opened when the store is of a newer format; otherwise return
+    (a missing, unreadable or damaged database is for `open_store` to handle). Reads only.
+
+    Raises:
+        StoreVersionError: the format mark names a newer version.
+    """
+    if not (config.db_path / "CURRENT").is_file():
+        return
+    try:
+        db = Rdict(str(config.db_path), Options(raw_mode=True), access_type=AccessType.read_only())
+    except Exception:  # noqa: BLE001 - a database that does not open is damage, open_store's concern
+        return
+    try:
+        mark = db.get(FORMAT)
+    except Exception:  # noqa: BLE001 - as above: an unreadable mark is damage
+        mark = None
+    finally:
+        db.close()
+    if mark is None:
+        return
+    try:
+        check_format_mark(mark, str(config.db_path))
+    except StoreDamagedError:
+        return
 
 
 class CheckStatus(StrEnum):
@@ -197,4 +225,3 @@ def repair_store(config: StoreConfig, *, keep_quarantined: bool = False, actor: 
         return StoreRepair(quarantined=store.quarantined_at_open, removed=removed, chunks=chunks)
     finally:
         store.close()
-

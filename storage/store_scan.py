@@ -171,9 +171,7 @@ def scan_store(db: Rdict, where: str) -> StoreScan:
     # Index entries end with the address; references start with it.
     for prefix, addr_at in ((EXPIRY, 9), (TENANT_IDX, 1 + TAG_BYTES), (MODEL_IDX, 1 + TAG_BYTES)):
         leftovers.extend(k for k, _ in iter_prefix(db, prefix, where=where) if k[addr_at:] not in known)
-    leftovers.extend(
-        k for k, _ in iter_prefix(db, REF, where=where) if k[1 : 1 + ADDRESS_BYTES] not in known
-    )
+    leftovers.extend(k for k, _ in iter_prefix(db, REF, where=where) if k[1 : 1 + ADDRESS_BYTES] not in known)
     leftovers.extend(
         k for k, _ in iter_prefix(db, SESSION_IDX, where=where) if k[1 + TAG_BYTES :] not in known
     )

@@ -31,7 +31,7 @@ from orchestrator.db import (
     upgrade,
 )
 from orchestrator.settings import Settings
-from storage import StoreStats
+from storage import StoreHealth, StoreStats
 
 __all__ = ["ServiceContext", "PoolStats", "build_context"]
 
@@ -78,6 +78,10 @@ class ServiceContext:
     served_models: tuple[str, ...] | None = None
     # The store's node-wide counters (read at scrape time for the eviction, expiry and refusal counters).
     store_stats: Callable[[], StoreStats] | None = None
+    # The store's health and a one-batch write probe, behind the `kvresume.store` health service and
+    # the kvresume_store_degraded gauge (None: the service reports SERVING, no store is attached).
+    store_health: Callable[[], StoreHealth] | None = None
+    store_probe: Callable[[], bool] | None = None
     # The served models for the Models service (None: the service answers UNIMPLEMENTED).
     model_catalog: ModelCatalog | None = None
     # The whole audit check (both chains, their agreement, the anchors); None: the SQL chains alone.

@@ -9,7 +9,7 @@ orchestrator/README.md ("Metrics").
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -136,6 +136,15 @@ class ServiceMetrics:
         self.store_capacity_bytes = Gauge(
             "kvresume_store_capacity_bytes", "Capacity of the global KV store (kv_capacity_bytes)", registry=r
         )
+        self.store_degraded = Gauge(
+            "kvresume_store_degraded",
+            "1 while the store is degraded for this reason (quarantined, read_error, write_failing), else 0",
+            ["reason"],
+            registry=r,
+        )
+        self.store_quarantined_bytes = Gauge(
+            "kvresume_store_quarantined_bytes", "Bytes of damaged stores moved aside", registry=r
+        )
         self.pool_bytes = Gauge("kvresume_pool_bytes", "Bytes held by the window pool", registry=r)
         self.pool_budget_bytes = Gauge(
             "kvresume_pool_budget_bytes", "Byte budget of the window pool", registry=r
@@ -223,6 +232,15 @@ class ServiceMetrics:
     def read_storage_counts(self, read: Callable[[], StorageCounts]) -> None:
         """Read the pool's and the store's cumulative counts through `read` at every scrape."""
         self._storage.read = read
+
+    def set_store_health(
+        self, *, reasons: Iterable[str], known: Iterable[str], quarantined_bytes: int
+    ) -> None:
+        """One `kvresume_store_degraded` series per known reason: 1 for those in `reasons`."""
+        now = set(reasons)
+        for reason in known:
+            self.store_degraded.labels(reason=reason).set(1 if reason in now else 0)
+        self.store_quarantined_bytes.set(quarantined_bytes)
 
     def set_build_info(self, *, numerics: str, device: str, kernel_backend: str) -> None:
         self.build_info.labels(

@@ -1,4 +1,5 @@
-"""Server assembly: our four services plus the standard gRPC health and reflection services.
+"""Server assembly: our four services plus the standard gRPC health (with the named service
+`kvresume.store`, store_health_watch.py) and reflection services.
 
 Knows nothing of the turn engine beyond the TurnHandler protocol carried by the context.
 """
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from orchestrator.api import admin_servicer, mappers_servicer, models_servicer, sessions_servicer
 from orchestrator.api.context import ServiceContext
 from orchestrator.api.interceptor import RequestInterceptor
+from orchestrator.api.store_health_watch import StoreHealthWatch
 
 __all__ = ["RunningServer", "build_server"]
 
@@ -27,9 +29,12 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     service_names: tuple[str, ...]
+    store_watch: StoreHealthWatch | None = None
 
     def stop(self, grace_s: float | None = 1.0) -> None:
         """Flip health to NOT_SERVING, then stop accepting calls and wait for the grace period."""
+        if self.store_watch is not None:
+            self.store_watch.stop()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
 
@@ -89,4 +94,9 @@ def build_server(ctx: ServiceContext, *, host: str | None = None, port: int | No
     server.start()
     for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=bound, health=health_servicer, service_names=names)
+    # The store's own health service; "" stays SERVING while it is degraded (turns run cold).
+    watch = StoreHealthWatch(health_servicer, ctx.metrics, read=ctx.store_health, probe=ctx.store_probe)
+    watch.start()
+    return RunningServer(
+        server=server, port=bound, health=health_servicer, service_names=names, store_watch=watch
+    )

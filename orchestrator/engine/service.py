@@ -46,6 +46,8 @@ from storage import (
     RetentionPolicy,
     StoreConfig,
     WindowPool,
+    open_store,
+    refuse_newer_format,
 )
 
 __all__ = ["NodeService", "build_node", "PurgeFanout"]
@@ -235,6 +237,8 @@ def build_node(
 
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
+        StoreVersionError: the store under `data_dir/kv` is of a newer format (raised before the
+            registry or the store was opened; a damaged store is quarantined instead).
     """
     registry = (
         registry
@@ -268,7 +272,6 @@ def build_node(
         )
 
     fanout = PurgeFanout(pool)
-    ctx = build_context(settings, migrate=migrate, store=fanout, pool_stats=pool_stats)
     store_cfg = StoreConfig(
         path=str(settings.data_dir / "kv"),
         region=settings.region,
@@ -276,10 +279,16 @@ def build_node(
         compression_ratios=ratios,
         capacity_bytes=settings.kv_capacity_bytes,
     )
+    refuse_newer_format(store_cfg)
+    ctx = build_context(settings, migrate=migrate, store=fanout, pool_stats=pool_stats)
     # The SQL audit log is authoritative while the service runs: every store record is mirrored there.
     # Mirrored with them: the rows of chunks the store's records say are gone (expired, evicted, ...).
     on_audit = mirror_and_forget(ctx.serializable, ctx.audit, node=ctx.node)
-    store = GlobalKVStore(store_cfg, clock=clock, on_audit=on_audit)
+    # A damaged database is quarantined and the node starts with an empty store (the rows of its chunks
+    # are reconciled away below); only a newer format refuses, checked before anything was opened.
+    store = open_store(store_cfg, clock=clock, on_audit=on_audit)
+    ctx.store_health = store.health
+    ctx.store_probe = store.probe_write
     fanout.store = store
     ctx.store_stats = store.stats
     ctx.audit_checker = _audit_checker(settings, ctx, store, clock)
@@ -356,6 +365,7 @@ def build_node(
         orphan_chunks_deleted=orphans.deleted[0],
         stale_running_turns_deleted=stale,
         policies_synced=policies_synced,
+        store_quarantined=store.quarantined_at_open.name if store.quarantined_at_open is not None else None,
     )
     return NodeService(
         ctx=ctx, store=store, pool=pool, registry=registry, engine=engine, reconcile=report, orphans=orphans
