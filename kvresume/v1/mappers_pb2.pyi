@@ -105,20 +105,26 @@ class CalibrationSource(_message.Message):
     def __init__(self, corpus: _Optional[_Union[CalibrationCorpus, _Mapping]] = ..., tokens_file: _Optional[str] = ...) -> None: ...
 
 class FitGate(_message.Message):
-    __slots__ = ("min_attn_cosine", "max_next_token_kl", "min_index_recall", "min_retention", "task_episodes", "eval_prompts")
+    __slots__ = ("min_attn_cosine", "max_next_token_kl", "min_index_recall", "min_retention", "task_episodes", "eval_prompts", "min_retention_lower", "disabled", "task_seed")
     MIN_ATTN_COSINE_FIELD_NUMBER: _ClassVar[int]
     MAX_NEXT_TOKEN_KL_FIELD_NUMBER: _ClassVar[int]
     MIN_INDEX_RECALL_FIELD_NUMBER: _ClassVar[int]
     MIN_RETENTION_FIELD_NUMBER: _ClassVar[int]
     TASK_EPISODES_FIELD_NUMBER: _ClassVar[int]
     EVAL_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETENTION_LOWER_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    TASK_SEED_FIELD_NUMBER: _ClassVar[int]
     min_attn_cosine: float
     max_next_token_kl: float
     min_index_recall: float
     min_retention: float
     task_episodes: int
     eval_prompts: int
-    def __init__(self, min_attn_cosine: _Optional[float] = ..., max_next_token_kl: _Optional[float] = ..., min_index_recall: _Optional[float] = ..., min_retention: _Optional[float] = ..., task_episodes: _Optional[int] = ..., eval_prompts: _Optional[int] = ...) -> None: ...
+    min_retention_lower: float
+    disabled: _containers.RepeatedScalarFieldContainer[str]
+    task_seed: int
+    def __init__(self, min_attn_cosine: _Optional[float] = ..., max_next_token_kl: _Optional[float] = ..., min_index_recall: _Optional[float] = ..., min_retention: _Optional[float] = ..., task_episodes: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., min_retention_lower: _Optional[float] = ..., disabled: _Optional[_Iterable[str]] = ..., task_seed: _Optional[int] = ...) -> None: ...
 
 class StartFitRequest(_message.Message):
     __slots__ = ("sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate", "resubmit_job_id")
