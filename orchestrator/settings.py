@@ -52,6 +52,9 @@ class Settings:
     # 50052, beside gRPC's 50051: 9090 is Prometheus's own port (and LMCache's), taken where one runs.
     metrics_port: int = 50052
     metrics_enabled: bool = True
+    # The OpenAI-compatible HTTP API (orchestrator/http/) on grpc_host; 0: not served. Callers of
+    # `start_http_server` may bind port 0 (any free port) directly.
+    http_port: int = 0
     region: str = "local"
     # This node's name in the registry (which store holds a session's cache); empty: the host name.
     node_name: str = ""
@@ -111,7 +114,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.version != SETTINGS_VERSION:
             raise ValueError(f"settings version {self.version} is not supported (want {SETTINGS_VERSION})")
-        for name in ("grpc_port", "metrics_port"):
+        for name in ("grpc_port", "metrics_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name}={port} is not a TCP port")
@@ -199,6 +202,7 @@ _INT_FIELDS = {
     "version",
     "grpc_port",
     "metrics_port",
+    "http_port",
     "max_request_bytes",
     "max_turn_tokens",
     "max_new_tokens",

@@ -1,5 +1,5 @@
-"""`kvresume serve`: run the gRPC service (Sessions, Models, Admin, Mappers, health, reflection) and
-/metrics.
+"""`kvresume serve`: run the gRPC service (Sessions, Models, Admin, Mappers, health, reflection), /metrics,
+and with `--http-port` the OpenAI-compatible HTTP API in the same process.
 
 A server without tenant tokens would refuse every call, so `serve` refuses to start without them
 (settings `tenant_tokens`, env `KVRESUME_TENANT_TOKENS='tenant=token,...'`), unless `--insecure-dev` is
@@ -24,6 +24,7 @@ from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
     from orchestrator.api import RunningServer, ServiceContext
+    from orchestrator.http import RunningHttpServer
 
 __all__ = ["DEV_ADMIN_TOKEN", "DEV_TENANT", "DEV_TOKEN", "check_port_free", "serve", "with_tokens"]
 
@@ -77,13 +78,15 @@ def serve(
     *,
     on_ready: Callable[[ServiceContext, RunningServer, int | None], None] | None = None,
     preload: bool = False,
+    on_http_ready: Callable[[RunningHttpServer], None] | None = None,
 ) -> None:
     """Run the service until `stop` is set: registry migrated, store and pool opened, models registered,
-    the turn engine wired, gRPC server, metrics endpoint.
+    the turn engine wired, gRPC server, metrics endpoint, and the HTTP API when `settings.http_port` is set.
 
     Args:
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
         preload: load every served model before serving (else each on its first turn).
+        on_http_ready: called before `on_ready` with the HTTP server, when one is served.
     """
     import structlog
 
@@ -99,20 +102,30 @@ def serve(
     if settings.metrics_enabled:
         metrics_server, _ = ctx.metrics.serve(settings.metrics_port, addr=settings.grpc_host)
         metrics_port = metrics_server.server_port  # type: ignore[attr-defined]
+    http = None
+    if settings.http_port:
+        from orchestrator.http import start_http_server
+
+        http = start_http_server(ctx, host=settings.grpc_host, port=settings.http_port)
     log.info(
         "service_started",
         grpc=f"{settings.grpc_host}:{running.port}",
         metrics_port=metrics_port,
+        http_port=http.port if http is not None else None,
         region=settings.region,
         tls=settings.tls_enabled,
         turn_engine=ctx.turn_handler is not None,
     )
     try:
+        if http is not None and on_http_ready is not None:
+            on_http_ready(http)
         if on_ready is not None:
             on_ready(ctx, running, metrics_port)
         stop.wait()
     finally:
         log.info("service_stopping")
+        if http is not None:
+            http.stop(grace_s=5.0)
         running.stop(grace_s=5.0)
         if metrics_server is not None:
             metrics_server.shutdown()  # type: ignore[attr-defined]
@@ -147,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
     check_port_free(settings.grpc_host, settings.grpc_port, "gRPC")
     if settings.metrics_enabled:
         check_port_free(settings.grpc_host, settings.metrics_port, "metrics")
+    if settings.http_port:
+        check_port_free(settings.grpc_host, settings.http_port, "HTTP")
 
     import os
     import signal
@@ -178,22 +193,27 @@ def _run(args: argparse.Namespace) -> int:
     configure_torch(settings.model_numerics, threads=settings.torch_threads or len(os.sched_getaffinity(0)))
     log.info("numerics_profile", **profile_report(settings.model_numerics))
 
+    http_ports: list[int] = []
+
     def on_ready(ctx: ServiceContext, running: RunningServer, metrics_port: int | None) -> None:
         models = list(ctx.model_catalog.names) if ctx.model_catalog is not None else []
+        http = f"http://{settings.grpc_host}:{http_ports[0]}/v1" if http_ports else None
         doc = {
             "grpc": f"{settings.grpc_host}:{running.port}",
             "metrics_port": metrics_port,
+            "http": http,
             "region": settings.region,
             "models": models,
             "tls": settings.tls_enabled,
             "insecure_dev": args.insecure_dev,
         }
         metrics = f", /metrics on port {metrics_port}" if metrics_port is not None else ""
+        metrics += f", OpenAI-compatible HTTP at {http}" if http is not None else ""
         print(f"kvresume serve: serving {', '.join(models) or 'no models'} on {doc['grpc']} "
               f"(region {settings.region}{metrics}); Ctrl-C stops", file=text_stream(args.json), flush=True)
         write_json(doc, args.json)
 
-    serve(settings, stop, on_ready=on_ready, preload=True)
+    serve(settings, stop, on_ready=on_ready, preload=True, on_http_ready=lambda h: http_ports.append(h.port))
     return 0
 
 
@@ -204,6 +224,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, help="gRPC listen port (default 50051; 0: any free port)")
     parser.add_argument(
         "--metrics-port", type=int, help="Prometheus /metrics port (default 50052; 0: any free port)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on "
+        "this port of the gRPC host (default: off; setting http_port, env KVRESUME_HTTP_PORT)",
     )
     parser.add_argument("--region", help="this node's region label (default 'local')")
     parser.add_argument(

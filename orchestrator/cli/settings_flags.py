@@ -35,6 +35,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             "grpc_host": getattr(args, "host", None),
             "grpc_port": getattr(args, "port", None),
             "metrics_port": getattr(args, "metrics_port", None),
+            "http_port": getattr(args, "http_port", None),
             "region": getattr(args, "region", None),
             "served_models": getattr(args, "models", None),
             "model_numerics": getattr(args, "numerics", None),
