@@ -101,6 +101,13 @@ class Settings:
     step_token_budget: int = 256
     # Turns admitted at once per model (running or waiting for a step); past it RESOURCE_EXHAUSTED.
     max_running_turns: int = 96
+    # Mapper fitting jobs (orchestrator/jobs/): jobs fitting at once, jobs waiting beyond them (past both,
+    # StartFit is RESOURCE_EXHAUSTED), torch threads of each job's child process (so fitting never takes
+    # the cores turns are served on), and the most calibration tokens one job may ask for.
+    fit_max_running_jobs: int = 1
+    fit_max_queued_jobs: int = 8
+    fit_threads: int = 1
+    fit_max_budget_tokens: int = 4_000_000
     # A file holding the audit anchor key (at least 16 bytes; never stored in SQL or the store): with
     # it the node writes HMAC anchors of every audit chain head every `audit_anchor_interval_s`, to the
     # store and to `data_dir/audit-anchors/<node>.jsonl`, and audit verify checks them. Unset: audit
@@ -130,9 +137,14 @@ class Settings:
             "max_batch_sequences",
             "step_token_budget",
             "max_running_turns",
+            "fit_max_running_jobs",
+            "fit_threads",
+            "fit_max_budget_tokens",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.fit_max_queued_jobs < 0:
+            raise ValueError(f"fit_max_queued_jobs={self.fit_max_queued_jobs} must be >= 0")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads={self.torch_threads} must be >= 0")
         if not (math.isfinite(self.orphan_grace_s) and self.orphan_grace_s >= 0):
@@ -215,6 +227,10 @@ _INT_FIELDS = {
     "max_batch_sequences",
     "step_token_budget",
     "max_running_turns",
+    "fit_max_running_jobs",
+    "fit_max_queued_jobs",
+    "fit_threads",
+    "fit_max_budget_tokens",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s",

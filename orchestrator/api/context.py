@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,6 +33,9 @@ from orchestrator.db import (
 )
 from orchestrator.settings import Settings
 from storage import StoreHealth, StoreStats
+
+if TYPE_CHECKING:
+    from orchestrator.jobs import FitJobService
 
 __all__ = ["ServiceContext", "PoolStats", "build_context"]
 
@@ -84,6 +88,9 @@ class ServiceContext:
     store_probe: Callable[[], bool] | None = None
     # The served models for the Models service (None: the service answers UNIMPLEMENTED).
     model_catalog: ModelCatalog | None = None
+    # The node's mapper fitting jobs (orchestrator.jobs.FitJobService; None: the job RPCs answer
+    # UNIMPLEMENTED).
+    fit_jobs: FitJobService | None = None
     # The whole audit check (both chains, their agreement, the anchors); None: the SQL chains alone.
     audit_checker: AuditChecker | None = None
 

@@ -34,6 +34,7 @@ from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
 from orchestrator.engine.turn_engine import TurnEngine
+from orchestrator.jobs import FitJobService
 from orchestrator.planner import CostTable
 from orchestrator.scheduler import MetricsObserver, build_scheduler
 from orchestrator.settings import Settings
@@ -200,6 +201,8 @@ class NodeService:
     orphans: OrphanSweeper | None = None
 
     def close(self) -> None:
+        if self.ctx.fit_jobs is not None:
+            self.ctx.fit_jobs.close()
         self.engine.scheduler.close()
         if self.ctx.audit_checker is not None:
             # A last anchor while the store is still open: a clean stop leaves no unanchored tail.
@@ -331,6 +334,15 @@ def build_node(
     ctx.turn_handler = engine
     ctx.served_models = registry.names
     ctx.model_catalog = RegistryCatalog(registry)
+    ctx.fit_jobs = FitJobService(
+        settings=settings,
+        sessions=ctx.sessions,
+        serializable=ctx.serializable,
+        node=ctx.node,
+        model_sources={n: registry.spec(n).source for n in registry.names},  # type: ignore[union-attr]
+    )
+    # Before anything is admitted: this node's unfinished jobs lost their children when it went down.
+    fit_jobs_failed = ctx.fit_jobs.recover()
     stale = _drop_stale_turns(ctx)
     # Before reconciling: a synced policy may purge (residency) or expire chunks the rows still name.
     policies_synced = _sync_policies(ctx, store)
@@ -365,6 +377,7 @@ def build_node(
         orphan_chunks_deleted=orphans.deleted[0],
         stale_running_turns_deleted=stale,
         policies_synced=policies_synced,
+        fit_jobs_failed_on_restart=fit_jobs_failed,
         store_quarantined=store.quarantined_at_open.name if store.quarantined_at_open is not None else None,
     )
     return NodeService(
