@@ -30,6 +30,7 @@ from storage.errors import (
     StoreClosedError,
     StoreDamagedError,
     StoreFormatError,
+    StoreLockedError,
     StoreVersionError,
 )
 from storage.kv_store import GlobalKVStore
@@ -117,6 +118,7 @@ __all__ = [
     "StoreDamagedError",
     "StoreFormatError",
     "StoreHealth",
+    "StoreLockedError",
     "StoreRepair",
     "StoreStats",
     "StoreVersionError",

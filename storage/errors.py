@@ -34,3 +34,8 @@ class StoreVersionError(StoreFormatError):
     """The directory holds a store of a newer on-disk format than this code knows. Run the newer
     version (or point this one at another directory); it is neither opened nor quarantined, so a
     downgrade never wipes a newer store."""
+
+
+class StoreLockedError(StorageError):
+    """Another store object or process holds the database open (RocksDB's LOCK file). Stop it first;
+    a locked store is never treated as damaged, so it is neither quarantined nor touched."""

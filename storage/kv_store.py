@@ -58,7 +58,13 @@ from storage.chunk_key import (
     token_bytes,
 )
 from storage.chunk_writer import ACTOR, ChunkWriter
-from storage.errors import AuditRecordError, StoreClosedError, StoreDamagedError, StoreFormatError
+from storage.errors import (
+    AuditRecordError,
+    StoreClosedError,
+    StoreDamagedError,
+    StoreFormatError,
+    StoreLockedError,
+)
 from storage.policy import RetentionPolicy
 from storage.quarantine import QUARANTINE_DIR, QuarantineArea, QuarantinedStore
 from storage.retention import RetentionOps
@@ -117,6 +123,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         StoreFormatError: the directory holds data without a store format mark.
         StoreDamagedError: the database cannot be read whole or an entry of ours does not decode;
             nothing was written (`store_open.open_store` quarantines it and opens an empty store).
+        StoreLockedError: another process or store object has the database open.
     """
 
     def __init__(
@@ -176,15 +183,20 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                 error recorded while it last served.
         """
         config = self.config
-        mark = self.quarantine.damage_mark()
-        if mark is not None:
-            raise StoreDamagedError(f"{config.db_path}: a read error was recorded while serving: {mark}")
         config.db_path.mkdir(parents=True, exist_ok=True)
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._db = Rdict(str(config.db_path), _db_options())
         except Exception as exc:  # noqa: BLE001 - rocksdict raises a plain Exception for every RocksDB status
+            # A live store held by another process (a second `serve`, an offline repair) is not damage.
+            if "LOCK" in str(exc) and ("lock hold" in str(exc) or "While lock file" in str(exc)):
+                raise StoreLockedError(f"{config.db_path} is open elsewhere: {exc}") from exc
             raise StoreDamagedError(f"{config.db_path}: the database does not open: {exc}") from exc
+        # Checked once this process holds the database's lock, so a live store is never reported damaged.
+        mark = self.quarantine.damage_mark()
+        if mark is not None:
+            self._db.close()
+            raise StoreDamagedError(f"{config.db_path}: a read error was recorded while serving: {mark}")
         try:
             self._db.set_read_options(_read_options())
             self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)  # type: ignore[arg-type]

@@ -56,6 +56,7 @@ def open_store(
 
     Raises:
         StoreVersionError: the database is of a newer format; nothing was moved or written.
+        StoreLockedError: another process has the database open; nothing was moved or written.
         OSError: the damaged database could not be moved aside.
     """
     area = QuarantineArea(config.path)
@@ -215,6 +216,7 @@ def repair_store(config: StoreConfig, *, keep_quarantined: bool = False, actor: 
 
     Raises:
         StoreVersionError: a newer format; nothing was moved or written.
+        StoreLockedError: a running node (or another process) has the store open; stop it first.
     """
     store = open_store(config, actor=actor)
     try:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator.cli import admin_store_cmd
 from orchestrator.cli.connection import ADMIN, add_connection_flags, connect
 from orchestrator.cli.output import add_json_flag, fields_text, table_text, text_stream, write_json
 from orchestrator.cli.settings_flags import add_settings_flags, settings_from_args
@@ -317,3 +318,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = _add_remote(sub, "stats", "store statistics")
     p.add_argument("--tenant")
     p.set_defaults(handler=_remote(_stats))
+
+    admin_store_cmd.register(sub)

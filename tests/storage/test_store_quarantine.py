@@ -20,6 +20,7 @@ from storage import (
     RetentionPolicy,
     StoreConfig,
     StoreDamagedError,
+    StoreLockedError,
     StoreVersionError,
     check_store,
     open_store,
@@ -226,3 +227,20 @@ def test_write_health_needs_consecutive_failures() -> None:
     assert not health.failing and health.failures == 0
     with pytest.raises(ValueError, match="threshold"):
         WriteHealth(threshold=0)
+
+
+def test_a_store_open_elsewhere_is_locked_not_damaged(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    _fill(root, sessions=2)
+    live = GlobalKVStore(_cfg(root))
+    try:
+        # A second serve on the same data_dir, or a repair while the node runs: refused, nothing moved.
+        with pytest.raises(StoreLockedError, match="open elsewhere"):
+            open_store(_cfg(root))
+        with pytest.raises(StoreLockedError):
+            repair_store(_cfg(root))
+        assert not (root / "quarantine").exists() and live.stats().chunks == 10
+        # A read-only check takes no lock.
+        assert check_store(_cfg(root)).status == CheckStatus.OK
+    finally:
+        live.close()
