@@ -8,7 +8,7 @@ the node's `orchestrator.jobs.FitJobService` (`ctx.fit_jobs`; None: the job RPCs
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -18,7 +18,13 @@ from orchestrator.api.errors import InvalidRequestError, NotFoundError, check_na
 from orchestrator.api.status_table import stream_errors, unary_errors
 from orchestrator.db import MapperRepository, run_serializable
 from orchestrator.db.models import FitJobPhase
-from orchestrator.jobs import DEFAULT_SEQUENCE_TOKENS, GATE_THRESHOLDS, FitJobService, FitJobView, FitRequest
+
+# The request module, not the package root: orchestrator.jobs imports orchestrator.api (its errors), so
+# the job service is only named for typing here.
+from orchestrator.jobs.request import DEFAULT_SEQUENCE_TOKENS, GATE_THRESHOLDS, FitRequest
+
+if TYPE_CHECKING:
+    from orchestrator.jobs import FitJobService, FitJobView
 
 __all__ = ["MappersServicer", "servicer_class"]
 
