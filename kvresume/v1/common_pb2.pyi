@@ -30,6 +30,7 @@ class PlanReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PLAN_REASON_MAPPED_FROM_LAST_MODEL: _ClassVar[PlanReason]
     PLAN_REASON_WINDOWS_BY_CONTENT: _ClassVar[PlanReason]
     PLAN_REASON_PREFIX_BY_CONTENT: _ClassVar[PlanReason]
+    PLAN_REASON_MAPPED_BY_CONTENT: _ClassVar[PlanReason]
 
 class SessionStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -82,6 +83,7 @@ PLAN_REASON_NOTHING_STORED_TO_MAP: PlanReason
 PLAN_REASON_MAPPED_FROM_LAST_MODEL: PlanReason
 PLAN_REASON_WINDOWS_BY_CONTENT: PlanReason
 PLAN_REASON_PREFIX_BY_CONTENT: PlanReason
+PLAN_REASON_MAPPED_BY_CONTENT: PlanReason
 SESSION_STATUS_UNSPECIFIED: SessionStatus
 SESSION_STATUS_OPEN: SessionStatus
 SESSION_STATUS_CLOSED: SessionStatus

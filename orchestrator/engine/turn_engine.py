@@ -255,7 +255,8 @@ class TurnEngine:
                 f.artifacts[plan.mapper_id],
                 sender=f.sender,
                 receiver=f.served,
-                history=f.history,
+                # the prompt: a new session maps a prefix of its first prompt found by content
+                history=f.history + f.new_tokens,
                 sender_blobs=f.sender_prefix.blobs,
                 n_tokens=plan.resume_from,
             )

@@ -33,7 +33,7 @@ from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.prefix_reuse import find_reuse, lookup_result
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, MapperArtifact
-from orchestrator.planner import CostTable, MapperInfo, Plan, ResumePath, plan_turn
+from orchestrator.planner import CacheInventory, CostTable, MapperInfo, Plan, ResumePath, plan_turn
 from storage import GlobalKVStore, WindowPool
 
 __all__ = ["TurnFacts", "TurnPreparation"]
@@ -120,6 +120,44 @@ class TurnPreparation:
             )
         return tokens
 
+    def _content_sender(
+        self,
+        turn: TurnInput,
+        served: ServedModel,
+        prompt: list[int],
+        own: StoredPrefix,
+        candidates: list[tuple[MapperArtifact, MapperInfo]],
+    ) -> tuple[ServedModel | None, StoredPrefix | None]:
+        """For a new session: the served model, with a usable validated mapper to `served`, whose stored
+        prefix of the prompt (found by content) is the longest and longer than `own`, and that prefix
+        read and verified; (None, None) when there is none. The store's index is asked first (no
+        payload read), so only the chosen model's chunks are read."""
+        probe = prompt[:-1]
+        best: tuple[int, ServedModel] | None = None
+        for name in sorted({art.sender_model for art, _ in candidates}):
+            sender = self.registry.get(name)
+            if sender is None or not any(
+                art.sender_model == name and self.mappers.usable(art, sender, served) for art, _ in candidates
+            ):
+                continue
+            n = self.store.lookup(turn.tenant_id, sender.fingerprint_hex, probe).n_tokens
+            if n > own.n_tokens and (best is None or n > best[0]):
+                best = (n, sender)
+        if best is None:
+            return None, None
+        sender = best[1]
+        read = read_prefix(
+            self.store,
+            self._ctx.sessions,
+            tenant=turn.tenant_id,
+            served=sender,
+            history=probe,
+            compute=self.compute,
+        )
+        if read.n_tokens == 0:
+            return None, None
+        return sender, read
+
     def prepare(self, turn: TurnInput) -> TurnFacts:
         """Read the session, its stored KV and pool entry, and plan the turn.
 
@@ -169,8 +207,17 @@ class TurnPreparation:
                     foreign.add(seg.numerics)
             last = view.last_model
             candidates: list[tuple[MapperArtifact, MapperInfo]] = []
+            # On a switch, the last model's mappers; for a new session, every model's mapper to this one:
+            # its prompt may be stored under another model (found by content; the model-swap rules apply).
+            mapper_rows = []
             if last is not None and last != name:
-                for m in MapperRepository(s).list(sender_model=last, receiver_model=name):
+                mapper_rows = MapperRepository(s).list(sender_model=last, receiver_model=name)
+            elif not history:
+                mapper_rows = [
+                    m for m in MapperRepository(s).list(receiver_model=name) if m.sender_model != name
+                ]
+            if mapper_rows:
+                for m in mapper_rows:
                     if not m.passed_gate:
                         continue
                     art = MapperArtifact(
@@ -233,6 +280,15 @@ class TurnPreparation:
                     if self.mappers.usable(art, sender, served):
                         artifacts[art.mapper_id] = art
                         infos.append(info)
+        elif candidates:
+            sender, sender_prefix = self._content_sender(
+                turn, served, history + new_tokens, prefix, candidates
+            )
+            if sender is not None:
+                for art, info in candidates:
+                    if art.sender_model == sender.name:
+                        artifacts[art.mapper_id] = art
+                        infos.append(info)
         if history:
             # The metric counts lookups of a history (hit: all of it stored); a new session's lookup of its
             # prompt by content shows in its plan's reason and counts instead.
@@ -251,7 +307,7 @@ class TurnPreparation:
             model=name,
             geometry=served.geometry,
             cache=inventory,
-            sender_cache=sender_prefix.inventory() if sender_prefix is not None else None,
+            sender_cache=_sender_inventory(sender_prefix, new_session=not history),
             pool=reuse.pool,
             pooled=reuse.pooled,
             mappers=infos,
@@ -285,6 +341,13 @@ class TurnPreparation:
             reused=reused,
             content_source=reuse.source_session if plan.path == ResumePath.FULL_HIT else None,
         )
+
+
+def _sender_inventory(prefix: StoredPrefix | None, *, new_session: bool) -> CacheInventory | None:
+    if prefix is None:
+        return None
+    # a new session's sender prefix was stored by other sessions: all of it found by content
+    return dataclasses.replace(prefix.inventory(), own_prefix=0) if new_session else prefix.inventory()
 
 
 def _foreign_reason(served: ServedModel, foreign: set[str], prefix: StoredPrefix) -> str:

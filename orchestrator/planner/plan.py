@@ -34,6 +34,7 @@ class PlanReason(enum.StrEnum):
     MAPPED_FROM_LAST_MODEL = "MAPPED_FROM_LAST_MODEL"
     WINDOWS_BY_CONTENT = "WINDOWS_BY_CONTENT"
     PREFIX_BY_CONTENT = "PREFIX_BY_CONTENT"
+    MAPPED_BY_CONTENT = "MAPPED_BY_CONTENT"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -249,6 +249,50 @@ def _same_model_candidates(
     return out
 
 
+def _content_swap_candidates(
+    session: SessionView,
+    model: str,
+    geometry: ModelGeometry,
+    cache: CacheInventory | None,
+    sender_cache: CacheInventory,
+    pool: PoolState,
+    pooled: PooledPrefix | None,
+    mappers: Sequence[MapperInfo],
+) -> list[_Candidate]:
+    """A new session whose prompt another model of the tenant has stored (found by content): the model-swap
+    rules apply as on a switch (a validated mapper of that model -> this one, else nothing of it is used),
+    beside this model's own candidates (its cold prefill included: a new session has no last model)."""
+    sender = sender_cache.model
+    candidates = _same_model_candidates(session, model, geometry, cache, pool, pooled)
+    valid = sorted(
+        (m for m in mappers if m.passed_gate and m.sender_model == sender and m.receiver_model == model),
+        key=lambda m: (-m.score, m.mapper_id),
+    )
+    sender_prefix = _checked_prefix(session, sender_cache, sender)
+    if not valid or sender_prefix == 0:
+        return candidates
+    stored = _prefix_reason(sender_prefix, session, sender_cache)
+    candidates.append(
+        _from_prefix(
+            session,
+            geometry,
+            sender_prefix,
+            path=ResumePath.MODEL_SWAP,
+            source_model=sender,
+            mapper_id=valid[0].mapper_id,
+            reason=f"{sender} -> {model} via mapper {valid[0].mapper_id}: {stored} on {sender}",
+            reason_code=PlanReason.MAPPED_BY_CONTENT,
+        )
+    )
+    cheaper = f"cold prefill on {model} is cheaper than mapping {sender_prefix} tokens from {sender}"
+    return [
+        _cold(session, geometry, cheaper, PlanReason.COLD_CHEAPER)
+        if c.path == ResumePath.COLD_PREFILL and c.reason_code == PlanReason.NEW_SESSION
+        else c
+        for c in candidates
+    ]
+
+
 def plan_turn(
     session: SessionView,
     *,
@@ -271,7 +315,9 @@ def plan_turn(
         geometry: the requested model's window W and compression-group alignment.
         cache: verified stored global KV of the requested model for this turn's prompt (None: not looked
             up); it may extend past the history (found by content) but never covers the whole prompt.
-        sender_cache: on a model switch, verified stored global KV of the last model.
+        sender_cache: on a model switch, verified stored global KV of the last model; for a new session,
+            that of another model whose stored prefix of the prompt was found by content (the model-swap
+            rules apply to it: only through a validated mapper).
         pool: the session's pool entry.
         pooled: verified pool windows of a prompt prefix found by content (this session's entry or
             another's of the tenant), with the stored global KV of exactly that prefix.
@@ -289,7 +335,11 @@ def plan_turn(
     """
     if not model:
         raise ValueError("requested model must be non-empty")
-    if session.history_len == 0 or session.last_model == model:
+    if session.history_len == 0 and sender_cache is not None and sender_cache.model != model:
+        candidates = _content_swap_candidates(
+            session, model, geometry, cache, sender_cache, pool, pooled, mappers
+        )
+    elif session.history_len == 0 or session.last_model == model:
         candidates = _same_model_candidates(session, model, geometry, cache, pool, pooled)
     else:
         sender = session.last_model

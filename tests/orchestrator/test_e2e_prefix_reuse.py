@@ -5,7 +5,8 @@ Narrations: a new session repeating another's prompt loads its stored chunks (GL
 start); the stateless agent pattern (every request a fresh session carrying the whole conversation) is a
 FULL_HIT from the second request on, bit-identical to one session continued on a second node (tokens,
 pooled windows and stored chunk bytes); an edited history shares up to the edit; a purge of the writer
-leaves the reader whole; another tenant finds nothing; chunks no committed turn names are never served.
+leaves the reader whole; another tenant finds nothing; chunks no committed turn names are never served;
+a new session on another model than the one that stored its prompt follows the model-swap rules.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mappers import identity_mapper, read_metadata, save_mapper
 from orchestrator.db import SegmentRepository
 from orchestrator.engine import ModelRegistry, ServedModelSpec, repo_root, unpack_pool_entry
 from tests.orchestrator.engine.node_harness import admin_md, counts, md, run_turn, start_node
+from tests.orchestrator.engine.node_harness import registry as harness_registry
 
 MODEL = "v41-sib-s"
 CHUNK = 32
@@ -238,5 +241,65 @@ def test_chunks_no_committed_turn_names_are_not_served(tmp_path: Path, models) -
         assert put.refusal is None
         t = run_turn(node, _new_session(node), leftover + _ids(rng, 8))
         assert t.path == "COLD_PREFILL" and counts(t.stats.counts)["cached"] == 0
+    finally:
+        node.stop()
+
+
+def test_new_session_on_another_model_follows_the_model_swap_rules(tmp_path: Path) -> None:
+    # random-init v41-tiny siblings "a" and "b" (one geometry; W = 32): the conversation was served by "b",
+    # a new session asks for "a" with the whole conversation. Without a mapper b -> a nothing of "b" is used;
+    # with a validated (identity) mapper registered, b's chunks found by content are mapped.
+    models = harness_registry()
+    rng = random.Random(7)
+    node = start_node(tmp_path, models)
+    pb = node.pb
+    try:
+        sid = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="b"), metadata=md()).session
+        prompt = [rng.randrange(16, 512) for _ in range(80)]
+        tb = run_turn(node, sid.session_id, prompt)
+        conversation = prompt + tb.tokens + [rng.randrange(16, 512) for _ in range(10)]
+
+        def ask_a():
+            created = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="a"), metadata=md())
+            return run_turn(node, created.session.session_id, conversation)
+
+        t = ask_a()
+        assert t.path == "COLD_PREFILL" and _reason(node, t) == "NEW_SESSION", t.plan.reason
+        a, b = models.get("a"), models.get("b")
+        mapper = identity_mapper(
+            b.model.cfg,
+            a.model.cfg,
+            sender_name="b",
+            receiver_name="a",
+            sender_fingerprint=b.fingerprint,
+            receiver_fingerprint=a.fingerprint,
+        )
+        artifact = save_mapper(mapper, tmp_path / "mapper-b-a")
+        node.mappers.RegisterMapper(
+            pb.mappers.RegisterMapperRequest(
+                mapper=pb.mappers.Mapper(
+                    mapper_id="id-b-a",
+                    sender_model="b",
+                    receiver_model="a",
+                    artifact_uri=str(artifact),
+                    artifact_sha256=read_metadata(artifact)["weights_sha256"],
+                    kind="identity",
+                    metrics={"copied_parts": 1.0},
+                    gate_metric="copied_parts",
+                    gate_threshold=1.0,
+                    passed_gate=True,
+                )
+            ),
+            metadata=admin_md(),
+        )
+        # "a" now holds its own chunks of the conversation (the cold turn above): purge them so that only
+        # b's remain to be found
+        node.admin.Purge(pb.admin.PurgeRequest(model="a"), metadata=admin_md())
+        t = ask_a()
+        assert t.path == "MODEL_SWAP" and _reason(node, t) == "MAPPED_BY_CONTENT", t.plan.reason
+        assert (t.plan.source_model, t.plan.mapper_id, t.plan.model) == ("b", "id-b-a", "a")
+        n = len(prompt) + len(tb.tokens)
+        assert counts(t.plan.counts) == counts(t.stats.counts)
+        assert t.plan.counts.mapped == n and t.plan.counts.prefilled == len(conversation) - n
     finally:
         node.stop()

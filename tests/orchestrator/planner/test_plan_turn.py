@@ -446,3 +446,26 @@ def test_plan_turn_matches_reference_on_random_inputs(
     assert plan.counts.replayed_encoder <= window + group - 1
     if plan.path == ResumePath.COLD_PREFILL:
         assert plan.resume_from == 0
+
+
+def test_plan_turn_new_session_maps_a_prefix_another_model_stored() -> None:
+    # the router's cascade: the conversation was served by "small", this request asks for "large"
+    sender = CacheInventory(model="small", valid_prefix=600, own_prefix=0)
+    good = MapperInfo(mapper_id="m-1", sender_model="small", receiver_model="large", passed_gate=True)
+    kwargs = dict(model="large", geometry=GEOM, cache=None, sender_cache=sender, pool=PoolState.absent())
+    plan = plan_turn(_session(0, 640), mappers=[good], costs=COSTS, **kwargs)
+    assert plan.path == ResumePath.MODEL_SWAP and plan.reason_code == PlanReason.MAPPED_BY_CONTENT
+    assert (plan.mapper_id, plan.source_model) == ("m-1", "small")
+    assert plan.counts == TokenCounts(mapped=600, replayed_encoder=128, prefilled=40)
+    assert plan.reason.startswith(
+        "small -> large via mapper m-1: global KV of 600 of 640 prompt tokens stored"
+    )
+    # without a validated mapper nothing of "small" is used: a new session's cold prefill
+    failed = MapperInfo(mapper_id="m-2", sender_model="small", receiver_model="large", passed_gate=False)
+    cold = plan_turn(_session(0, 640), mappers=[failed], costs=COSTS, **kwargs)
+    assert cold.path == ResumePath.COLD_PREFILL and cold.reason_code == PlanReason.NEW_SESSION
+    # mapping that costs more than a cold prefill says so
+    dear = Costs(load_s=1e-6, encode_s=1e-4, decode_replay_s=1e-4, map_s=1.0)
+    cheaper = plan_turn(_session(0, 640), mappers=[good], costs=dear, **kwargs)
+    assert cheaper.path == ResumePath.COLD_PREFILL and cheaper.reason_code == PlanReason.COLD_CHEAPER
+    assert cheaper.reason.startswith("cold prefill on large is cheaper than mapping 600 tokens from small")
