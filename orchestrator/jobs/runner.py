@@ -414,12 +414,39 @@ class FitJobService:
         log.warning("fit_job_failed", job=job_id, reason=error)
 
     def _follow(self, job_id: str, proc: subprocess.Popen[str]) -> tuple[dict[str, Any] | None, str | None]:
-        """Read the child's events into SQL until it closes stdout. Returns (result, error message)."""
+        """Read the child's events into SQL until it closes stdout. Returns (result, error message).
+
+        Progress reaches SQL at most every _PROGRESS_INTERVAL_S; a report held back by that limit is
+        written when the interval has passed even if the child says nothing more (a reader thread feeds
+        the lines, so this loop wakes on time)."""
         assert proc.stdout is not None
+        stdout = proc.stdout
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, name=f"fit-job-read-{job_id[:8]}", daemon=True).start()
         eta = EtaEstimator(self._clock)
         last_write = -1e9
+        pending: tuple[int, int, float | None] | None = None
         result: dict[str, Any] | None = None
-        for line in proc.stdout:
+        while True:
+            wait = max(0.0, last_write + _PROGRESS_INTERVAL_S - self._clock()) if pending else None
+            try:
+                line = lines.get(timeout=wait)
+            except queue.Empty:
+                line = ""
+            if pending is not None and (line is None or self._clock() - last_write >= _PROGRESS_INTERVAL_S):
+                last_write = self._clock()
+                self._progress(job_id, *pending)
+                pending = None
+            if line is None:
+                return result, None
+            if not line:
+                continue
             try:
                 event = parse_event(line)
             except ValueError as exc:
@@ -428,18 +455,17 @@ class FitJobService:
             kind = event["event"]
             if kind == "progress":
                 done, total = event["rows_done"], event["rows_total"]
-                left = eta.update(done, total)
-                now = self._clock()
-                if now - last_write >= _PROGRESS_INTERVAL_S or done == total:
-                    last_write = now
-                    self._progress(job_id, done, total, left)
+                pending = (done, total, eta.update(done, total))
+                if self._clock() - last_write >= _PROGRESS_INTERVAL_S or done == total:
+                    last_write = self._clock()
+                    self._progress(job_id, *pending)
+                    pending = None
             elif kind == "phase" and event["phase"] == "evaluating":
                 self._set_phase(job_id, FitJobPhase.EVALUATING)
             elif kind == "error":
                 return None, str(event.get("message", "the child reported an error"))
             elif kind == "result":
                 result = event
-        return result, None
 
     def _conclude(self, job_id: str, result: dict[str, Any], job_dir: Path) -> None:
         """Register a passing artifact and end SUCCEEDED, or end REJECTED with the failed conditions; one
