@@ -79,6 +79,8 @@ class PurgeFanout:
     def purge_model(
         self, model_fingerprint: str, *, tenant: str | None = None, actor: str, reason: str = "request"
     ) -> PurgeResult:
+        # The pool indexes entries by content under their model's fingerprint (turn_engine's ContentKey).
+        self._pool.discard_namespace(model_fingerprint, tenant=tenant)
         return self._store().purge_model(model_fingerprint, tenant=tenant, actor=actor, reason=reason)
 
 

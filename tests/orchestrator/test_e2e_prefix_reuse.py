@@ -294,7 +294,9 @@ def test_new_session_on_another_model_follows_the_model_swap_rules(tmp_path: Pat
         )
         # "a" now holds its own chunks of the conversation (the cold turn above): purge them so that only
         # b's remain to be found
+        assert node.service.pool.indexed() == 2  # the turn ends of b's session and of a's cold one
         node.admin.Purge(pb.admin.PurgeRequest(model="a"), metadata=admin_md())
+        assert node.service.pool.indexed() == 1  # a model purge drops its pooled windows from the index
         t = ask_a()
         assert t.path == "MODEL_SWAP" and _reason(node, t) == "MAPPED_BY_CONTENT", t.plan.reason
         assert (t.plan.source_model, t.plan.mapper_id, t.plan.model) == ("b", "id-b-a", "a")
