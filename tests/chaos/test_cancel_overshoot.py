@@ -1,0 +1,160 @@
+"""How late cancellation and deadlines take effect with the batching scheduler (issue 13 item 14).
+
+Real node at the default scheduling settings (batching, step_token_budget 256, prefill slices of at
+most 1024 tokens, so at most 256 per step), loopback gRPC, one served model. A long prefill (8192
+tokens) runs alone; then either its gRPC deadline passes (1 s) or the owner calls Abort after 1 s.
+The overshoot is the time from the deadline (or the Abort's return) until the turn no longer runs in
+the server (its session's running-turn handle is gone, so a retry would be admitted). The target is
+one bounded step: a step of 256 prefill tokens is timed in the same run, and the overshoot must stay
+within one step plus the turn's own unwind (about 0.5 s here). Figures go to the chaos report under
+`cancel_overshoot_<model>`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.api import build_server
+from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
+from orchestrator.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENS = {"acme": "tok-acme"}
+MD = (("authorization", "Bearer tok-acme"),)
+PROMPT = 8192
+DEADLINE_S = 1.0
+# One step plus the unwind of a stopped turn (the row's FAILED status, the handle's release).
+UNWIND_S = 0.25
+
+
+def _node(tmp_path: Path, spec: ServedModelSpec):
+    settings = Settings(
+        data_dir=tmp_path,
+        tenant_tokens=TOKENS,
+        admin_token="tok-admin",
+        grpc_port=0,
+        metrics_enabled=False,
+        pool_budget_bytes=256 << 20,
+        kv_chunk_tokens=256,
+    )
+    service = build_node(settings, registry=ModelRegistry({"m": spec}))
+    server = build_server(service.ctx, host="127.0.0.1", port=0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    return service, server, channel
+
+
+def _ended(service, since: float, timeout_s: float = 60.0) -> float:
+    """Seconds after `since` (monotonic) at which no turn runs any more."""
+    deadline = time.monotonic() + timeout_s
+    while len(service.ctx.running) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert not len(service.ctx.running), "the turn never stopped"
+    return time.monotonic() - since
+
+
+def _measure(
+    tmp_path: Path, spec: ServedModelSpec, vocab: int, chaos_report, section: str, *, reps: int
+) -> dict:
+    torch.set_num_threads(1)
+    service, server, channel = _node(tmp_path, spec)
+    try:
+        pb = service.ctx.stubs
+        sessions = pb.sessions_grpc.SessionsStub(channel)
+        rng = random.Random(14)
+
+        def new_session() -> str:
+            made = sessions.CreateSession(pb.sessions.CreateSessionRequest(model="m"), metadata=MD)
+            return made.session.session_id
+
+        def request(sid: str, n: int) -> object:
+            return pb.sessions.TurnRequest(
+                session_id=sid,
+                tokens=pb.sessions.TokenIds(ids=[rng.randrange(16, vocab) for _ in range(n)]),
+                generation=pb.sessions.GenerationParams(max_new_tokens=1),
+            )
+
+        # One step's cost, from above: the time to first token of a lone 256-token cold turn (one
+        # prefill step plus the decoder replay and one decode), median after a warm-up turn.
+        steps = []
+        for _ in range(reps + 1):
+            for event in sessions.Turn(request(new_session(), 256), metadata=MD):
+                if event.WhichOneof("event") == "stats":
+                    steps.append(event.stats.ttft_s)
+        step_s = statistics.median(steps[1:])
+
+        deadline_overshoot = []
+        for _ in range(reps):
+            sid = new_session()
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in sessions.Turn(request(sid, PROMPT), metadata=MD, timeout=DEADLINE_S):
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            deadline_overshoot.append(_ended(service, start + DEADLINE_S))
+
+        abort_overshoot = []
+        for _ in range(reps):
+            sid = new_session()
+            stream = sessions.Turn(request(sid, PROMPT), metadata=MD)
+
+            def drain(stream=stream) -> None:
+                try:
+                    for _ in stream:
+                        pass
+                except grpc.RpcError:
+                    pass
+
+            th = threading.Thread(target=drain)
+            th.start()
+            time.sleep(DEADLINE_S)
+            assert len(service.ctx.running) == 1, "the prefill ended before the abort"
+            sessions.Abort(pb.sessions.AbortRequest(session_id=sid, reason="overshoot test"), metadata=MD)
+            asked = time.monotonic()
+            abort_overshoot.append(_ended(service, asked))
+            th.join(timeout=60)
+    finally:
+        channel.close()
+        server.stop(grace_s=None)
+        service.close()
+    figures = {
+        "model": spec.source,
+        "prompt_tokens": PROMPT,
+        "deadline_s": DEADLINE_S,
+        "step_token_budget": 256,
+        "step_256_ttft_s_median": round(step_s, 4),
+        "deadline_overshoot_s": [round(x, 4) for x in deadline_overshoot],
+        "abort_overshoot_s": [round(x, 4) for x in abort_overshoot],
+        "deadline_overshoot_max_s": round(max(deadline_overshoot), 4),
+        "abort_overshoot_max_s": round(max(abort_overshoot), 4),
+        "hardware": "see benchmarks/hardware.py; CI: 2-core AMD EPYC VM",
+    }
+    chaos_report.record(section, **figures)
+    bound = step_s + UNWIND_S
+    assert max(deadline_overshoot) <= max(bound, 0.5), figures
+    assert max(abort_overshoot) <= max(bound, 0.5), figures
+    return figures
+
+
+def test_deadline_and_abort_stop_a_long_prefill_within_one_step_tiny(tmp_path: Path, chaos_report) -> None:
+    _measure(tmp_path, ServedModelSpec(name="m", config="v41-tiny", seed=1), 512, chaos_report,
+             "cancel_overshoot_v41_tiny", reps=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sibling", ["v41-sib-s", "v41-sib-l"])
+def test_deadline_and_abort_stop_a_long_prefill_within_one_step_trained(
+    tmp_path: Path, sibling: str, chaos_report
+) -> None:
+    path = REPO / "checkpoints" / sibling
+    if not (path / "model.safetensors").is_file():
+        pytest.skip(f"the trained {sibling} is not shipped")
+    _measure(tmp_path, ServedModelSpec(name="m", checkpoint=path), 4096, chaos_report,
+             f"cancel_overshoot_{sibling.replace('-', '_')}", reps=5)
