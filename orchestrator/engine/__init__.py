@@ -9,6 +9,7 @@ from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.pool_entry import (
     PoolEntry,
     chunks_digest,
+    chunks_digest_of,
     history_digest,
     pack_pool_entry,
     unpack_pool_entry,
@@ -65,6 +66,7 @@ __all__ = [
     "choose_codec",
     "chunk_ranges",
     "chunks_digest",
+    "chunks_digest_of",
     "default_model_specs",
     "find_reuse",
     "history_digest",

@@ -9,6 +9,7 @@ cache format accepts it; the first chunk failing any of these ends the prefix (a
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from sqlalchemy.orm import Session
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.db.models import CacheSegment
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
-from orchestrator.engine.pool_entry import chunks_digest
+from orchestrator.engine.pool_entry import chunks_digest_of
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
 from storage import AuditRecord, GlobalKVStore, MissReason
@@ -45,6 +46,14 @@ class StoredPrefix:
     ranges: list[tuple[int, int]] = field(default_factory=list)
     miss_reason: str | None = None
     lookup_result: str = "miss"
+    _hashes: list[bytes] | None = field(default=None, repr=False)
+
+    def payload_hashes(self) -> list[bytes]:
+        """sha256 of each blob, in order (computed once: the full-hit check and the turn end's chunks
+        digest both need them)."""
+        if self._hashes is None:
+            self._hashes = [hashlib.sha256(b).digest() for b in self.blobs]
+        return self._hashes
 
     def inventory(self) -> CacheInventory:
         return CacheInventory(model=self.model, valid_prefix=self.n_tokens, miss_reason=self.miss_reason)
@@ -176,6 +185,7 @@ def persist_chunks(
     clock: Callable[[], float],
     compute: ModelCompute | None = None,
     known: Mapping[tuple[int, int], bytes] | None = None,
+    known_hashes: Mapping[tuple[int, int], bytes] | None = None,
 ) -> PersistOutcome:
     """Export the chunks of `history` not yet stored for this session and write them durably.
 
@@ -185,6 +195,7 @@ def persist_chunks(
         known: payloads by range that the state was loaded from (verified stored chunks, maybe another
             session's found by content): used as they are instead of exporting them again, and written
             (a reference of this session on a chunk another session stored) when not yet this session's.
+        known_hashes: sha256 of those payloads, by range, where already computed.
 
     Returns:
         The durable segments of the whole history to link in the registry, or why nothing was persisted;
@@ -193,6 +204,7 @@ def persist_chunks(
     """
     compute = compute if compute is not None else TorchCompute()
     known = known if known is not None else {}
+    known_hashes = known_hashes if known_hashes is not None else {}
     n = len(history)
     if state.n_tokens != n:
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
@@ -206,9 +218,15 @@ def persist_chunks(
         return held if held is not None else compute.export_global(served, state, r[0], r[1])
 
     payloads = {r: payload(r) for r in ranges}
-    # the kept full chunks below already_stored count in the digest as the state holds them
-    below = {r: payload(r) for r in every if r not in payloads}
-    digest = chunks_digest(every, [payloads[r] if r in payloads else below[r] for r in every])
+
+    def payload_hash(r: tuple[int, int]) -> bytes:
+        held = known_hashes.get(r) if r in known else None
+        if held is not None:
+            return held
+        # the kept full chunks below already_stored count in the digest as the state holds them
+        return hashlib.sha256(payloads[r] if r in payloads else payload(r)).digest()
+
+    digest = chunks_digest_of(every, [payload_hash(r) for r in every])
     new_bytes = 0
     claimed: list[AuditRecord] = []
     if payloads:

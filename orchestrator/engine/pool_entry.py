@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from storage import history_digest as _storage_history_digest
 
-__all__ = ["PoolEntry", "pack_pool_entry", "unpack_pool_entry", "history_digest", "chunks_digest"]
+__all__ = [
+    "PoolEntry",
+    "pack_pool_entry",
+    "unpack_pool_entry",
+    "history_digest",
+    "chunks_digest",
+    "chunks_digest_of",
+]
 
 _MAGIC = b"KVRP"
 _VERSION = 2
@@ -37,10 +44,17 @@ def chunks_digest(ranges: Sequence[tuple[int, int]], payloads: Sequence[bytes]) 
     """Digest of a history's global-KV chunks in order: their ranges and the sha256 of each payload."""
     if len(ranges) != len(payloads):
         raise ValueError(f"{len(ranges)} ranges but {len(payloads)} payloads")
+    return chunks_digest_of(ranges, [hashlib.sha256(p).digest() for p in payloads])
+
+
+def chunks_digest_of(ranges: Sequence[tuple[int, int]], payload_hashes: Sequence[bytes]) -> bytes:
+    """`chunks_digest` from the payloads' sha256 digests (each chunk is hashed once per turn)."""
+    if len(ranges) != len(payload_hashes):
+        raise ValueError(f"{len(ranges)} ranges but {len(payload_hashes)} payload hashes")
     h = hashlib.sha256()
-    for (start, end), payload in zip(ranges, payloads, strict=True):
+    for (start, end), digest in zip(ranges, payload_hashes, strict=True):
         h.update(_RANGE.pack(start, end))
-        h.update(hashlib.sha256(payload).digest())
+        h.update(digest)
     return h.digest()
 
 

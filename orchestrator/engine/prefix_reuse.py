@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from model import CacheFormatError
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_compute import ModelCompute
-from orchestrator.engine.pool_entry import chunks_digest, unpack_pool_entry
+from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import PooledPrefix, PoolState
 from storage import GlobalKVStore, PoolMiss, WindowPool
@@ -158,7 +158,7 @@ def _verified(
         if exact.n_tokens != n or exact.state is None:
             return reuse
         state = exact.state.clone()
-    if chunks_digest(exact.ranges, exact.blobs) != entry.chunks:
+    if chunks_digest_of(exact.ranges, exact.payload_hashes()) != entry.chunks:
         # The stored bytes of this prefix are not the ones the windows were computed over (a chunk of the
         # same tokens kept another writer's bytes, or was deleted and written anew): not provably exact.
         return reuse

@@ -359,6 +359,7 @@ class TurnEngine:
                     clock=self._clock,
                     compute=self.compute,
                     known=f.reused,
+                    known_hashes=f.reused_hashes,
                 )
                 persisted = outcome.persisted
             try:

@@ -53,7 +53,7 @@ class TurnFacts:
             content continue a stored prefix of the prompt exactly; what a FULL_HIT continues).
         reused: the verified payloads, by range, of the stored chunks the plan loads: at turn end the
             session stores (and so links, in the store and the registry) its history's chunks from these
-            instead of exporting them again.
+            instead of exporting them again; `reused_hashes`, their sha256 (for the chunks digest).
         content_source: the session whose pooled windows a FULL_HIT continues (None otherwise).
         artifacts: mapper artifacts the plan may name, by mapper id.
     """
@@ -73,6 +73,7 @@ class TurnFacts:
     full_hit_state: Any | None
     artifacts: dict[str, MapperArtifact]
     reused: dict[tuple[int, int], bytes] = dataclasses.field(default_factory=dict)
+    reused_hashes: dict[tuple[int, int], bytes] = dataclasses.field(default_factory=dict)
     content_source: str | None = None
 
 
@@ -321,11 +322,11 @@ class TurnPreparation:
         if plan.path == ResumePath.FULL_HIT:
             assert reuse.pooled_prefix is not None and reuse.pooled_prefix.n_tokens == plan.resume_from
             loaded = reuse.pooled_prefix
-        reused = (
-            dict(zip(loaded.ranges, loaded.blobs, strict=True))
-            if plan.path in (ResumePath.FULL_HIT, ResumePath.GLOBAL_REPLAY)
-            else {}
-        )
+        reused: dict[tuple[int, int], bytes] = {}
+        reused_hashes: dict[tuple[int, int], bytes] = {}
+        if plan.path in (ResumePath.FULL_HIT, ResumePath.GLOBAL_REPLAY):
+            reused = dict(zip(loaded.ranges, loaded.blobs, strict=True))
+            reused_hashes = dict(zip(loaded.ranges, loaded.payload_hashes(), strict=True))
         return TurnFacts(
             **facts,
             history=history,
@@ -339,6 +340,7 @@ class TurnPreparation:
             full_hit_state=reuse.full_hit_state if plan.path == ResumePath.FULL_HIT else None,
             artifacts=artifacts,
             reused=reused,
+            reused_hashes=reused_hashes,
             content_source=reuse.source_session if plan.path == ResumePath.FULL_HIT else None,
         )
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
 
-from orchestrator.engine import chunks_digest, history_digest, pack_pool_entry, unpack_pool_entry
+from orchestrator.engine import (
+    chunks_digest,
+    chunks_digest_of,
+    history_digest,
+    pack_pool_entry,
+    unpack_pool_entry,
+)
 from storage import history_digest as storage_history_digest
 
 
@@ -42,5 +49,7 @@ def test_chunks_digest_names_ranges_and_bytes() -> None:
     assert base != chunks_digest([(0, 32), (32, 41)], [b"p0", b"p1"])
     assert base != chunks_digest([(0, 32), (32, 40)], [b"p0", b"p2"])
     assert base == chunks_digest([(0, 32), (32, 40)], [b"p0", b"p1"])
+    hashes = [hashlib.sha256(p).digest() for p in (b"p0", b"p1")]
+    assert chunks_digest_of([(0, 32), (32, 40)], hashes) == base
     with pytest.raises(ValueError, match="2 ranges but 1 payloads"):
         chunks_digest([(0, 32), (32, 40)], [b"p0"])
