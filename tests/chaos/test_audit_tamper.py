@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,10 +110,18 @@ class Rig:
         self.checker.anchor()
 
 
-def _rig(tmp_path: Path, *, key: AnchorKey | None = KEY) -> Rig:
-    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}"
-    upgrade(url)
-    engine = make_engine(url)
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One registry migrated to head, copied for each case (migrating takes longer than a case)."""
+    path = tmp_path_factory.mktemp("template") / "registry.sqlite3"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+def _rig(tmp_path: Path, template: Path, *, key: AnchorKey | None = KEY) -> Rig:
+    db = tmp_path / "registry.sqlite3"
+    shutil.copyfile(template, db)
+    engine = make_engine(f"sqlite:///{db}")
     rig = Rig(root=tmp_path, engine=engine, sql=SqlAuditSink(engine), store=None, checker=None,  # type: ignore[arg-type]
               clock=Clock(), key=key)
     rig.open_store()
@@ -122,8 +131,8 @@ def _rig(tmp_path: Path, *, key: AnchorKey | None = KEY) -> Rig:
 
 
 @pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    r = _rig(tmp_path)
+def rig(tmp_path: Path, migrated: Path) -> Iterator[Rig]:
+    r = _rig(tmp_path, migrated)
     report = r.checker.verify()
     assert report.verdict == "ok", report.problems
     assert report.anchors == 4 and report.store is not None and report.store.result.records == 6
@@ -386,9 +395,11 @@ def test_every_tampering_is_detected_with_the_key_outside_the_database(
                         detected=sorted(set(detected) | {tamper.__name__}))
 
 
-def test_without_a_key_verify_says_unanchored_and_a_reforged_chain_passes(tmp_path: Path) -> None:
+def test_without_a_key_verify_says_unanchored_and_a_reforged_chain_passes(
+    tmp_path: Path, migrated: Path
+) -> None:
     # Why the key matters: with no anchors, a chain rewritten with every hash recomputed looks genuine.
-    rig = _rig(tmp_path, key=None)
+    rig = _rig(tmp_path, migrated, key=None)
     try:
         assert rig.checker.verify().verdict == "unanchored"
         rewrite_sql_rows_recompute_chain(rig)
@@ -401,8 +412,8 @@ def test_without_a_key_verify_says_unanchored_and_a_reforged_chain_passes(tmp_pa
         rig.engine.dispose()
 
 
-def test_a_restart_keeps_the_anchors_and_verify_ok(tmp_path: Path) -> None:
-    rig = _rig(tmp_path)
+def test_a_restart_keeps_the_anchors_and_verify_ok(tmp_path: Path, migrated: Path) -> None:
+    rig = _rig(tmp_path, migrated)
     try:
         rig.restart_with(lambda db: None)
         rig.round(4)
