@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from mappers import identity_mapper, read_metadata, save_mapper
-from orchestrator.db import SegmentRepository
-from orchestrator.engine import ModelRegistry, ServedModelSpec, repo_root, unpack_pool_entry
+from orchestrator.db import SegmentRepository, SessionRepository
+from orchestrator.engine import ModelRegistry, ServedModelSpec, pack_pool_entry, repo_root, unpack_pool_entry
+from storage import ContentKey
 from tests.orchestrator.engine.node_harness import admin_md, counts, md, run_turn, start_node
 from tests.orchestrator.engine.node_harness import registry as harness_registry
 
@@ -303,5 +304,34 @@ def test_new_session_on_another_model_follows_the_model_swap_rules(tmp_path: Pat
         n = len(prompt) + len(tb.tokens)
         assert counts(t.plan.counts) == counts(t.stats.counts)
         assert t.plan.counts.mapped == n and t.plan.counts.prefilled == len(conversation) - n
+    finally:
+        node.stop()
+
+
+def test_full_hit_needs_the_chunk_bytes_its_windows_were_computed_over(tmp_path: Path, models) -> None:
+    # A pool entry whose chunks digest does not match the stored chunk bytes of its history (as when a
+    # chunk of the same tokens kept another writer's bytes) is not a full hit, by content or not.
+    rng = random.Random(8)
+    node = start_node(tmp_path, models)
+    try:
+        sid = _new_session(node)
+        t = run_turn(node, sid, _ids(rng, 90))
+        with node.service.ctx.sessions() as s:
+            history = SessionRepository(s).history(sid)
+        pool = node.service.pool
+        entry = unpack_pool_entry(pool.get("acme", sid))
+        assert entry is not None and entry.n_tokens == len(history) == 90 + len(t.tokens)
+        fp = models.get(MODEL)
+        tampered = pack_pool_entry(
+            fingerprint=entry.fingerprint, history=history, windows=entry.windows, chunks=bytes(32)
+        )
+        pool.put("acme", sid, tampered, content=ContentKey.of(fp.fingerprint_hex, history))
+        other = run_turn(node, _new_session(node), history + _ids(rng, 5))
+        assert other.path == "GLOBAL_REPLAY", other.plan.reason
+        own = run_turn(node, sid, _ids(rng, 5))
+        assert own.path == "GLOBAL_REPLAY" and _reason(node, own) == "WINDOWS_REBUILT", own.plan.reason
+        # the honest entry the turn then pooled is a full hit again
+        again = run_turn(node, sid, _ids(rng, 5))
+        assert again.path == "FULL_HIT", again.plan.reason
     finally:
         node.stop()
