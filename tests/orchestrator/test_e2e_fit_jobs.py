@@ -156,8 +156,8 @@ def test_cancel_kills_the_child_and_admission_is_bounded(node: Node) -> None:
     queued = _start(node.mappers, budget=100_000)  # the one queue place (fit_max_queued_jobs=1)
     code, reason, _ = _err(lambda: _start(node.mappers))
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY")
-    running = _wait(node.mappers, big.job_id, lambda j: _phase(j) == "RUNNING" and j.rows_done > 0)
-    assert _children(big.job_id)
+    # Cancelled as soon as its child runs (progress itself is the first test's subject).
+    running = _wait(node.mappers, big.job_id, lambda j: _phase(j) == "RUNNING" and bool(_children(j.job_id)))
     # The queued one is cancelled before it ever starts (the one worker is busy).
     q = node.mappers.CancelJob(mappers_pb2.CancelJobRequest(job_id=queued.job_id), metadata=admin_md())
     assert _phase(q) == "CANCELLED" and q.started_at.seconds == 0 and not _children(queued.job_id)
@@ -261,6 +261,21 @@ def test_cli_fit_and_list_through_the_api(node: Node, tmp_path: Path, capsys: py
     assert rc == 0 and sorted(m["mapper_id"] for m in listed.get("mappers", [])) == sorted(
         m.mapper_id for m in registered
     )
+
+
+def test_the_remote_cli_commands_load_no_model_stack(node: Node) -> None:
+    from tests.orchestrator.test_cli_light import _heavy_loaded, _light
+
+    admin = ["--target", f"127.0.0.1:{node.server.port}", "--token", ADMIN]
+    proc = _light("mapper", "fit", *admin, "--sender", S, "--receiver", L, "--budget-tokens", "512",
+                  "--detach", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    assert _heavy_loaded(proc) == []
+    job = json.loads(proc.stdout)
+    proc = _light("mapper", "job", "cancel", job["job_id"], *admin)
+    assert proc.returncode == 0 and _heavy_loaded(proc) == [], proc.stderr
+    assert f"job {job['job_id']}: CANCELLED (cancelled by admin)" in proc.stdout
+    assert _gone(job["job_id"])
 
 
 def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(tmp_path: Path) -> None:
