@@ -50,8 +50,7 @@ class AuditDelivery:
         """Run by the lock after this thread's outermost release: sync the WAL through this thread's
         writes (shared with concurrent writers), then deliver its audit records."""
         ticket, records = self._take_pending()
-        if ticket:
-            self._wal.wait(ticket)
+        self._settle_ticket(ticket)
         if records:
             self._deliver(records)
 

@@ -130,7 +130,7 @@ class ChunkWriter:
             # This call settles its own sync (the release hook finds nothing left to do).
             ticket, records = self._take_pending()
         try:
-            self._wal.wait(ticket)
+            self._settle_ticket(ticket)
         except Exception as exc:  # noqa: BLE001 - a failed sync (disk error) becomes a refusal
             with self._lock:
                 for item in staged.items:

@@ -23,12 +23,15 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import os
 import secrets
 import shutil
 import struct
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
@@ -162,6 +165,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         self._maintenance_stop = threading.Event()
         self._sync_guard = threading.Lock()
         self._db_closed = False
+        # Bumped by each reopen after write errors; a sync of an older generation's batches fails.
+        self._generation = 0
+        # Why the database is closed between a failed reopen and the next try (else None).
+        self._suspended: str | None = None
         self._wal = GroupSync(self._sync_wal)
         self._writes = WriteHealth()
         self._read_error: str | None = None
@@ -173,7 +180,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         self._quarantined_bytes = sum(e.nbytes for e in self.quarantine.list())
         log.info("store_opened", path=config.path, **self.recovery.__dict__)
 
-    def _open_db(self) -> None:
+    def _open_db(self, *, redeliver: bool = True) -> None:
         """Open the database and recover the index from it, or raise without writing anything.
 
         Raises:
@@ -201,7 +208,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             self._db.set_read_options(_read_options())
             self._audit = RocksAuditSink(self._db, clock=self._now, lock=self._lock)  # type: ignore[arg-type]
             self.recovery = self._recover()
-            self._redeliver()
+            if redeliver:
+                self._redeliver()
         except StoreFormatError:
             self._db.close()
             raise
@@ -280,17 +288,37 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             with self._ack_lock:
                 batch.put(AUDIT_ACK, SEQ.pack(self._ack_mark))
             self._db.write(batch, self._nosync_opts)
-            self._pending_state().ticket = self._wal.note_write()
+            self._pending_state().ticket = self._note_write()
         except Exception as exc:  # noqa: BLE001 - a full disk must not stop a close or a read
             log.error("clock_mark_write_failed", error=str(exc))
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store at {self.config.path} is closed")
+        if self._suspended is not None:
+            raise StoreClosedError(f"store at {self.config.path} is reopening: {self._suspended}")
 
-    def _sync_wal(self) -> None:
+    def _note_write(self) -> tuple[GroupSync, int]:
+        """The ticket of a batch just written: the group commit it belongs to and its number there.
+        Kept together so that a batch written before a reopen is settled by that database's group,
+        whose sync then fails (`_reopen_after_write_errors`), never by the next one's."""
+        return self._wal, self._wal.note_write()
+
+    def _settle_ticket(self, ticket: tuple[GroupSync, int] | int) -> None:
+        """Wait until the batch of `ticket` (0: none) is durable; raises what the sync raised."""
+        if ticket:
+            assert isinstance(ticket, tuple)
+            wal, n = ticket
+            wal.wait(n)
+
+    def _sync_wal(self, generation: int = 0) -> None:
         # A sync racing close() finds the database closed; close() synced every write before that.
         with self._sync_guard:
+            if generation != self._generation:
+                raise StoreClosedError(
+                    f"{self.config.db_path} was reopened after write errors; a batch written before "
+                    "could not be made durable"
+                )
             if self._db_closed:
                 return
             try:
@@ -317,7 +345,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             self._writes.failed(str(exc))
             raise
         state = self._pending_state()
-        state.ticket = self._wal.note_write()
+        state.ticket = self._note_write()
         self._stats.synced_writes += 1
         self.batches_written += 1
         self._audit.advance(records)
@@ -494,9 +522,14 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             salt = self._salts.get(tenant)
         ttag = tenant_tag(salt) if salt is not None else b""
         for span in found.spans:
+            generation = self._generation
             try:
                 value = self._db.get(CHUNK + span.address)
             except Exception as exc:  # noqa: BLE001 - rocksdict raises a plain Exception for RocksDB errors
+                if generation != self._generation or self._suspended is not None:
+                    # The database was being reopened under this read (after write errors): a miss.
+                    miss = Miss(reason=MissReason.ABSENT, at_token=span.start)
+                    break
                 self._on_read_error(f"{self.config.db_path}: reading a chunk value failed: {exc}")
                 miss = Miss(reason=MissReason.CORRUPT, at_token=span.start, detail="read_error")
                 break
@@ -567,6 +600,66 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             snap.tenants = len(self._salts)
             return snap
 
+    def _reopen_after_write_errors(self) -> bool:
+        """Reopen the database once the disk takes writes again; True when it is open and usable.
+
+        RocksDB keeps a WAL write error sticky ("Writer has previous error") and rocksdict offers no
+        resume, so after a full disk the only way back is to close and open the database again. The
+        index is rebuilt from disk like at start (batches that did not reach the WAL are simply not
+        there), and batches of the old database still waiting for their sync are refused (their
+        tickets' group syncs against a generation that is gone). Nothing is reopened while a 1 MiB
+        file cannot be written beside the database: a reopen on a full disk would only fail.
+        """
+        probe = Path(self.config.path) / ".space_probe"
+        try:
+            with probe.open("wb") as f:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            return False
+        finally:
+            probe.unlink(missing_ok=True)
+        with self._lock:
+            if self._closed:
+                return False
+            if self._suspended is None and not self._writes.failing:
+                # Another caller reopened it while this one waited for the lock.
+                return True
+            if self._suspended is None:
+                with self._sync_guard:
+                    self._generation += 1
+                    self._db_closed = True
+                    try:
+                        self._db.close()
+                    except Exception as exc:  # noqa: BLE001 - a closing database with a sticky write error
+                        log.error("store_reopen_close_failed", error=str(exc))
+                self._suspended = "write errors"
+            self._index = ChunkIndex()
+            self._salts.clear()
+            self._tenant_of_tag.clear()
+            self._policies.clear()
+            self._inflight.clear()
+            self._doomed.clear()
+            with self._ack_lock:
+                self._acked.clear()
+            self._wal = GroupSync(functools.partial(self._sync_wal, self._generation))
+            hwm = self._hwm
+            try:
+                self._open_db(redeliver=False)
+            except Exception as exc:  # noqa: BLE001 - stay closed; the next probe tries again
+                self._suspended = f"reopen failed: {exc}"
+                log.error("store_reopen_failed", error=str(exc))
+                return False
+            # The clock mark on disk may lag the one in memory (its last write may have failed).
+            self._hwm = max(hwm, self._hwm)
+            self._db_closed = False
+            self._suspended = None
+            self._writes.ok()
+        log.warning("store_reopened_after_write_errors", chunks=len(self._index))
+        self._redeliver()
+        return True
+
     def health(self) -> StoreHealth:
         """Whether the store serves as a cache now, and why not (store_health.py)."""
         entries = self.quarantine.list()
@@ -595,8 +688,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         """Write and sync the clock and ack marks once: whether the disk takes writes now. A health
         poller calls this while writes fail, so that health recovers when space returns even if no
         turn writes in the meantime."""
+        if self._writes.failing and not self._reopen_after_write_errors():
+            return False
         with self._lock:
-            if self._closed:
+            if self._closed or self._suspended is not None:
                 return False
             try:
                 self._commit(WriteBatch(raw_mode=True), [])
@@ -604,7 +699,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                 return False
             ticket, records = self._take_pending()
         try:
-            self._wal.wait(ticket)
+            self._settle_ticket(ticket)
         except Exception:  # noqa: BLE001 - the failure is what the probe measures (counted by _sync_wal)
             return False
         if records:

@@ -59,6 +59,8 @@ def open_store(
         StoreLockedError: another process has the database open; nothing was moved or written.
         OSError: the damaged database could not be moved aside.
     """
+    # Read-only first: a newer store must not even be opened for writing (that rewrites its MANIFEST).
+    refuse_newer_format(config)
     area = QuarantineArea(config.path)
     try:
         store = GlobalKVStore(config, clock=clock, on_audit=on_audit)

@@ -55,11 +55,17 @@ class StoreHealthWatch:
         self._probe = probe
         self._interval_s = interval_s
         self._stop = threading.Event()
+        # Polls from the thread and from callers (tests, a shutdown) publish one at a time.
+        self._poll_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._last: tuple[HealthReason, ...] | None = None
 
     def poll(self) -> StoreHealth | None:
         """Read (probing first while writes fail) and publish once; returns what was read."""
+        with self._poll_lock:
+            return self._poll()
+
+    def _poll(self) -> StoreHealth | None:
         if self._read is None:
             self._servicer.set(STORE_HEALTH_SERVICE, _SERVING)
             return None
