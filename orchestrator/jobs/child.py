@@ -109,6 +109,11 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
 
     import torch
 
+    # The job's log says what it ran with (tests read it: the thread cap is the point of the child).
+    print(f"fit job {spec['job_id']}: torch threads {torch.get_num_threads()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, nice {os.nice(0)}",
+          file=sys.stderr, flush=True)
+
     from mappers import (
         FitSpec,
         GateSpec,

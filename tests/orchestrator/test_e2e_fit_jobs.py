@@ -147,6 +147,9 @@ def test_a_job_is_watched_through_its_phases_and_registers_its_mapper(node: Node
     assert served is not None and artifact.passed_gate
     assert artifact.sender.fingerprint == served.fingerprint_hex
     assert not _children(job.job_id)
+    # The child ran under the thread cap (fit_threads, default 1) at a lower priority than the node.
+    log = (node.service.ctx.settings.data_dir / "fit_jobs" / job.job_id / "child.log").read_text()
+    assert f"fit job {job.job_id}: torch threads 1, OMP_NUM_THREADS=1, nice {min(19, os.nice(0) + 10)}" in log
     listed = node.mappers.ListJobs(mappers_pb2.ListJobsRequest(), metadata=admin_md()).jobs
     assert job.job_id in [j.job_id for j in listed]
 
