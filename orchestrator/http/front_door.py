@@ -22,10 +22,11 @@ from orchestrator.api import (
     check_name_length,
     model_not_served,
 )
-from orchestrator.api.turn_runner import create_session, generation_spec
+from orchestrator.api.turn_runner import generation_spec
 from orchestrator.chat import END, EOS, AnswerRecord, ChatMessage, ChatTemplate, ToolCall
 from orchestrator.http.schemas import ChatCompletionRequest, CompletionRequest
 from orchestrator.http.session_map import ForgettingPurger, SessionKeys, continued_session
+from orchestrator.http.spare_sessions import SpareSessions
 
 __all__ = ["FrontDoor", "PreparedTurn"]
 
@@ -64,9 +65,12 @@ class FrontDoor:
         self.executor = ThreadPoolExecutor(
             max_workers=workers or ctx.settings.grpc_workers, thread_name_prefix="kvresume-http"
         )
+        self.spares = SpareSessions(ctx, self.executor)
         # Purges through either API clear this front door's tenant data too.
         if not isinstance(ctx.purger, ForgettingPurger):
-            ctx.purger = ForgettingPurger(ctx.purger, answers=self.answers, keys=self.keys)  # type: ignore[assignment]
+            ctx.purger = ForgettingPurger(  # type: ignore[assignment]
+                ctx.purger, answers=self.answers, keys=self.keys, spares=self.spares
+            )
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -209,13 +213,7 @@ class FrontDoor:
         if target is not None:
             session_id, new_tokens = target.session_id, target.new_tokens
         else:
-            session_id, _ = create_session(
-                self.ctx,
-                tenant_id=tenant,
-                model=body.model,
-                retention_hint_s=None,
-                convert=lambda row: row.id,
-            )
+            session_id = self.spares.take(tenant, body.model)
             new_tokens = tuple(ids)
             if key is not None:
                 self.keys.set(tenant, key, session_id)

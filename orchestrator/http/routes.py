@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
@@ -18,7 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from orchestrator.api import FinishReason, InvalidRequestError, PlanEvent, TokenChunkEvent, TurnStatsEvent
+from orchestrator.api import (
+    FinishReason,
+    InvalidRequestError,
+    PlanEvent,
+    TokenChunkEvent,
+    TurnInput,
+    TurnStatsEvent,
+)
 from orchestrator.http.errors import error_response, http_error
 from orchestrator.http.front_door import FrontDoor, PreparedTurn
 from orchestrator.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -154,9 +161,6 @@ def build_app(door: FrontDoor) -> FastAPI:
     """The ASGI app of the front door (no docs pages: the API is OpenAI's)."""
     app = FastAPI(title="kvresume", docs_url=None, redoc_url=None, openapi_url=None)
 
-    async def loop_work(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(door.executor, lambda: fn(*args, **kwargs))
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -189,11 +193,16 @@ def build_app(door: FrontDoor) -> FastAPI:
         try:
             tenant = door.tenant(authorization)
             timeout_s = _timeout(timeout)
-            prepare = door.prepare_chat if chat else door.prepare_completion
-            prepared = await loop_work(prepare, tenant, body, session_key=session_key, timeout_s=timeout_s)
-            bridge = TurnBridge(door.ctx, prepared.turn, door.executor)
+            prepare_fn = door.prepare_chat if chat else door.prepare_completion
+
+            def prepare() -> tuple[PreparedTurn, TurnInput]:
+                got = prepare_fn(tenant, body, session_key=session_key, timeout_s=timeout_s)
+                return got, got.turn
+
+            bridge = TurnBridge(door.ctx, prepare, door.executor)
             events = bridge.events()
             try:
+                prepared = await bridge.prepared()
                 plan = await _first_event(bridge, events)
             except asyncio.CancelledError:
                 bridge.cancel("client went away")

@@ -18,6 +18,7 @@ from orchestrator.api import PreconditionError, ServiceContext
 from orchestrator.chat import AnswerRecord
 from orchestrator.db import SessionRepository
 from orchestrator.db.models import SessionStatus
+from orchestrator.http.spare_sessions import SpareSessions
 
 __all__ = ["ForgettingPurger", "SessionKeys", "SessionTarget", "continued_session"]
 
@@ -98,25 +99,30 @@ def continued_session(
 
 
 class ForgettingPurger:
-    """The context's purger, also clearing the HTTP front door's tenant data (answer record, key map) of
-    what a purge removes; every other attribute is the wrapped purger's."""
+    """The context's purger, also clearing the HTTP front door's tenant data (answer record, key map, spare
+    sessions) of what a purge removes; every other attribute is the wrapped purger's."""
 
-    def __init__(self, inner: Any, *, answers: AnswerRecord, keys: SessionKeys) -> None:
+    def __init__(
+        self, inner: Any, *, answers: AnswerRecord, keys: SessionKeys, spares: SpareSessions
+    ) -> None:
         self._inner = inner
         self._answers = answers
         self._keys = keys
+        self._spares = spares
 
     def purge_session(self, session_id: str, *, tenant_id: str | None, actor: str, reason: str) -> Any:
         outcome = self._inner.purge_session(session_id, tenant_id=tenant_id, actor=actor, reason=reason)
         if outcome is not None:
             self._answers.forget_session(session_id, tenant=tenant_id)
             self._keys.forget_session(session_id)
+            self._spares.forget_session(session_id)
         return outcome
 
     def purge_tenant(self, tenant_id: str, *, actor: str, reason: str) -> Any:
         outcome = self._inner.purge_tenant(tenant_id, actor=actor, reason=reason)
         self._answers.forget_tenant(tenant_id)
         self._keys.forget_tenant(tenant_id)
+        self._spares.forget_tenant(tenant_id)
         return outcome
 
     def __getattr__(self, name: str) -> Any:

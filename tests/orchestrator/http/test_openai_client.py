@@ -5,6 +5,8 @@ path as the gRPC enum does, tools and tool messages, /v1/completions, tenant iso
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -240,3 +242,21 @@ def test_a_session_purge_clears_the_front_doors_tenant_data(http_node: HttpNode)
     stub.DeleteSession(http_node.pb.sessions.DeleteSessionRequest(session_id=sid), metadata=http_node.md())
     assert door.keys.get("acme", "purged") is None
     assert all(a.session_id != sid for a in door.answers._by_tenant.get("acme", {}).values())
+
+
+def test_a_keyless_request_takes_the_session_made_ahead_for_it(http_node: HttpNode) -> None:
+    client = http_node.client("globex")
+    spares = http_node.http.door.spares
+    _ask(client, [{"role": "user", "content": "first"}])
+    deadline = time.monotonic() + 30
+    while not len(spares) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spare = spares._spare[("globex", MODEL)]
+    # it is a real, empty session of the tenant, and the next keyless request runs on it
+    assert http_node.history(spare) == []
+    assert _ext(_ask(client, [{"role": "user", "content": "second"}]))["session_id"] == spare
+    # a purge of the tenant drops its spare
+    while ("globex", MODEL) not in spares._spare and time.monotonic() < deadline:
+        time.sleep(0.01)
+    http_node.service.ctx.purger.purge_tenant("globex", actor="admin", reason="test")
+    assert ("globex", MODEL) not in spares._spare
