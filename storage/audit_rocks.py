@@ -13,10 +13,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
-from rocksdict import Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from storage.audit_anchor import Anchor
+from storage.audit_delivery import AUDIT_ACK
 from storage.audit_record import (
     GENESIS_HASH,
     AuditEvent,
@@ -195,3 +198,21 @@ class RocksAuditSink(AuditSink):
                 return VerifyResult(ok=False, records=len(records) + 1, first_break_seq=seq, reason=str(exc))
             it.next()
         return verify_chain(records, head=self._head)
+
+
+@contextmanager
+def read_only_audit(db_path: Path | str) -> Iterator[tuple[RocksAuditSink, int] | None]:
+    """The audit chain of a store's database opened read-only (no lock taken, so also while a node
+    runs it; the view is the state at open), with the seq up to which its consumer acknowledged every
+    record. None when there is no database at `db_path`."""
+    if not (Path(db_path) / "CURRENT").is_file():
+        yield None
+        return
+    db = Rdict(str(db_path), Options(raw_mode=True), access_type=AccessType.read_only())
+    try:
+        sink = RocksAuditSink(db)
+        raw = db.get(AUDIT_ACK)
+        acked = sink.head()[0] if raw is None else _SEQ.unpack(raw)[0]
+        yield sink, acked
+    finally:
+        db.close()

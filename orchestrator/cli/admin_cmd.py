@@ -35,29 +35,61 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _audit_verify_local(args: argparse.Namespace) -> int:
-    from orchestrator.db import SqlAuditSink, make_engine
+    """The whole audit check without a server: the registry's chains, this node's store chain (opened
+    read-only) and, with `audit_anchor_key_file`, its anchors; the same verdict and text as `audit verify`."""
+    from orchestrator.db import AuditChecker, SqlAuditSink, heads_digest, make_engine
+    from storage import AnchorFile, AnchorKey
+    from storage.audit_rocks import read_only_audit
 
-    engine = make_engine(settings_from_args(args).resolved_database_url)
+    settings = settings_from_args(args)
+    key_file = settings.audit_anchor_key_file
+    key = AnchorKey.from_file(key_file) if key_file is not None else None
+    engine = make_engine(settings.resolved_database_url)
     try:
-        sink = SqlAuditSink(engine)
-        result = sink.verify()
-        head_seq, head_hash = sink.head()
+        with read_only_audit(settings.data_dir / "kv" / "db") as store:
+            checker = AuditChecker(
+                SqlAuditSink(engine),
+                store_audit=store[0] if store is not None else None,
+                store_acked_seq=lambda: store[1] if store is not None else 0,
+                anchor_file=AnchorFile(settings.audit_anchor_file) if key is not None else None,
+                key=key,
+                node=settings.resolved_node_name,
+                interval_s=settings.audit_anchor_interval_s,
+            )
+            report = checker.verify()
     finally:
         engine.dispose()
-    state = "ok" if result.ok else f"BROKEN at seq {result.first_break_seq}: {result.reason}"
-    print(f"audit chain {state}; {result.records} records, head seq {head_seq}", file=text_stream(args.json))
-    write_json(
-        {
-            "ok": result.ok,
-            "records": result.records,
-            "first_break_seq": result.first_break_seq,
-            "reason": result.reason,
-            "head_seq": head_seq,
-            "head_hash": head_hash,
-        },
-        args.json,
-    )
-    return 0 if result.ok else 1
+
+    def verdict(v: Any) -> dict[str, Any]:
+        out = {"chain": v.chain, "ok": v.result.ok, "records": v.result.records, "reason": v.result.reason,
+               "head_seq": v.head_seq, "head_hash": v.head_hash}
+        if v.result.first_break_seq is not None:
+            out["first_break_seq"] = v.result.first_break_seq
+        return out
+
+    doc: dict[str, Any] = {
+        "ok": report.ok,
+        "verdict": report.verdict,
+        "records": sum(v.result.records for v in report.sql),
+        "head_seq": sum(v.head_seq for v in report.sql),
+        "head_hash": heads_digest({v.chain: (v.head_seq, v.head_hash) for v in report.sql}),
+        "chains": [verdict(v) for v in report.sql],
+        "problems": report.problems,
+        "anchors": report.anchors,
+        "store_records_pending": report.store_pending,
+        "reason": report.problems[0] if report.problems else "",
+    }
+    if report.store is not None:
+        doc["store_chain"] = verdict(report.store)
+    broken = [v for v in [*report.sql, *([report.store] if report.store else [])] if not v.result.ok]
+    if broken:
+        doc["first_break_chain"] = broken[0].chain
+        doc["reason"] = broken[0].result.reason
+        if broken[0].result.first_break_seq is not None:
+            doc["first_break_seq"] = broken[0].result.first_break_seq
+    print(_audit_text(doc), file=text_stream(args.json))
+    write_json(doc, args.json)
+    return 0 if report.ok else 1
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -296,7 +328,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=100)
     p.set_defaults(handler=_remote(_audit))
 
-    p = sub.add_parser("audit-local", help="verify the audit chain in the registry database itself (server)")
+    p = sub.add_parser(
+        "audit-local", help="verify the audit chains, the store's chain and the anchors without a server (server)"
+    )
     add_settings_flags(p)
     add_json_flag(p, what="the verdict")
     p.set_defaults(handler=_audit_verify_local)

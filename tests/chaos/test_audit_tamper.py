@@ -65,7 +65,7 @@ class Rig:
 
     @property
     def anchor_file(self) -> Path:
-        return self.root / "anchors" / "n1.jsonl"
+        return self.root / "audit-anchors" / "n1.jsonl"
 
     def open_store(self) -> None:
         self.store = GlobalKVStore(
@@ -430,4 +430,28 @@ def test_a_restart_keeps_the_anchors_and_verify_ok(tmp_path: Path, migrated: Pat
         assert rig.checker.verify().verdict == "ok"
     finally:
         rig.stop_store()
+        rig.engine.dispose()
+
+
+def test_audit_local_checks_everything_without_a_server(
+    tmp_path: Path, migrated: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.cli import main
+
+    rig = _rig(tmp_path, migrated)
+    rig.stop_store()
+    key_file = tmp_path / "anchor.key"
+    key_file.write_bytes(KEY.secret)
+    monkeypatch.setenv("KVRESUME_NODE_NAME", "n1")
+    args = ["admin", "audit-local", "--data-dir", str(tmp_path),
+            "--database-url", f"sqlite:///{tmp_path / 'registry.sqlite3'}"]
+    try:
+        assert main(args) == 0 and "unanchored" in capsys.readouterr().out
+        monkeypatch.setenv("KVRESUME_AUDIT_ANCHOR_KEY_FILE", str(key_file))
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("audit ok;") and "anchors checked: 4" in out and "store chain @store/" in out
+        rewrite_sql_rows_recompute_chain(rig)
+        assert main(args) == 1 and "(rewritten)" in capsys.readouterr().out
+    finally:
         rig.engine.dispose()

@@ -21,15 +21,20 @@ def test_admin_migrate_and_local_audit_verify(tmp_path, capsys) -> None:
     url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
     assert main(["admin", "migrate", "--database-url", url]) == 0
     assert capsys.readouterr().out == "database at revision head\n"
-    assert main(["admin", "audit-local", "--database-url", url, "--json"]) == 0
-    assert _json(capsys) == {
+    assert main(["admin", "audit-local", "--database-url", url, "--data-dir", str(tmp_path), "--json"]) == 0
+    doc = _json(capsys)
+    # No store in the data dir and no anchor key: the SQL chains alone, "unanchored".
+    keys = ("ok", "verdict", "records", "reason", "head_seq", "head_hash", "problems")
+    assert {k: doc[k] for k in keys} == {
         "ok": True,
+        "verdict": "unanchored",
         "records": 0,
-        "first_break_seq": None,
         "reason": "",
         "head_seq": 0,
         "head_hash": "0" * 64,
+        "problems": [],
     }
+    assert "first_break_seq" not in doc and "store_chain" not in doc
     assert main(["admin", "downgrade", "--database-url", url, "--revision", "base"]) == 0
 
 
