@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from orchestrator.api import ResourceExhaustedError
-from orchestrator.db import MapperRepository, make_engine, make_session_factory, serializable_factory
+from orchestrator.db import MapperRepository, make_engine, make_session_factory, serializable_factory, upgrade
 from orchestrator.db.models import FitJobPhase
 from orchestrator.db.repositories import FitJobRepository, FitJobSubmission
 from orchestrator.jobs import NODE_STOPPED, FitJobService, FitJobView, FitRequest
@@ -159,8 +159,11 @@ def test_admission_is_bounded_and_stopping_the_node_fails_its_jobs(service) -> N
     assert svc.get(queued.job_id).started_at is None
 
 
-def test_a_final_phase_is_never_left(sqlite_url: str) -> None:
-    engine = make_engine(sqlite_url)
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_final_phase_is_never_left(backend: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(f"{backend}_url")
+    upgrade(url)  # a no-op on the migrated SQLite fixture; the PostgreSQL schema starts empty
+    engine = make_engine(url)
     with Session(engine) as s, s.begin():
         repo = FitJobRepository(s)
         job = repo.create(FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1,
@@ -178,4 +181,18 @@ def test_a_final_phase_is_never_left(sqlite_url: str) -> None:
         row = repo.get(job.id)
         assert row is not None and (row.phase, row.reason, row.rows_done) == (FitJobPhase.CANCELLED,
                                                                                 "cancelled by admin", 10)
+        # Start-up recovery fails exactly the node's unfinished rows.
+        sub = FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1, node="n1")
+        queued, running = repo.create(sub).id, repo.create(sub).id
+        repo.set_phase(running, FitJobPhase.RUNNING)
+        other = repo.create(FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1,
+                                             node="n2")).id
+        assert repo.fail_unfinished("n1", "node restarted") == 2
+        s.expire_all()
+        assert [(r.id, r.phase) for r in repo.unfinished("n2")] == [(other, FitJobPhase.QUEUED)]
+        assert repo.unfinished("n1") == []
+        for job_id in (queued, running):
+            row = repo.get(job_id)
+            assert row is not None and (row.phase, row.reason) == (FitJobPhase.FAILED, "node restarted")
+            assert row.finished_at is not None
     engine.dispose()
