@@ -24,12 +24,36 @@ import torch
 from torch import nn
 
 from kernels import qdq_fp4_e4m3, qdq_fp8_ue8m0, quantize_fp4_e4m3, quantize_fp8_ue8m0, sparse_attn
+from model.append_buffer import append_rows
 from model.compressor import Compressor
 from model.indexer import Indexer
 from model.linear import Linear
 from model.norm import RMSNorm
 from model.rope import apply_rope
 from model.state import SourceCache
+
+
+def gather_selected(
+    source_kv: torch.Tensor, comp: torch.Tensor, offset: int, n_visible: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global rows a pass's sparse attention reads, and its ids into them.
+
+    source_kv: [B, N, D] the source's dequantized entries; comp: [B, T, K] int32 ids of the selected
+    entries shifted by `offset` (the window rows ahead of them in the attended rows), -1 for none.
+    Returns (rows, ids): rows to append after the window rows and ids into [window ; rows].
+
+    When the selections name fewer rows than are visible (decode: T*K = top-k against N entries), only
+    those rows are gathered, once per (row, slot) in order, so attention reads exactly the values it would
+    read from the whole source and the result is bitwise the same; otherwise (long prefill passes) the
+    visible source itself is cheaper. Concatenating the whole source made decode O(N) in copies.
+    """
+    b, t, k = comp.shape
+    if t * k >= n_visible:
+        return source_kv[:, :n_visible], comp
+    batch = torch.arange(b, device=comp.device).view(b, 1)
+    picked = source_kv[batch, (comp.reshape(b, t * k).long() - offset).clamp_min(0)]  # [B, T*K, D]
+    slots = torch.arange(offset, offset + t * k, device=comp.device, dtype=comp.dtype).view(1, t, k)
+    return picked, torch.where(comp >= 0, slots, -1).to(comp.dtype)
 
 
 @dataclass(kw_only=True)
@@ -194,18 +218,18 @@ class Attention(nn.Module):
                 keys, packed, scales = self.indexer.keys(
                     latent, freqs, backend=io.backend, quantize=self.quantize_global
                 )
-                new["index_k"] = torch.cat([src.index_k, keys[:, skip:]], dim=1)
-                new["index_packed"] = torch.cat([src.index_packed, packed[:, skip:]], dim=1)
-                new["index_scales"] = torch.cat([src.index_scales, scales[:, skip:]], dim=1)
+                new["index_k"] = append_rows(src.index_k, keys[:, skip:])
+                new["index_packed"] = append_rows(src.index_packed, packed[:, skip:])
+                new["index_scales"] = append_rows(src.index_scales, scales[:, skip:])
             latent = apply_rope(latent, freqs, self.rope_dim)
             with torch.no_grad():
                 packed, scales = quantize_fp4_e4m3(latent.detach(), backend=io.backend)
             # quantize_global False (quality harness only) keeps the exact latents as the attended view;
             # the stored codes are FP4 either way
             view = qdq_fp4_e4m3(latent, backend=io.backend) if self.quantize_global else latent
-            new["kv"] = torch.cat([src.kv, view[:, skip:]], dim=1)
-            new["kv_packed"] = torch.cat([src.kv_packed, packed[:, skip:]], dim=1)
-            new["kv_scales"] = torch.cat([src.kv_scales, scales.view(torch.uint8)[:, skip:]], dim=1)
+            new["kv"] = append_rows(src.kv, view[:, skip:])
+            new["kv_packed"] = append_rows(src.kv_packed, packed[:, skip:])
+            new["kv_scales"] = append_rows(src.kv_scales, scales.view(torch.uint8)[:, skip:])
         io.source = SourceCache(ratio=src.ratio, carry_kv=out.carry_kv, carry_score=out.carry_score, **new)
 
     def forward(self, x: torch.Tensor, io: AttnIO, freqs_table: torch.Tensor) -> torch.Tensor:
@@ -308,7 +332,8 @@ class Attention(nn.Module):
                 io.shared["topk"] = comp
             comp = io.shared["topk"]
             assert comp is not None
-            kv_all = torch.cat([kv_all, io.source.kv[:, :n_visible]], dim=1)
+            picked, comp = gather_selected(io.source.kv, comp, offset, n_visible)
+            kv_all = torch.cat([kv_all, picked], dim=1)
             ids = torch.cat([ids, comp], dim=-1)
 
         return sparse_attn(q, kv_all, self.attn_sink, ids, self.softmax_scale, backend=io.backend)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from model.append_buffer import append_rows
 from model.attention import AttnIO, ProjectedRows
 from model.invariant import rowwise_linear
 from model.mhc import collapse, expand, identity_pre
@@ -150,7 +151,8 @@ def decode_many(model: Transformer, tokens: Sequence[int], states: Sequence[Mode
         compressed[split] = 1
     outs = []
     for i, s in enumerate(states):
-        s.tokens = torch.cat([s.tokens[:, : starts[i]], ids[i : i + 1]], dim=1)
+        kept = s.tokens if starts[i] == s.tokens.size(1) else s.tokens[:, : starts[i]]
+        s.tokens = append_rows(kept, ids[i : i + 1])
         stats = PassStats(
             start=starts[i],
             end=starts[i] + 1,

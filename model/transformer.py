@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.append_buffer import append_rows
 from model.attention import AttnIO
 from model.block import Block
 from model.errors import UnsupportedConfigError
@@ -343,7 +344,9 @@ class Transformer(nn.Module):
                         reference_slots=reference_slots,
                     )
                     rows[i] = end - dec_from
-        state.tokens = torch.cat([state.tokens[:, :start], tokens], dim=1)
+        # the history grows by appends (amortised O(1)); a replay from below the end rewrites its tail
+        kept = state.tokens if start == state.tokens.size(1) else state.tokens[:, :start]
+        state.tokens = append_rows(kept, tokens)
 
         logits = None
         if dec_from < end or self.split is None:
