@@ -7,6 +7,7 @@ artifacts (safetensors arrays + JSON). See mappers/README.md for the procedure a
 from mappers.apply import Applicability, MappedGlobal, applicability, apply_mapper, map_sources
 from mappers.artifact import (
     MAPPER_FORMAT,
+    MAPPER_FORMATS,
     GateSpec,
     KVMapper,
     LayerMap,
@@ -28,10 +29,32 @@ from mappers.evaluate import (
 )
 from mappers.fit import FitSpec, fit_mapper
 from mappers.identity import identity_mapper
+from mappers.mlp import MlpFeatures, build_features, mlp_predict, mlp_predict_rows
+from mappers.retention import (
+    RetentionBucket,
+    RetentionReport,
+    bootstrap_ratio_ci,
+    bootstrap_ratio_ci_loop,
+    bucket_seed,
+    default_buckets,
+    measure_retention,
+)
 from mappers.ridge import LinearMap, MomentStats, RidgeMapper, SklearnRidgeMapper, r2_from_stats, solve_ridge
 
 __all__ = [
     "MAPPER_FORMAT",
+    "MAPPER_FORMATS",
+    "MlpFeatures",
+    "RetentionBucket",
+    "RetentionReport",
+    "bootstrap_ratio_ci",
+    "bootstrap_ratio_ci_loop",
+    "bucket_seed",
+    "build_features",
+    "default_buckets",
+    "measure_retention",
+    "mlp_predict",
+    "mlp_predict_rows",
     "Applicability",
     "ContentKV",
     "FitError",

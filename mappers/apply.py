@@ -23,6 +23,7 @@ from kernels import dequantize_fp4_e4m3, dequantize_mxfp4, quantize_fp4_e4m3, qu
 from mappers.artifact import KVMapper, PartMap
 from mappers.errors import MapperMismatch
 from mappers.geometry import add_rope, entry_rotations, rope_spec, strip_rope
+from mappers.mlp import build_features, mlp_predict
 from model import ModelConfig, ModelState, SourceCache, Transformer, export_global, import_global
 
 
@@ -127,12 +128,15 @@ def map_sources(
     n_tokens: int,
     *,
     receiver_model: Transformer | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[dict[int, SourceCache], list[tuple[int, str]]]:
     """Map the global KV of positions [0, n_tokens) for every receiver kv source (any batch size B).
 
     Args:
         sender_sources: sender layer -> SourceCache holding at least n_tokens // ratio entries.
-        receiver_model: the receiver, needed only by index parts of kind "recompute".
+        receiver_model: the receiver, needed by index parts of kind "recompute" and mlp parts that read
+            token embeddings (`KVMapper.needs_receiver_weights`).
+        tokens: [B, >= n_tokens] int64 history tokens, needed by mlp parts reading token embeddings.
 
     Returns:
         receiver layer -> SourceCache ([B, n_tokens // ratio, ...], no carries), and the parts copied.
@@ -141,8 +145,15 @@ def map_sources(
         ValueError: a "recompute" part without `receiver_model`.
     """
     if mapper.needs_receiver_weights and receiver_model is None:
-        raise ValueError("this mapper recomputes index keys: pass receiver_model")
+        raise ValueError("this mapper reads the receiver's weights (recompute, mlp): pass receiver_model")
+    if mapper.needs_tokens and tokens is None:
+        raise ValueError("this mapper's mlp parts read the history's token embeddings: pass tokens")
     s_rope, r_rope = rope_spec(mapper.sender.config), rope_spec(mapper.receiver.config)
+    embed_rows = None
+    if mapper.needs_tokens:
+        assert receiver_model is not None and tokens is not None
+        weight = receiver_model.embed.weight
+        embed_rows = weight[tokens[:, :n_tokens].to(weight.device)].float()
     out: dict[int, SourceCache] = {}
     copied: list[tuple[int, str]] = []
     for lm in mapper.layers:
@@ -172,12 +183,48 @@ def map_sources(
                 strip_rope(_part_fields(sender_sources[s], part)[0][:, :n], s_rot, s_rope.rope_dim)
                 for s in pm.sender_layers
             ]
-            y = map_part_content(mapper, lm.receiver_layer, part, content)
+            if pm.kind == "mlp":
+                y = _mlp_part(mapper, lm.receiver_layer, part, content, sender_sources, n_tokens, embed_rows)
+            else:
+                y = map_part_content(mapper, lm.receiver_layer, part, content)
             if part == "kv":
                 kv_content = y
             fields.update(zip(names, _quantize(part, add_rope(y, r_rot, r_rope.rope_dim)), strict=True))
         out[lm.receiver_layer] = SourceCache(ratio=m, **fields)
     return out, copied
+
+
+def sender_other_content(
+    sender_sources: dict[int, SourceCache], layers: Sequence[int], n_tokens: int, s_rope
+) -> dict[int, tuple[int, torch.Tensor]]:
+    """Sender layer -> (ratio, content-space main KV of [0, n_tokens)) for an mlp part's other layers."""
+    out = {}
+    for s in layers:
+        src = sender_sources[s]
+        n_s = n_tokens // src.ratio
+        rot = entry_rotations(s_rope, src.ratio, n_s, src.kv.device)
+        out[s] = (src.ratio, strip_rope(src.kv[:, :n_s], rot, s_rope.rope_dim))
+    return out
+
+
+def _mlp_part(
+    mapper: KVMapper,
+    receiver_layer: int,
+    part: str,
+    content: list[torch.Tensor],
+    sender_sources: dict[int, SourceCache],
+    n_tokens: int,
+    embed_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    lm = mapper.layer(receiver_layer)
+    pm = lm.part(part)
+    assert pm.features is not None
+    n = n_tokens // lm.ratio
+    s_rope = rope_spec(mapper.sender.config)
+    others = sender_other_content(sender_sources, pm.features.other_layers, n_tokens, s_rope)
+    f = build_features(content, others, pm.features, lm.ratio, n, embed_rows=embed_rows)
+    arrays = {k: v.to(f.device) for k, v in mapper.mlp_arrays(receiver_layer, part).items()}
+    return mlp_predict(arrays, torch.cat(content, -1), f)
 
 
 def _empty_sources(cfg: ModelConfig, device: torch.device | str) -> dict[int, SourceCache]:
@@ -247,6 +294,7 @@ def apply_mapper(
     row: int = 0,
     device: torch.device | str = "cpu",
     receiver_model: Transformer | None = None,
+    tokens: torch.Tensor | None = None,
 ) -> MappedGlobal:
     """Map the sender's global KV of its whole history into receiver chunks.
 
@@ -258,7 +306,10 @@ def apply_mapper(
         chunk_tokens: chunk size of the output for a state input (one chunk when None); chunk blobs keep
             the input chunk bounds. Chunk starts must be multiples of every ratio.
         device: where the sender blobs are decoded and the maps run.
-        receiver_model: the receiver, needed when `mapper.needs_receiver_weights` (index "recompute").
+        receiver_model: the receiver, needed when `mapper.needs_receiver_weights` (index "recompute", mlp
+            parts reading token embeddings).
+        tokens: [1, >= n] int64 history tokens for mlp parts reading token embeddings (a state input
+            supplies its own).
 
     Returns:
         MappedGlobal; `model.state_from_global(receiver, tokens, list(m.blobs), fingerprint=...)` then
@@ -289,10 +340,12 @@ def apply_mapper(
             for layer, src in sender.sources.items()
         }
         bounds = _chunk_bounds(n_tokens, chunk_tokens)
+        if tokens is None:
+            tokens = sender.tokens[row : row + 1]
     else:
         state, bounds = _read_blobs(mapper.sender.config, sender, sender_fingerprint, device)
         n_tokens, sources = state.n_tokens, state.sources
-    mapped, copied = map_sources(mapper, sources, n_tokens, receiver_model=receiver_model)
+    mapped, copied = map_sources(mapper, sources, n_tokens, receiver_model=receiver_model, tokens=tokens)
     out = _globals_only_state(mapped, n_tokens, device)
     blobs = tuple(export_global(out, a, b, fingerprint=receiver_fingerprint) for a, b in bounds)
     return MappedGlobal(blobs=blobs, bounds=tuple(bounds), n_tokens=n_tokens, copied_parts=tuple(copied))

@@ -2,10 +2,14 @@
 its main KV and index keys, plus the pair's identity, quality figures and gate; saved as safetensors
 arrays and a JSON document (never a pickle). Knows nothing of how maps are fitted or applied.
 
-Directory layout: `mapper.json` (format `kvresume.mapper.v1`, strict keys) and `weights.safetensors`
+Directory layout: `mapper.json` (format `kvresume.mapper.v2`, strict keys) and `weights.safetensors`
 (fp32 arrays `layers.{r}.{part}.coef` [D_out, k*D_in] and `layers.{r}.{part}.intercept` [D_out], part
-"kv" or "index", present only for linear parts). A loaded artifact is validated against the two configs
-it carries; the JSON records the weights' sha256 so a swapped or damaged weights file is rejected.
+"kv" or "index", present for linear and mlp parts; an mlp part adds `layers.{r}.{part}.mlp.{mu, sigma, w1,
+b1, w2, b2}`, see mappers/mlp.py). v2 adds per part `reason` (why this map) and `features` (mlp parts),
+and `calibration` (the seeds and corpus the fit read). v1 artifacts still load (no mlp parts, empty
+reasons and calibration); any other format is refused naming it. A loaded artifact is validated against
+the two configs it carries; the JSON records the weights' sha256 so a swapped or damaged weights file is
+rejected.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mappers.geometry import source_of, sources_of
+from mappers.mlp import MLP_ARRAYS, MlpFeatures
 from model import ModelConfig
 
-MAPPER_FORMAT = "kvresume.mapper.v1"
+MAPPER_FORMAT = "kvresume.mapper.v2"
+# formats `load_mapper` reads: v1 (ridge/identity/recompute parts, no reasons or calibration) and v2
+MAPPER_FORMATS = ("kvresume.mapper.v1", MAPPER_FORMAT)
 MAPPER_JSON = "mapper.json"
 MAPPER_WEIGHTS = "weights.safetensors"
 # "recompute" (index part only): index K = the receiver's own k_norm(wk(mapped pre-RoPE latent)), the
 # V4.1 relation index-K = f(latent) (V41_SPEC §4.1, MAPPING §4.2.3); needs the receiver's weights.
-MAP_KINDS = ("identity", "linear", "recompute")
+# "mlp": the linear map plus a residual MLP on context features (mappers/mlp.py), the fallback for parts
+# whose ridge fails the part gate.
+MAP_KINDS = ("identity", "linear", "recompute", "mlp")
 PARTS = ("kv", "index")
 # Keys (main KV and index K) are fitted and applied in content space: the sender's entry rotation is
 # stripped, the map applied, the receiver's rotation applied. The only mode in v1.
@@ -87,11 +96,15 @@ class PartMap:
         sender_layers: sender kv-source layers stacked along the input, ascending (for "recompute",
             those of the main-KV part it derives from).
         alpha: the absolute ridge penalty the fit used (None for identity).
+        reason: why the fit chose this map (e.g. the part gate's figures); empty in v1 artifacts.
+        features: the context an "mlp" part reads (None otherwise).
     """
 
     kind: str
     sender_layers: tuple[int, ...]
     alpha: float | None = None
+    reason: str = ""
+    features: MlpFeatures | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in MAP_KINDS:
@@ -104,15 +117,25 @@ class PartMap:
             raise ValueError(f"an identity map reads exactly one sender layer, got {list(layers)}")
         if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha >= 0):
             raise ValueError(f"alpha must be finite and >= 0, got {self.alpha}")
+        if (self.kind == "mlp") != (self.features is not None):
+            raise ValueError(f"features are given exactly for mlp parts (kind {self.kind!r})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "sender_layers": list(self.sender_layers), "alpha": self.alpha}
+        return {
+            "kind": self.kind, "sender_layers": list(self.sender_layers), "alpha": self.alpha,
+            "reason": self.reason, "features": self.features.to_dict() if self.features else None,
+        }
 
     @classmethod
     def from_dict(cls, where: str, data: Any) -> PartMap:
-        _check_keys(where, data, {"kind", "sender_layers", "alpha"})
+        _check_keys(where, data, {"kind", "sender_layers", "alpha"}, frozenset({"reason", "features"}))
         try:
-            return cls(kind=data["kind"], sender_layers=tuple(data["sender_layers"]), alpha=data["alpha"])
+            features = data.get("features")
+            return cls(
+                kind=data["kind"], sender_layers=tuple(data["sender_layers"]), alpha=data["alpha"],
+                reason=str(data.get("reason", "")),
+                features=MlpFeatures.from_dict(f"{where}.features", features) if features else None,
+            )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
 
@@ -168,13 +191,19 @@ class GateSpec:
     own global KV after the same bounded replay (the mapping's error alone), max_next_token_kl to the mean
     next-token KL against the receiver's own cold cache (replay and mapping together), min_index_recall
     to the mean index top-k recall, min_retention to the measured task retention (mapped accuracy / own
-    accuracy) when an evaluation supplies one.
+    accuracy) when an evaluation supplies one, min_retention_lower to the lower end of its 95% paired
+    bootstrap interval (`retention_ci_lower`: the smallest over the distance buckets measured).
+
+    The retention interval is the gate: with the default min_retention_lower a mapper passes only when task
+    retention was measured and its lower bound reaches 0.80 (issue 12; the target point estimate is 0.90).
+    Cosine, KL and index recall are screens: they can reject, they cannot accept on their own.
     """
 
     min_attn_cosine: float | None = 0.9
     max_next_token_kl: float | None = 0.2
     min_index_recall: float | None = 0.5
     min_retention: float | None = None
+    min_retention_lower: float | None = 0.8
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -200,6 +229,8 @@ class KVMapper:
         arrays: name -> fp32 tensor, see the module docstring (linear parts only).
         quality: pair-level figures (e.g. attn_cosine_mean, next_token_kl, index_recall, r2_kv_mean).
         passed_gate: whether `quality` met `gate` when last evaluated.
+        calibration: what the fit read: corpus, calibration seeds, task seeds of any episodes (so an
+            evaluation can refuse episodes the fit saw); empty for v1 artifacts.
     """
 
     sender: ModelRef
@@ -209,9 +240,15 @@ class KVMapper:
     gate: GateSpec = field(default_factory=GateSpec)
     quality: Mapping[str, float] = field(default_factory=dict)
     passed_gate: bool = False
+    calibration: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def fit_task_seeds(self) -> tuple[int, ...]:
+        """Task seeds whose episodes the fit read or was gated on (`mapper eval` refuses them)."""
+        return tuple(int(s) for s in self.calibration.get("task_seeds", ()))
 
     def layer(self, receiver_layer: int) -> LayerMap:
         """The LayerMap of receiver kv source `receiver_layer`.
@@ -226,8 +263,23 @@ class KVMapper:
 
     @property
     def needs_receiver_weights(self) -> bool:
-        """Whether `apply_mapper` needs the receiver model (an index part of kind "recompute")."""
-        return any(lm.index.kind == "recompute" for lm in self.layers)
+        """Whether `apply_mapper` needs the receiver model (an index part of kind "recompute", or an mlp
+        part reading the receiver's token embeddings)."""
+        return self.needs_tokens or any(lm.index.kind == "recompute" for lm in self.layers)
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether `apply_mapper` needs the history's tokens (an mlp part reading token embeddings)."""
+        return any(
+            pm.kind == "mlp" and pm.features is not None and pm.features.embed
+            for lm in self.layers for pm in (lm.kv, lm.index)
+        )
+
+    def mlp_arrays(self, receiver_layer: int, part: str) -> dict[str, torch.Tensor]:
+        """coef, intercept and the MLP arrays of an mlp part (the names `mappers.mlp` reads)."""
+        pre = f"layers.{receiver_layer}.{part}"
+        coef, intercept = self.weights(receiver_layer, part)
+        return {"coef": coef, "intercept": intercept} | {k: self.arrays[f"{pre}.mlp.{k}"] for k in MLP_ARRAYS}
 
     def weights(self, receiver_layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor]:
         """coef [D_out, k*D_in] fp32 and intercept [D_out] fp32 of a linear part."""
@@ -283,6 +335,8 @@ class KVMapper:
                 else:
                     expected[f"layers.{lm.receiver_layer}.{part}.coef"] = (d_out, sum(widths))
                     expected[f"layers.{lm.receiver_layer}.{part}.intercept"] = (d_out,)
+                if pm.kind == "mlp":
+                    expected |= self._mlp_shapes(lm, part, pm, sum(widths), d_out, where)
         extra = sorted(set(self.arrays) - set(expected))
         if extra:
             raise ValueError(f"arrays: unexpected arrays {extra}")
@@ -297,10 +351,30 @@ class KVMapper:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"arrays: {name} holds non-finite values")
 
+    def _mlp_shapes(self, lm: LayerMap, part: str, pm: PartMap, w_in: int, d_out: int, where: str):
+        s_cfg, r_cfg = self.sender.config, self.receiver.config
+        feats = pm.features
+        assert feats is not None
+        width = (feats.context + 1) * w_in
+        for s in feats.other_layers:
+            try:
+                o = source_of(s_cfg, s)
+            except ValueError as exc:
+                raise ValueError(f"{where}.features.other_layers: {exc}") from exc
+            if o.ratio == lm.ratio:
+                raise ValueError(f"{where}.features.other_layers: layer {s} has the part's ratio {o.ratio}")
+            width += o.head_dim
+        width += r_cfg.dim if feats.embed else 0
+        pre = f"layers.{lm.receiver_layer}.{part}.mlp"
+        h = feats.hidden
+        return {f"{pre}.mu": (width,), f"{pre}.sigma": (width,), f"{pre}.w1": (h, width), f"{pre}.b1": (h,),
+                f"{pre}.w2": (d_out, h), f"{pre}.b2": (d_out,)}
+
     def metadata(self) -> dict[str, Any]:
         """The JSON document (without the weights digest)."""
         return {
             "format": MAPPER_FORMAT,
+            "calibration": dict(self.calibration),
             "sender": self.sender.to_dict(),
             "receiver": self.receiver.to_dict(),
             "layers": [lm.to_dict() for lm in self.layers],
@@ -352,10 +426,14 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != MAPPER_FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in MAPPER_FORMATS:
         got = doc.get("format") if isinstance(doc, dict) else None
-        raise ValueError(f"{path}: format is {got!r}, expected {MAPPER_FORMAT!r}")
+        raise ValueError(f"{path}: format is {got!r}, this version reads {list(MAPPER_FORMATS)}")
     return doc
+
+
+def _v1_gate(gate: Any) -> Any:
+    return {"min_retention_lower": None} | gate if isinstance(gate, dict) else gate
 
 
 def load_mapper(directory: str | Path) -> KVMapper:
@@ -369,7 +447,11 @@ def load_mapper(directory: str | Path) -> KVMapper:
     directory = Path(directory)
     doc = read_metadata(directory)
     top = {"format", "sender", "receiver", "layers", "gate", "quality", "passed_gate", "weights_sha256"}
-    _check_keys(str(directory / MAPPER_JSON), doc, top)
+    # v1 has no calibration record; v2 always writes one
+    v2 = doc["format"] == MAPPER_FORMAT
+    _check_keys(str(directory / MAPPER_JSON), doc, top | ({"calibration"} if v2 else set()))
+    if not isinstance(doc.get("calibration", {}), dict):
+        raise ValueError("calibration must be a JSON object")
     weights_path = directory / MAPPER_WEIGHTS
     raw = weights_path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != doc["weights_sha256"]:
@@ -384,7 +466,9 @@ def load_mapper(directory: str | Path) -> KVMapper:
         receiver=ModelRef.from_dict("receiver", doc["receiver"]),
         layers=tuple(LayerMap.from_dict(f"layers[{i}]", d) for i, d in enumerate(doc["layers"])),
         arrays=arrays,
-        gate=GateSpec.from_dict("gate", doc["gate"]),
+        # a v1 gate had no interval knob: it loads as recorded, not with today's default
+        gate=GateSpec.from_dict("gate", _v1_gate(doc["gate"]) if not v2 else doc["gate"]),
         quality={str(k): float(v) for k, v in dict(doc["quality"]).items()},
         passed_gate=doc["passed_gate"],
+        calibration=dict(doc.get("calibration", {})),
     )

@@ -18,7 +18,9 @@ replay without mapping: the floor that replay alone costs). Figures (MAPPING.md 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,9 @@ from mappers.apply import apply_mapper
 from mappers.artifact import GateSpec, KVMapper
 from mappers.capture import content_of
 from model import Transformer, export_global, model_fingerprint, prefill, state_from_global
+
+if TYPE_CHECKING:
+    from mappers.retention import RetentionReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +263,7 @@ def gate_failures(gate: GateSpec, figures: dict[str, float]) -> list[str]:
         ("max_next_token_kl", "next_token_kl", lambda v, t: v <= t),
         ("min_index_recall", "index_recall", lambda v, t: v >= t),
         ("min_retention", "retention", lambda v, t: v >= t),
+        ("min_retention_lower", "retention_ci_lower", lambda v, t: v >= t),
     ]
     failed = []
     for knob, figure, ok in checks:
@@ -278,15 +284,16 @@ def gate_mapper(
     *,
     gate: GateSpec | None = None,
     retention: float | None = None,
-    task: TaskRetention | None = None,
+    task: TaskRetention | RetentionReport | None = None,
 ) -> tuple[KVMapper, list[str]]:
     """The mapper with the evaluation's figures recorded and `passed_gate` set.
 
     Args:
         gate: thresholds to apply (the mapper's own when None); recorded in the result.
         retention: measured task retention (mapped accuracy / receiver's own), when a task evaluation ran.
-        task: a whole task evaluation (`evaluate_task_retention`): its figures are recorded and its
-            retention is the one gated (it wins over `retention`).
+        task: a whole task evaluation (`evaluate_task_retention`, or `measure_retention`'s report with
+            per-bucket bootstrap intervals): its figures are recorded and its retention (and interval)
+            are the ones gated (they win over `retention`).
 
     Returns:
         the updated mapper and the failed conditions (empty when it passed).
@@ -339,6 +346,9 @@ class TaskRetention:
     mapped_acc: float
     replay_acc: float
     floor_acc: float
+    # per path ("sender", "receiver", "mapped", "replay", "floor"): 1/0 per episode, in episode order (the
+    # paired bootstrap of mappers/retention.py resamples episodes across paths together)
+    outcomes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def retention(self) -> float:
@@ -407,7 +417,7 @@ def evaluate_task_retention(
         bytes.fromhex(ref.fingerprint) if ref.fingerprint else model_fingerprint(model)
         for ref, model in ((mapper.sender, sender_model), (mapper.receiver, receiver_model))
     )
-    right = {k: 0 for k in ("sender", "receiver", "mapped", "replay", "floor")}
+    right: dict[str, list[int]] = {k: [] for k in ("sender", "receiver", "mapped", "replay", "floor")}
     for b in range(n):
         row = tokens[b : b + 1]
         prefix, suffix = row[:, :p], row[:, p:]
@@ -429,12 +439,13 @@ def evaluate_task_retention(
         }
         for key, (model, state) in states.items():
             logits = _row_logits(prefill(model, suffix, state, all_logits=True))
-            right[key] += _answers_right(logits[0], row[0], start, end, p)
+            right[key].append(int(_answers_right(logits[0], row[0], start, end, p)))
         # the floor: the question alone, with no history to recall from (positions shifted to 0)
         logits = _row_logits(prefill(receiver_model, suffix, all_logits=True))
-        right["floor"] += _answers_right(logits[0], suffix[0], start - p, end - p, 0)
-    acc = {k: v / n for k, v in right.items()}
+        right["floor"].append(int(_answers_right(logits[0], suffix[0], start - p, end - p, 0)))
+    acc = {k: sum(v) / n for k, v in right.items()}
     return TaskRetention(
         n=n, suffix_tokens=suffix_tokens, sender_acc=acc["sender"], receiver_acc=acc["receiver"],
         mapped_acc=acc["mapped"], replay_acc=acc["replay"], floor_acc=acc["floor"],
+        outcomes={k: tuple(v) for k, v in right.items()},
     )

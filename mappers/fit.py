@@ -2,6 +2,10 @@
 sufficient statistics of every (ratio, part) block, pick for each receiver kv source the sender sources
 of its ratio that predict it best, and solve one ridge per (receiver source, part).
 
+Per-part choice: ridge is the first choice and is kept wherever its held-out R² passes the part gate
+(`FitSpec.part_gate_r2`); with `fallback="mlp"` a part that fails it gets a residual MLP on context
+features (mappers/mlp.py), kept when its held-out R² beats the ridge's. Each part records why (`reason`).
+
 Knows nothing of evaluation or gating (see evaluate.py): the fitted mapper carries R² figures only and
 `passed_gate=False`. Rows are compressed entries: entry j of a ratio-m source in both models pools the
 same tokens [j*m, (j+1)*m), so the two captures line up row for row.
@@ -9,6 +13,7 @@ same tokens [j*m, (j+1)*m), so the two captures line up row for row.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,11 +25,13 @@ from mappers.artifact import GateSpec, KVMapper, LayerMap, ModelRef, PartMap
 from mappers.capture import ContentKV, capture_content
 from mappers.errors import FitError
 from mappers.geometry import sources_of
+from mappers.mlp import MlpFeatures, build_features, fit_mlp_residual, mlp_predict
 from mappers.ridge import MomentStats, RidgeMapper, r2_from_stats
 from model import Transformer, model_fingerprint
 
 _PARTS = ("kv", "index")
 INDEX_MODES = ("map", "recompute", "best")
+FALLBACKS = ("none", "mlp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +46,26 @@ class FitSpec:
         index_mode: index keys from a separate ridge map ("map"), recomputed from the mapped main KV with
             the receiver's own indexer ("recompute", V41_SPEC §4.1), or whichever has the higher held-out
             R² per layer ("best"; needs held-out batches).
+        part_gate_r2: the held-out R² a part's ridge must reach to be kept without trying the fallback
+            (about 0.94 along the direction the receiver reads was needed for 90% recall on the shipped
+            siblings, issue 12's diagnosis).
+        fallback: "none" (ridge everywhere) or "mlp" (a residual MLP for parts failing the part gate; needs
+            held-out batches to decide).
+        mlp_context, mlp_hidden, mlp_epochs, mlp_embed, mlp_other_ratio: the fallback's features (previous
+            entries, receiver token embeddings, the sender's sources of the other ratios) and training.
     """
 
     k: int | None = None
     alphas: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
     selection_alpha: float = 1e-2
     index_mode: str = "map"
+    part_gate_r2: float = 0.9
+    fallback: str = "none"
+    mlp_context: int = 2
+    mlp_hidden: int = 512
+    mlp_epochs: int = 20
+    mlp_embed: bool = True
+    mlp_other_ratio: bool = True
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
@@ -56,6 +77,15 @@ class FitSpec:
             raise ValueError(f"selection_alpha must be finite and >= 0, got {self.selection_alpha}")
         if self.index_mode not in INDEX_MODES:
             raise ValueError(f"index_mode must be one of {INDEX_MODES}, got {self.index_mode!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        if not (math.isfinite(self.part_gate_r2) and self.part_gate_r2 <= 1):
+            raise ValueError(f"part_gate_r2 must be finite and <= 1, got {self.part_gate_r2}")
+        if self.mlp_context < 0 or self.mlp_hidden < 1 or self.mlp_epochs < 1:
+            raise ValueError(
+                f"mlp_context={self.mlp_context} must be >= 0, mlp_hidden={self.mlp_hidden} and "
+                f"mlp_epochs={self.mlp_epochs} >= 1"
+            )
 
 
 def _width(cfg, part: str) -> int:
@@ -150,6 +180,48 @@ def _recompute_r2(
     return 1.0 - sse / max(sst, torch.finfo(torch.float64).tiny)
 
 
+def _pooled_r2(pred: torch.Tensor, y: torch.Tensor) -> float:
+    sse = float(((pred - y) ** 2).sum())
+    sst = float(((y - y.mean(0)) ** 2).sum())
+    return 1.0 - sse / max(sst, torch.finfo(torch.float64).tiny)
+
+
+def _mlp_rows(
+    captures: list[tuple[ContentKV, ContentKV, torch.Tensor]], part: str, chosen: list[int], r: int, m: int,
+    feats: MlpFeatures, embed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ridge input x, features f, target y) rows of one part over captured batches, fp32 on the CPU."""
+    xs, fs, ys = [], [], []
+    for cs, cr, tokens in captures:
+        own = [cs.part(part)[s] for s in chosen]
+        n = own[0].size(1)
+        others = {s: (cs.ratios[s], cs.kv[s]) for s in feats.other_layers}
+        rows = embed[tokens.to(embed.device)].float() if feats.embed else None
+        fs.append(build_features(own, others, feats, m, n, embed_rows=rows).flatten(0, 1).cpu())
+        xs.append(torch.cat(own, -1).flatten(0, 1).float().cpu())
+        ys.append(cr.part(part)[r].flatten(0, 1).float().cpu())
+    return torch.cat(xs), torch.cat(fs), torch.cat(ys)
+
+
+def _fit_mlp_part(
+    spec: FitSpec, fit: RidgeMapper, chosen: list[int], part: str, r: int, m: int, other_layers: list[int],
+    receiver_model: Transformer, train_caps, held_caps,
+) -> tuple[MlpFeatures, dict[str, torch.Tensor], float]:
+    """Train the residual MLP of one part on the calibration captures; (features, arrays, held-out R²)."""
+    feats = MlpFeatures(
+        context=spec.mlp_context, other_layers=tuple(other_layers) if spec.mlp_other_ratio else (),
+        embed=spec.mlp_embed, hidden=spec.mlp_hidden,
+    )
+    embed = receiver_model.embed.weight
+    coef, intercept = fit.coef_.float().cpu(), fit.intercept_.float().cpu()
+    x, f, y = _mlp_rows(train_caps, part, chosen, r, m, feats, embed)
+    residual = y - (x @ coef.T + intercept)
+    arrays = fit_mlp_residual(f, residual, hidden=feats.hidden, epochs=spec.mlp_epochs)
+    xh, fh, yh = _mlp_rows(held_caps, part, chosen, r, m, feats, embed)
+    pred = mlp_predict(arrays | {"coef": coef, "intercept": intercept}, xh, fh)
+    return feats, arrays, _pooled_r2(pred, yh)
+
+
 @torch.no_grad()
 def fit_mapper(
     sender_model: Transformer,
@@ -163,6 +235,7 @@ def fit_mapper(
     gate: GateSpec | None = None,
     sender_fingerprint: bytes | None = None,
     receiver_fingerprint: bytes | None = None,
+    calibration: dict | None = None,
 ) -> KVMapper:
     """Fit a ridge mapper from `sender_model`'s global KV to `receiver_model`'s.
 
@@ -173,6 +246,8 @@ def fit_mapper(
         gate: thresholds recorded in the artifact for `evaluate_mapper` (GateSpec defaults when None).
         sender_fingerprint, receiver_fingerprint: the fingerprints to bind (default: `model_fingerprint`
             of each model with its default numerics profile).
+        calibration: what the token batches are (corpus, seeds, `task_seeds` of any recall episodes the
+            fit or its gate read), recorded in the artifact so `mapper eval` can refuse those episodes.
 
     Returns:
         a KVMapper bound to both fingerprints, quality = per-layer R² (train and held-out), passed_gate
@@ -199,6 +274,8 @@ def fit_mapper(
     blocks = _Blocks(s_cfg, r_cfg, senders, receivers, device)
     # index "recompute" is scored on the held-out rows themselves (a nonlinear map: no moments suffice)
     held_captures: list[tuple[ContentKV, ContentKV]] = []
+    # the mlp fallback trains on rows, not moments: keep every capture (and its tokens) when it may run
+    mlp_caps: dict[str, list[tuple[ContentKV, ContentKV, torch.Tensor]]] = {"train": [], "heldout": []}
     for split, batches in (("train", token_batches), ("heldout", heldout_batches)):
         for tokens in batches:
             cs, _ = capture_content(sender_model, tokens)
@@ -206,8 +283,12 @@ def fit_mapper(
             blocks.add(split, cs, cr)
             if split == "heldout" and spec.index_mode != "map":
                 held_captures.append((cs, cr))
+            if spec.fallback == "mlp":
+                mlp_caps[split].append((cs, cr, tokens))
     if spec.index_mode == "best" and not held_captures:
         raise ValueError("index_mode='best' compares on held-out rows: pass heldout_batches")
+    if spec.fallback == "mlp" and not mlp_caps["heldout"]:
+        raise ValueError("fallback='mlp' decides on held-out rows: pass heldout_batches")
 
     layers, arrays, pair_r2 = [], {}, {part: [] for part in _PARTS}
     for src in sources_of(r_cfg):
@@ -223,10 +304,37 @@ def fit_mapper(
             if not bool(torch.isfinite(fit.coef_).all() and torch.isfinite(fit.intercept_).all()):
                 raise FitError(f"receiver layer {r} {part}: the ridge solve is not finite")
             fits[part] = (fit, chosen)
-            parts[part] = PartMap(kind="linear", sender_layers=tuple(chosen), alpha=fit.alpha_)
+            split = "held-out" if held.n else "in-sample"
+            if score >= spec.part_gate_r2:
+                reason = f"ridge: {split} R² {score:.3f} >= part gate {spec.part_gate_r2:g}"
+            elif spec.fallback == "none":
+                reason = f"ridge: {split} R² {score:.3f} < part gate {spec.part_gate_r2:g}, no fallback asked"
+            else:
+                reason = ""
+            parts[part] = PartMap(kind="linear", sender_layers=tuple(chosen), alpha=fit.alpha_, reason=reason)
             quality[f"r2_{part}_train"] = r2_from_stats(train, fit.coef_, fit.intercept_, xi, yi)[1]
             if held.n:
                 quality[f"r2_{part}_heldout"] = score
+            mlp_arrays: dict[str, torch.Tensor] = {}
+            if not reason:
+                others = [s.layer for s in sources_of(s_cfg) if s.ratio != m]
+                feats, mlp_arrays, r2_mlp = _fit_mlp_part(
+                    spec, fit, chosen, part, r, m, others, receiver_model, mlp_caps["train"],
+                    mlp_caps["heldout"],
+                )
+                quality[f"r2_{part}_mlp_heldout"] = r2_mlp
+                why = f"ridge held-out R² {score:.3f} < part gate {spec.part_gate_r2:g}"
+                if r2_mlp > score:
+                    parts[part] = PartMap(
+                        kind="mlp", sender_layers=tuple(chosen), alpha=fit.alpha_, features=feats,
+                        reason=f"mlp: {why}; residual mlp held-out R² {r2_mlp:.3f}",
+                    )
+                    score = r2_mlp
+                else:
+                    mlp_arrays = {}
+                    parts[part] = dataclasses.replace(
+                        parts[part], reason=f"ridge: {why}; the mlp was no better (R² {r2_mlp:.3f})"
+                    )
             quality[f"alpha_relative_{part}"] = alpha
             quality[f"rows_{part}"] = float(train.n)
             if part == "index" and spec.index_mode != "map":
@@ -237,9 +345,11 @@ def fit_mapper(
                 if spec.index_mode == "recompute" or (r2_re is not None and r2_re > score):
                     parts[part] = PartMap(kind="recompute", sender_layers=tuple(kv_chosen))
                     score = r2_re if r2_re is not None else score
-            if parts[part].kind == "linear":
+            if parts[part].kind in ("linear", "mlp"):
                 arrays[f"layers.{r}.{part}.coef"] = fit.coef_.cpu()
                 arrays[f"layers.{r}.{part}.intercept"] = fit.intercept_.cpu()
+            if parts[part].kind == "mlp":
+                arrays |= {f"layers.{r}.{part}.mlp.{k}": v.float().cpu() for k, v in mlp_arrays.items()}
             pair_r2[part].append(score)
         layers.append(
             LayerMap(receiver_layer=r, ratio=m, kv=parts["kv"], index=parts["index"], quality=quality)
@@ -256,4 +366,5 @@ def fit_mapper(
         gate=gate or GateSpec(),
         quality=pair_quality,
         passed_gate=False,
+        calibration=dict(calibration or {}) | {"fit_spec": dataclasses.asdict(spec)},
     )

@@ -2,9 +2,11 @@
 
 The script: a long first prompt, tool-result turns, an idle gap that expires the window pool (simulated
 with the pool's injected clock, so the demo does not sleep ten minutes), an admin purge of the model's
-stored KV, a switch to a sibling model, and a turn on the sibling. It prints one row per turn (path,
-model, reason, tokens by kind, time to first token) and, with --json, the list of turns (server install;
-the model stack is imported when the demo runs).
+stored KV, a switch to a sibling model, and a turn on the sibling. The switch goes to the sibling that a
+shipped mapper from the first model passed its gate for (`checkpoints/mappers/`), so it is a MODEL_SWAP
+of the mapped history; without one it goes to the second served model and is a cold prefill. It prints
+one row per turn (path, model, reason, tokens by kind, time to first token) and, with --json, the list
+of turns (server install; the model stack is imported when the demo runs).
 """
 
 from __future__ import annotations
@@ -92,6 +94,30 @@ def expected_paths(*, mapped_switch: bool) -> tuple[str, ...]:
     return tuple(paths)
 
 
+def demo_sources(root: Path | None = None) -> dict[str, str]:
+    """The demo's served models: the default siblings, plus the grown sibling v41-sib-m when its
+    checkpoint is shipped (the pair a shipped mapper connects); empty (the defaults) otherwise."""
+    from orchestrator.engine import default_model_specs, repo_root
+
+    specs = default_model_specs(root)
+    grown = (root or repo_root()) / "checkpoints" / "v41-sib-m"
+    if any(s.is_stand_in for s in specs.values()) or not (grown / "config.json").is_file():
+        return {}
+    sources = {name: f"checkpoint:{spec.checkpoint}" for name, spec in specs.items()}
+    return sources | {"v41-sib-m": f"checkpoint:{grown}"}
+
+
+def switch_target(first: str, names: Sequence[str], mapper_dirs: Sequence[Path]) -> str | None:
+    """The served model a shipped, gate-passing mapper from `first` leads to (None: there is none)."""
+    from orchestrator.engine import registration_of
+
+    for directory in mapper_dirs:
+        fields = registration_of(directory)
+        if fields["sender_model"] == first and fields["receiver_model"] in names and fields["passed_gate"]:
+            return str(fields["receiver_model"])
+    return None
+
+
 def shipped_mapper_dirs(root: Path | None = None) -> list[Path]:
     """Mapper artifacts shipped under `checkpoints/mappers/<name>/` (each with a mapper.json)."""
     from orchestrator.engine import repo_root
@@ -127,12 +153,14 @@ def run_demo(
     on_turn: Callable[[DemoTurn], None] | None = None,
     mapper_dirs: Sequence[Path] = (),
     on_mapper: Callable[[dict[str, Any]], None] | None = None,
+    switch_to: str | None = None,
 ) -> list[DemoTurn]:
     """Run the scripted session against an embedded server whose state lives under `data_dir`.
 
     Args:
         mapper_dirs: mapper artifacts to register through the Mappers API first (those whose pair is
             not served here are skipped); `on_mapper` sees each registration's fields.
+        switch_to: the model of the switch (default: the second served model).
     """
     import grpc
 
@@ -153,7 +181,10 @@ def run_demo(
         settings, registry=registry, mappers=mappers, pool_clock=lambda: pool_now[0], preload=True
     )
     names = node.registry.names
-    first, second = names[0], names[1] if len(names) > 1 else names[0]
+    first = names[0]
+    second = switch_to or (names[1] if len(names) > 1 else names[0])
+    if second not in names:
+        raise ValueError(f"switch_to={second!r} is not served here ({list(names)})")
     script = _script(first, second)
     server = build_server(node.ctx, host="127.0.0.1", port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -281,9 +312,10 @@ def _run(args: argparse.Namespace) -> int:
     configure_torch(args.numerics, threads=args.threads)
     own_dir = args.data_dir is None
     data_dir = Path(tempfile.mkdtemp(prefix="kvresume-demo-")) if own_dir else Path(args.data_dir)
-    registry = ModelRegistry.from_sources({}, cpu_path=args.numerics)
+    registry = ModelRegistry.from_sources(demo_sources(), cpu_path=args.numerics)
     mapper_dirs = [Path(d) for d in args.mapper] if args.mapper else shipped_mapper_dirs()
     names = registry.names
+    target = switch_target(names[0], names, mapper_dirs) or (names[1] if len(names) > 1 else names[0])
     registered: list[dict[str, Any]] = []
     out = text_stream(args.json)
     print("kvresume demo: one agent session over gRPC on loopback", file=out)
@@ -317,12 +349,13 @@ def _run(args: argparse.Namespace) -> int:
             on_turn=show,
             mapper_dirs=mapper_dirs,
             on_mapper=on_mapper,
+            switch_to=target,
         )
     finally:
         if own_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
     paths = tuple(t.path for t in turns)
-    switch = (names[0], names[1]) if len(names) > 1 else None
+    switch = (names[0], target) if len(names) > 1 else None
     expected = expected_paths(
         mapped_switch=any(
             (m["sender_model"], m["receiver_model"]) == switch and m["passed_gate"] for m in registered

@@ -21,10 +21,10 @@ from orchestrator.cli.mapper_remote import register_jobs, route_fit_target
 from orchestrator.cli.output import add_json_flag, table_text, text_stream, write_json
 
 
-def _add_model_args(parser: argparse.ArgumentParser, side: str) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, side: str, *, required: bool = True) -> None:
     from model import PRESET_NAMES
 
-    group = parser.add_mutually_exclusive_group(required=True)
+    group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument(f"--{side}-preset", help=f"shipped config, random weights: {', '.join(PRESET_NAMES)}")
     group.add_argument(f"--{side}-config", help="config.json path, random weights")
     group.add_argument(f"--{side}-checkpoint", help="checkpoint folder (config.json + model.safetensors)")
@@ -35,9 +35,28 @@ def _add_model_args(parser: argparse.ArgumentParser, side: str) -> None:
     parser.add_argument(f"--{side}-name", help="display name recorded in the artifact")
 
 
-def _load_model(args: argparse.Namespace, side: str):
-    """(name, model) for one side. Raises ValueError / OSError."""
+def _artifact_checkpoint(mapper, side: str) -> str:
+    """The checkpoint folder of one side of a saved mapper: the one the fit recorded, else the shipped
+    `checkpoints/<name>` of this source tree. Raises ValueError when neither exists."""
+    recorded = dict(mapper.calibration).get(f"{side}_checkpoint")
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints" / getattr(mapper, side).name
+    for candidate in (recorded, shipped):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            return str(candidate)
+    raise ValueError(
+        f"the artifact's {side} {getattr(mapper, side).name!r} has no checkpoint here (recorded: "
+        f"{recorded!r}, shipped: {str(shipped)!r}); pass --{side}-checkpoint"
+    )
+
+
+def _load_model(args: argparse.Namespace, side: str, mapper=None):
+    """(name, model) for one side; without a model option, the artifact's own (`mapper`, eval only).
+    Raises ValueError / OSError."""
     import torch
+
+    given = any(getattr(args, f"{side}_{k}") for k in ("preset", "config", "checkpoint"))
+    if mapper is not None and not given:
+        setattr(args, f"{side}_checkpoint", _artifact_checkpoint(mapper, side))
 
     from model import ModelConfig, Transformer, init_random, load_model, load_preset
 
@@ -119,12 +138,19 @@ def _gate(args: argparse.Namespace):
         "max_next_token_kl": args.gate_next_token_kl,
         "min_index_recall": args.gate_index_recall,
         "min_retention": args.gate_retention,
+        "min_retention_lower": args.gate_retention_lower,
     }
-    return GateSpec(**{k: v for k, v in given.items() if v is not None})
+    # a negative threshold on the command line switches that condition off (None)
+    return GateSpec(**{k: (None if v < 0 else v) for k, v in given.items() if v is not None})
 
 
-def _summary(mapper, failed: list[str] | None, directory: Path | None) -> dict[str, Any]:
+def _summary(mapper, failed: list[str] | None, directory: Path | None, report=None) -> dict[str, Any]:
+    q = dict(mapper.quality)
     return {
+        "retention": q.get("retention") if report is not None else None,
+        "retention_ci_lower": q.get("retention_ci_lower") if report is not None else None,
+        "task_seed": report.task_seed if report is not None else None,
+        "retention_table": report.table() if report is not None else None,
         "dir": str(directory) if directory else None,
         "sender": mapper.sender.name,
         "receiver": mapper.receiver.name,
@@ -134,6 +160,10 @@ def _summary(mapper, failed: list[str] | None, directory: Path | None) -> dict[s
                 "ratio": lm.ratio,
                 "kv_from": list(lm.kv.sender_layers),
                 "index_from": list(lm.index.sender_layers),
+                "kv_kind": lm.kv.kind,
+                "index_kind": lm.index.kind,
+                "kv_reason": lm.kv.reason,
+                "index_reason": lm.index.reason,
                 "quality": dict(lm.quality),
             }
             for lm in mapper.layers
@@ -154,6 +184,12 @@ def _print(summary: dict[str, Any], dest: str | None) -> None:
         figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(q.items()) if k.startswith(("r2_", "eval_")))
         print(f"  layer {lm['receiver_layer']} (ratio {lm['ratio']}): kv<-{lm['kv_from']} "
               f"index<-{lm['index_from']}  {figures}", file=out)
+        for part in ("kv", "index"):
+            if lm[f"{part}_reason"]:
+                print(f"    {part}: {lm[f'{part}_kind']} ({lm[f'{part}_reason']})", file=out)
+    if summary["retention_table"]:
+        print(f"  task retention (task seed {summary['task_seed']}):", file=out)
+        print("    " + summary["retention_table"].replace("\n", "\n    "), file=out)
     print("  " + " ".join(f"{k}={v:.4g}" for k, v in sorted(summary["quality"].items())), file=out)
     verdict = "PASSED" if summary["passed_gate"] else "NOT PASSED"
     why = f" ({'; '.join(summary['gate_failures'])})" if summary["gate_failures"] else ""
@@ -161,18 +197,27 @@ def _print(summary: dict[str, Any], dest: str | None) -> None:
     write_json(summary, dest)
 
 
+# --task-seed defaults to --seed + this (the episode seed before --task-seed existed)
+TASK_SEED_OFFSET = 2000
+
+
+def task_seed_of(args: argparse.Namespace) -> int:
+    """--task-seed, or --seed + 2000 when not given. Bucket i of task seed N draws its recall episodes
+    with seed N * 16 + i (`mappers.bucket_seed`), so different task seeds never share episodes."""
+    return args.task_seed if args.task_seed is not None else args.seed + TASK_SEED_OFFSET
+
+
 def _task(args, mapper, sender, receiver):
-    """Task retention on the family's key-value recall episodes (None when --task-episodes is 0): the
-    question and answer run after the mapped history, so the evidence is reachable only through it."""
+    """Task retention on the family's key-value recall episodes, per distance bucket with a paired
+    bootstrap interval (None when --task-episodes is 0): the question and answer run after the mapped
+    history, so the evidence is reachable only through it."""
     if not args.task_episodes:
         return None
-    from mappers import evaluate_task_retention
-    from model import family_recall_episodes
+    from mappers import measure_retention
 
-    w = receiver.cfg.window_size
-    eps = family_recall_episodes(args.task_distance or 8 * w, args.task_episodes, seed=args.seed + 2000)
-    return evaluate_task_retention(mapper, sender, receiver, eps.tokens.to(args.device),
-                                   [(a.start, a.end) for a in eps.answers], suffix_tokens=w)
+    buckets = {f"d{args.task_distance}": args.task_distance} if args.task_distance else None
+    return measure_retention(mapper, sender, receiver, episodes=args.task_episodes,
+                             task_seed=task_seed_of(args), buckets=buckets, device=args.device)
 
 
 def _check_task_args(args: argparse.Namespace) -> None:
@@ -180,6 +225,8 @@ def _check_task_args(args: argparse.Namespace) -> None:
         raise ValueError("--gate-retention needs --task-episodes > 0 (retention must be measured)")
     if args.task_episodes < 0:
         raise ValueError(f"--task-episodes={args.task_episodes} must be >= 0")
+    if args.task_seed is not None and args.task_seed < 0:
+        raise ValueError(f"--task-seed={args.task_seed} must be >= 0")
 
 
 def _evaluate(args, mapper, sender, receiver):
@@ -189,7 +236,32 @@ def _evaluate(args, mapper, sender, receiver):
     prompts = _token_batches(args, receiver.cfg.vocab_size, args.seed + 1000, 1, args.eval_prompts,
                              args.eval_prefix + args.eval_suffix, from_end=True)[0]
     evaluation = evaluate_mapper(mapper, sender, receiver, prompts, suffix_tokens=args.eval_suffix)
-    return gate_mapper(mapper, evaluation, gate=_gate(args), task=_task(args, mapper, sender, receiver))
+    report = _task(args, mapper, sender, receiver)
+    mapper, failed = gate_mapper(mapper, evaluation, gate=_gate(args), task=report)
+    return mapper, failed, report
+
+
+def _calibration(args: argparse.Namespace) -> dict[str, Any]:
+    """What the fit reads, for the artifact: corpus, seeds, and the task seed its gate was measured on (a
+    later `mapper eval` refuses it: those episodes chose this artifact)."""
+    import hashlib
+
+    if args.tokens_file:
+        digest = hashlib.sha256(Path(args.tokens_file).read_bytes()).hexdigest()
+        corpus = {"kind": "tokens_file", "path": str(args.tokens_file), "sha256": digest}
+    else:
+        corpus = {"kind": "random_ids", "seed": args.seed}
+    return {
+        "corpus": corpus,
+        "calibration_seed": args.seed,
+        "heldout_seed": args.seed + 1,
+        "eval_prompt_seed": args.seed + 1000,
+        "rows": {"batches": args.batches, "heldout": args.heldout, "batch_size": args.batch_size,
+                 "tokens": args.tokens},
+        "task_seeds": [task_seed_of(args)] if args.task_episodes and args.eval_prompts else [],
+        "sender_checkpoint": args.sender_checkpoint,
+        "receiver_checkpoint": args.receiver_checkpoint,
+    }
 
 
 def _run_fit(args: argparse.Namespace) -> int:
@@ -219,15 +291,16 @@ def _run_fit(args: argparse.Namespace) -> int:
                 f"--tokens-file holds {len(seqs)} sequences: calibration + held-out rows need the first "
                 f"{fit_seqs} and the evaluation prompts the last {eval_seqs}; they would overlap"
             )
-    spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode)
+    spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode, fallback=args.fallback,
+                   part_gate_r2=args.part_gate_r2, mlp_epochs=args.mlp_epochs, mlp_hidden=args.mlp_hidden)
     with torch.inference_mode():
         mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
-                            receiver_name=r_name, gate=_gate(args))
-        failed = None
+                            receiver_name=r_name, gate=_gate(args), calibration=_calibration(args))
+        failed, report = None, None
         if args.eval_prompts:
-            mapper, failed = _evaluate(args, mapper, sender, receiver)
+            mapper, failed, report = _evaluate(args, mapper, sender, receiver)
     out = save_mapper(mapper, args.out)
-    _print(_summary(mapper, failed, out), args.json)
+    _print(_summary(mapper, failed, out, report), args.json)
     return 1 if args.require_gate and not mapper.passed_gate else 0
 
 
@@ -240,17 +313,23 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     mapper = load_mapper(args.dir)
-    _, sender = _load_model(args, "sender")
-    _, receiver = _load_model(args, "receiver")
+    _check_task_args(args)
+    if args.task_episodes and task_seed_of(args) in mapper.fit_task_seeds:
+        raise ValueError(
+            f"task seed {task_seed_of(args)} was used in fitting this artifact (its fit task seeds: "
+            f"{list(mapper.fit_task_seeds)}); pass another --task-seed"
+        )
+    _, sender = _load_model(args, "sender", mapper)
+    _, receiver = _load_model(args, "receiver", mapper)
     verdict = applicability(mapper, sender_fingerprint=model_fingerprint(sender),
                             receiver_fingerprint=model_fingerprint(receiver), require_gate=False)
     if not verdict.ok:
         raise ValueError(f"the mapper at {args.dir} does not fit these models: {verdict.reason}")
     with torch.inference_mode():
-        mapper, failed = _evaluate(args, mapper, sender, receiver)
+        mapper, failed, report = _evaluate(args, mapper, sender, receiver)
     if args.write:
         save_mapper(mapper, args.dir)
-    _print(_summary(mapper, failed, Path(args.dir)), args.json)
+    _print(_summary(mapper, failed, Path(args.dir), report), args.json)
     return 1 if args.require_gate and not mapper.passed_gate else 0
 
 
@@ -316,7 +395,7 @@ def _run_registered(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_common(parser: argparse.ArgumentParser, *, models_required: bool = True) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random calibration/eval tokens")
@@ -328,16 +407,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL vs cold (0.2)")
     parser.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall (0.5)")
     parser.add_argument("--gate-retention", type=float,
-                        help="gate: min task retention (off unless given; needs --task-episodes)")
+                        help="gate: min task retention point estimate (off unless given; needs "
+                             "--task-episodes)")
+    parser.add_argument("--gate-retention-lower", type=float,
+                        help="gate: min lower bound of the 95%% paired-bootstrap retention interval, "
+                             "smallest over the buckets (default 0.8; negative: off)")
     parser.add_argument("--task-episodes", type=int, default=0,
-                        help="key-value recall episodes for task retention (shipped tokenizer and test-split "
-                             "corpus; 0: skip)")
+                        help="key-value recall episodes per distance bucket for task retention (shipped "
+                             "tokenizer and test-split corpus; 0: skip)")
     parser.add_argument("--task-distance", type=int, default=None,
-                        help="evidence-to-answer distance of the episodes (default 8x the receiver's window)")
+                        help="one bucket at this evidence-to-answer distance (default: two buckets, 8x "
+                             "and 32x the receiver's window)")
+    parser.add_argument("--task-seed", type=int, default=None,
+                        help="seed of the recall episodes (default --seed + 2000); bucket i uses episode "
+                             "seed N*16+i; `mapper eval` refuses the task seed the fit was gated on")
     add_json_flag(parser, what="the mapper's summary")
     parser.add_argument("--require-gate", action="store_true", help="exit 1 when the mapper fails its gate")
-    _add_model_args(parser, "sender")
-    _add_model_args(parser, "receiver")
+    _add_model_args(parser, "sender", required=models_required)
+    _add_model_args(parser, "receiver", required=models_required)
 
 
 def _mapper_errors_exit_1(handler):
@@ -367,13 +454,20 @@ def _fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--index-mode", choices=("map", "recompute", "best"), default="map",
                      help="index keys: separate ridge map, recomputed by the receiver's indexer, or the "
                           "better on held-out rows")
+    fit.add_argument("--fallback", choices=("none", "mlp"), default="none",
+                     help="parts whose ridge fails the part gate: keep ridge, or try a residual MLP on "
+                          "context features (kept when better on held-out rows)")
+    fit.add_argument("--part-gate-r2", type=float, default=0.9, help="held-out R² a part's ridge must reach")
+    fit.add_argument("--mlp-epochs", type=int, default=20, help="training epochs of an MLP part")
+    fit.add_argument("--mlp-hidden", type=int, default=512, help="hidden width of an MLP part")
     _add_common(fit)
 
 
 def _eval_options(ev: argparse.ArgumentParser) -> None:
     ev.add_argument("dir", help="artifact folder")
     ev.add_argument("--write", action="store_true", help="record the figures and gate in the artifact")
-    _add_common(ev)
+    # without model options the artifact's own sender and receiver checkpoints are loaded
+    _add_common(ev, models_required=False)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -412,4 +506,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     get.set_defaults(handler=_run_registered)
     route_fit_target(fit)
     register_jobs(sub)
-

@@ -131,23 +131,27 @@ class ArtifactMappers:
         mapper = self._load(artifact)
         assert mapper is not None, "apply() without a usable() artifact"
         device = receiver.model.head.weight.device
+        tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
+        # mlp parts read the history's token embeddings and the receiver's weights; ridge parts ignore them
         mapped = apply_mapper(
             mapper,
             list(sender_blobs),
             sender_fingerprint=sender.fingerprint,
             receiver_fingerprint=receiver.fingerprint,
             device=device,
+            receiver_model=receiver.model if mapper.needs_receiver_weights else None,
+            tokens=tokens if mapper.needs_tokens else None,
         )
         if mapped.n_tokens != n_tokens:
             raise ValueError(
                 f"mapper produced {mapped.n_tokens} tokens of global KV, the plan needs {n_tokens}"
             )
-        tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
         return state_from_global(receiver.model, tokens, list(mapped.blobs), fingerprint=receiver.fingerprint)
 
 
 # Gates a registry row can state ("figure >= threshold"), in order of preference: (gate knob, figure).
 _AT_LEAST_GATES = (
+    ("min_retention_lower", "retention_ci_lower"),
     ("min_retention", "retention"),
     ("min_attn_cosine", "attn_cosine_mean"),
     ("min_index_recall", "index_recall"),

@@ -136,10 +136,15 @@ def test_evaluate_mapper_identity_is_exact_and_gate_mapper(sender: Transformer) 
     figures = ev.figures()
     assert set(ev.attn_cosine) == set(range(12)) and figures["attn_cosine_cold_mean"] <= 1.0
 
-    gated, failed = gate_mapper(mapper, ev, gate=GateSpec(min_attn_cosine=0.99, max_next_token_kl=None))
+    # screens only (the retention interval switched off): the identity passes them
+    screens = GateSpec(min_attn_cosine=0.99, max_next_token_kl=None, min_retention_lower=None)
+    gated, failed = gate_mapper(mapper, ev, gate=screens)
     assert gated.passed_gate and failed == []
+    # with the default interval gate, screens cannot accept on their own
+    default_interval = GateSpec(min_attn_cosine=0.99, max_next_token_kl=None)
+    assert not gate_mapper(mapper, ev, gate=default_interval)[0].passed_gate
     assert gated.layer(4).quality["eval_index_recall"] == 1.0
-    strict = GateSpec(min_attn_cosine=0.99, max_next_token_kl=ev.replay_kl / 2)
+    strict = GateSpec(min_attn_cosine=0.99, max_next_token_kl=ev.replay_kl / 2, min_retention_lower=None)
     gated, failed = gate_mapper(mapper, ev, gate=strict)
     assert not gated.passed_gate and failed and "next_token_kl" in failed[0]
     with pytest.raises(ValueError, match="suffix_tokens"):
@@ -153,5 +158,10 @@ def test_gate_failures_names_each_condition() -> None:
     assert failed == [
         "next_token_kl=0.3 fails max_next_token_kl=0.2",
         "retention not measured (gate min_retention=0.8)",
+        "retention_ci_lower not measured (gate min_retention_lower=0.8)",
     ]
-    assert gate_failures(gate, figures | {"next_token_kl": 0.2, "retention": 0.8}) == []
+    passing = figures | {"next_token_kl": 0.2, "retention": 0.8, "retention_ci_lower": 0.8}
+    assert gate_failures(gate, passing) == []
+    assert gate_failures(gate, passing | {"retention_ci_lower": 0.79}) == [
+        "retention_ci_lower=0.79 fails min_retention_lower=0.8"
+    ]

@@ -29,6 +29,13 @@ def test_mapper_fit_eval_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     fit = ["mapper", "fit", "--out", str(out), "--batches", "1", "--tokens", "64", "--eval-prompts", "1",
            "--eval-prefix", "32", "--gate-attn-cosine", "0.0", "--gate-next-token-kl", "100",
            "--gate-index-recall", "0", "--json", *MODELS]  # fmt: skip
+    # the retention interval is the gate: without task episodes nothing can pass it
+    assert _run([*fit, "--require-gate"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["passed_gate"] is False
+    assert summary["gate_failures"] == ["retention_ci_lower not measured (gate min_retention_lower=0.8)"]
+    # with it switched off explicitly (a negative threshold), the screens alone decide
+    fit += ["--gate-retention-lower", "-1"]
     assert _run(fit) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["passed_gate"] is True and summary["gate_failures"] == []
