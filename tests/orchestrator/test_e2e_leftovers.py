@@ -36,10 +36,10 @@ def _rows(node, tenant: str) -> int:
         return len(s.scalars(select(CacheSegment).where(CacheSegment.tenant_id == tenant)).all())
 
 
-def test_orphans_are_collected_and_expired_rows_go_at_once(tmp_path: Path) -> None:
+def _scenario(tmp_path: Path, database_url: str | None) -> None:
     torch.set_num_threads(1)
     models = registry()
-    node = start_node(tmp_path, models, orphan_grace_s=3600.0)
+    node = start_node(tmp_path, models, database_url=database_url, orphan_grace_s=3600.0)
     try:
         pb, svc = node.pb, node.service
         store, ctx = svc.store, svc.ctx
@@ -93,3 +93,13 @@ def test_orphans_are_collected_and_expired_rows_go_at_once(tmp_path: Path) -> No
         assert stats.segments == _rows(node, "acme") == store.tenant_stats("acme").chunks
     finally:
         node.stop()
+
+
+def test_orphans_are_collected_and_expired_rows_go_at_once(tmp_path: Path) -> None:
+    _scenario(tmp_path, None)
+
+
+def test_orphans_are_collected_and_expired_rows_go_at_once_postgres(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    _scenario(tmp_path, postgres_url)
