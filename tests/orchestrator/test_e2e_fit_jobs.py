@@ -281,9 +281,14 @@ def test_the_remote_cli_commands_load_no_model_stack(node: Node) -> None:
     assert _gone(job["job_id"])
 
 
-def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     # The rows a node left when its process died mid-job (the kill -9 itself: the slow test below).
-    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}"
+    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}" if backend == "sqlite" else request.getfixturevalue(
+        "postgres_url"
+    )
     upgrade(url)
     engine = make_engine(url)
     sub = dict(sender_model=S, receiver_model=L, source={"kind": "corpus", "name": "random", "seed": 1,
