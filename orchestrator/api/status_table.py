@@ -119,10 +119,12 @@ def error_for(exc: BaseException) -> CallerError:
 
 @dataclass(frozen=True, kw_only=True)
 class HttpError:
-    """What a failed HTTP request tells its caller: status, OpenAI error type, and the details."""
+    """What a failed HTTP request tells its caller: status, OpenAI error type, and the details (`code`: the
+    gRPC status code's name, for the metrics)."""
 
     status: int
     type: str
+    code: str
     message: str
     reason: str
     field: str | None = None
@@ -135,7 +137,13 @@ def http_error_for(exc: BaseException) -> HttpError:
     status, kind = HTTP_BY_REASON.get(err.reason) or HTTP_BY_CODE[err.code]
     retry = err.retry_after_s if status != 400 else None
     return HttpError(
-        status=status, type=kind, message=err.message, reason=err.reason, field=err.field, retry_after_s=retry
+        status=status,
+        type=kind,
+        code=err.code.name,
+        message=err.message,
+        reason=err.reason,
+        field=err.field,
+        retry_after_s=retry,
     )
 
 

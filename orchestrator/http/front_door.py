@@ -243,6 +243,11 @@ class FrontDoor:
             created=int(time.time()),
         )
 
+    def turn_ended(self, prepared: PreparedTurn) -> None:
+        """After the turn of a request that started a session: make the next request's spare session."""
+        if prepared.new_session:
+            self.spares.refill(prepared.turn.tenant_id, prepared.model)
+
     def remember(self, prepared: PreparedTurn, text: str, ids: Sequence[int]) -> None:
         """After a committed turn: its answer `text` was generated as `ids` (stop token excluded)."""
         self.answers.remember(

@@ -71,6 +71,7 @@ class _Answer:
         stats = self.stats
         if stats is not None and stats.kept and stats.finish_reason != FinishReason.ABORTED:
             self._door.remember(self._prepared, self.text, self.ids)
+        self._door.turn_ended(self._prepared)
         return delta
 
     def finish_reason(self) -> str | None:
@@ -267,7 +268,7 @@ def _failed(door: FrontDoor, route: str, exc: BaseException) -> JSONResponse:
         log.info(
             "http_request_rejected", route=route, status=err.status, reason=err.reason, detail=err.message
         )
-    _count(door, route, err.reason)
+    _count(door, route, err.code)
     return error_response(err)
 
 
@@ -360,7 +361,7 @@ async def _stream(
         raise
     except Exception as exc:  # noqa: BLE001 - after the plan, an error ends the stream as OpenAI's do
         err = http_error(exc)
-        _count(door, route, err.reason)
+        _count(door, route, err.code)
         log.error("http_stream_failed", route=route, reason=err.reason, exc_info=exc)
         yield data(
             {"error": {"message": err.message, "type": err.type, "param": err.field, "code": err.reason}}

@@ -4,7 +4,8 @@ request's path to its first token.
 
 Each (tenant, model) that sent a keyless request keeps one spare: a real, empty session of the tenant
 (it counts toward `max_sessions_per_tenant` and is listed by ListSessions), made on the front door's
-threads after a spare is taken. The first keyless request of a tenant creates its session itself. A
+threads after the turn that took the previous one ended (between an agent's requests, not beside a turn
+that is starting). The first keyless request of a tenant creates its session itself. A
 purge of the tenant or of the spare drops it from here; a spare that cannot be made (the tenant's session
 limit, the registry down) is not, and the next request creates its session itself and gets that error.
 """
@@ -41,21 +42,18 @@ class SpareSessions:
         return sid
 
     def take(self, tenant: str, model: str) -> str:
-        """A new session of the tenant for `model` (the spare when there is one), and a spare made for the
-        next request.
+        """A new session of the tenant for `model`: the spare when there is one, else one created now.
 
         Raises:
             ResourceExhaustedError: SESSION_LIMIT (no spare, and the tenant is at its limit).
         """
-        key = (tenant, model)
         with self._lock:
-            sid = self._spare.pop(key, None)
-        if sid is None:
-            sid = self._create(tenant, model)
-        self._refill(key)
-        return sid
+            sid = self._spare.pop((tenant, model), None)
+        return sid if sid is not None else self._create(tenant, model)
 
-    def _refill(self, key: tuple[str, str]) -> None:
+    def refill(self, tenant: str, model: str) -> None:
+        """Make a spare for (tenant, model) on the front door's threads, unless one is there or being made."""
+        key = (tenant, model)
         with self._lock:
             if key in self._spare or key in self._making:
                 return

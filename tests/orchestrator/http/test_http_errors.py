@@ -76,6 +76,9 @@ def test_404_unknown_model(http_node: HttpNode) -> None:
     assert MODEL in err["message"]
     with pytest.raises(openai.NotFoundError):
         http_node.client().chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    # counted beside the RPCs, by the gRPC code's name
+    rpcs = http_node.service.ctx.metrics.rpcs
+    assert rpcs.labels(method="POST /v1/chat/completions", code="NOT_FOUND")._value.get() == 2
 
 
 def test_409_a_second_request_while_the_session_runs_a_turn(http_node: HttpNode) -> None:
