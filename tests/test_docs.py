@@ -11,8 +11,9 @@ Running. The default blocks of one README form one bash script, in their order (
 any failing command fails the test), run in a temp directory that holds a `checkpoints` link to the
 repository's, with the venv's `kvresume` and `python` first on PATH, the repository on PYTHONPATH (for
 `python -m benchmarks...`), and no KVRESUME_* variable but the test's own: KVRESUME_GRPC_PORT and
-KVRESUME_METRICS_PORT (free ports) and KVRESUME_TARGET (that gRPC address), so `kvresume serve` and the
-client commands meet without a port in the text. A line `[VAR=value ...] kvresume serve ...` starts that
+KVRESUME_METRICS_PORT and KVRESUME_HTTP_PORT (free ports) and KVRESUME_TARGET (that gRPC address), so
+`kvresume serve` and the client commands meet without a port in the text (the HTTP examples write
+`${KVRESUME_HTTP_PORT:-8000}`). A line `[VAR=value ...] kvresume serve ...` starts that
 server in the background (stopping the one before it) and waits until it serves (its `--json` file);
 the last one stops when the script ends. A python block runs as a file at its place in the script.
 Each slow block runs alone, the same way.
@@ -138,7 +139,7 @@ def _run(blocks: list[Block], tmp_path: Path, *, timeout_s: float) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "checkpoints").symlink_to(REPO / "checkpoints")
-    grpc_port, metrics_port = _free_port(), _free_port()
+    grpc_port, metrics_port, http_port = _free_port(), _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRESUME_")}
     env |= {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
@@ -146,6 +147,7 @@ def _run(blocks: list[Block], tmp_path: Path, *, timeout_s: float) -> None:
         "DOC_DIR": str(tmp_path),
         "KVRESUME_GRPC_PORT": str(grpc_port),
         "KVRESUME_METRICS_PORT": str(metrics_port),
+        "KVRESUME_HTTP_PORT": str(http_port),
         "KVRESUME_TARGET": f"127.0.0.1:{grpc_port}",
     }
     script = tmp_path / "doc.sh"
