@@ -182,12 +182,21 @@ class RocksAuditSink(AuditSink):
                 pass
             it.next()
 
-    def verify(self) -> VerifyResult:
-        """Walk the chain against the head; an undecodable record is a break at its key's seq."""
+    def verify(self, *, head: tuple[int, str] | None = None) -> VerifyResult:
+        """Walk the chain against the head; an undecodable record is a break at its key's seq.
+
+        Args:
+            head: a head read before the walk (`head()`) of a store that is being written: records past
+                its seq were appended during the walk and are left out. Default: the head after the
+                walk, and every record counts (a record past the head is a break).
+        """
+        upto = head[0] if head is not None else None
         records: list[AuditRecord] = []
         it = self._db.iter()
         it.seek(AUDIT_PREFIX)
         while it.valid() and it.key().startswith(AUDIT_PREFIX):
+            if upto is not None and _SEQ.unpack_from(it.key(), len(AUDIT_PREFIX))[0] > upto:
+                break
             try:
                 records.append(AuditRecord.from_json(it.value()))
             except AuditRecordError as exc:
@@ -197,7 +206,7 @@ class RocksAuditSink(AuditSink):
                     return prefix
                 return VerifyResult(ok=False, records=len(records) + 1, first_break_seq=seq, reason=str(exc))
             it.next()
-        return verify_chain(records, head=self._head)
+        return verify_chain(records, head=self._head if head is None else head)
 
 
 @contextmanager

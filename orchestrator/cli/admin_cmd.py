@@ -55,6 +55,7 @@ def _audit_verify_local(args: argparse.Namespace) -> int:
                 key=key,
                 node=settings.resolved_node_name,
                 interval_s=settings.audit_anchor_interval_s,
+                live_store=False,
             )
             report = checker.verify()
     finally:
@@ -329,7 +330,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_remote(_audit))
 
     p = sub.add_parser(
-        "audit-local", help="verify the audit chains, the store's chain and the anchors without a server (server)"
+        "audit-local",
+        help="verify the audit chains, the store's chain and the anchors without a server (server)",
     )
     add_settings_flags(p)
     add_json_flag(p, what="the verdict")

@@ -76,6 +76,8 @@ class AuditChecker:
         node: this node's name, written in its anchors.
         interval_s: how often `start` anchors; verify reports anchors older than three intervals as
             stale while this checker's writer runs (the newest anchors were removed).
+        live_store: the store is open and being written (the node's own); False for a store read
+            offline (`admin audit-local`).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class AuditChecker:
         node: str = "",
         interval_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        live_store: bool = True,
     ) -> None:
         if key is not None and anchor_file is None:
             raise ValueError("an anchor key needs an anchor file")
@@ -96,6 +99,7 @@ class AuditChecker:
             raise ValueError(f"audit_anchor_interval_s={interval_s} must be > 0")
         self._sql = sql
         self._store = store_audit
+        self._live = live_store
         self._acked = store_acked_seq
         self._file = anchor_file
         self._key = key
@@ -216,28 +220,37 @@ class AuditChecker:
         problems: list[str] = []
         sql_hashes: dict[str, dict[int, str]] = {}
         verdicts: list[ChainVerdict] = []
-        heads = self._sql.heads()
+        # The store first: its records are mirrored into SQL after their batch, so a snapshot of SQL
+        # taken later holds every mirror of what the store snapshot acknowledges.
+        store_verdict: ChainVerdict | None = None
+        store_name = ""
+        store_records: list[AuditRecord] = []
+        acked = 0
+        read_at_us = int(self._clock() * 1_000_000)
+        if self._store is not None:
+            acked = self._acked()
+            seq, h = self._store.head()
+            store_records = [r for r in self._store.iter_decodable() if r.seq <= seq or not self._live]
+            # A live store may append during the walk: check it against the head read first. A store
+            # read offline does not change, and a record past its head is then a break.
+            result = self._store.verify(head=(seq, h) if self._live else None)
+            first = self._store.first_hash()
+            store_name = store_chain_name(first) if first is not None else STORE_CHAIN_PREFIX
+            store_verdict = ChainVerdict(chain=store_name, head_seq=seq, head_hash=h, result=result)
+        heads, by_chain = self._sql.snapshot()
         mirrors: dict[str, AuditRecord] = {}
-        for chain in self._sql.chains():
+        for chain in sorted(by_chain):
             head = heads.get(chain, (0, GENESIS_HASH))
-            records = list(self._sql.iter_records(chain=chain))
+            records = by_chain[chain]
             result = verify_chain(records, head=head)
             verdicts.append(ChainVerdict(chain=chain, head_seq=head[0], head_hash=head[1], result=result))
             sql_hashes[chain] = {r.seq: r.hash for r in records}
         mirrors.update(self._sql.mirrored())
-        store_verdict: ChainVerdict | None = None
-        store_name = ""
         pending = 0
         store_hashes: dict[int, str] = {}
         if self._store is not None:
-            store_records = list(self._store.iter_decodable())
-            result = self._store.verify()
-            seq, h = self._store.head()
-            first = self._store.first_hash()
-            store_name = store_chain_name(first) if first is not None else STORE_CHAIN_PREFIX
-            store_verdict = ChainVerdict(chain=store_name, head_seq=seq, head_hash=h, result=result)
             store_hashes = {r.seq: r.hash for r in store_records}
-            pending = self._agreement(store_records, mirrors, problems)
+            pending = self._agreement(store_records, mirrors, problems, acked, read_at_us)
         anchors = 0
         if self._key is not None and self._file is not None:
             all_heads = dict(heads)
@@ -259,12 +272,18 @@ class AuditChecker:
             store_pending=pending,
         )
 
+    @staticmethod
     def _agreement(
-        self, store_records: list[AuditRecord], mirrors: dict[str, AuditRecord], problems: list[str]
+        store_records: list[AuditRecord],
+        mirrors: dict[str, AuditRecord],
+        problems: list[str],
+        acked: int,
+        read_at_us: int,
     ) -> int:
-        """Every store record the SQL log acknowledged has a mirror with the same fields; every mirror
-        made since this store's first record names one of its records. Returns the records pending."""
-        acked = self._acked()
+        """Every store record the SQL log acknowledged (seq <= `acked`) has a mirror with the same
+        fields; every mirror stamped between this store's first record and `read_at_us` (the clock
+        before the store was read: a record appended later is stamped later) names one of its records.
+        Returns the records pending delivery."""
         pending = 0
         held = {r.hash for r in store_records}
         for rec in store_records:
@@ -284,7 +303,7 @@ class AuditChecker:
         since = store_records[0].ts_us if store_records else None
         if since is not None:
             for source_hash, mirror in mirrors.items():
-                if mirror.ts_us >= since and source_hash not in held:
+                if since <= mirror.ts_us < read_at_us and source_hash not in held:
                     problems.append(
                         f"SQL record (chain {mirror.tenant!r} seq {mirror.seq}) mirrors a store record "
                         "the store does not hold"
@@ -334,6 +353,7 @@ class AuditChecker:
             if age_s > 3 * self._interval:
                 problems.append(
                     f"the newest anchor (n={in_file[-1].n}) is {age_s:.0f} s old while anchors are written "
-                    f"every {self._interval:g} s (newer anchors were removed)"
+                    f"every {self._interval:g} s (newer ones were removed, or writing them fails: see "
+                    "audit_anchor_failed in the log)"
                 )
         return len(in_file)

@@ -252,6 +252,20 @@ class SqlAuditSink(AuditSink):
                     yield record_from_row(row)
                 after = rows[-1].seq
 
+    def snapshot(self) -> tuple[dict[str, tuple[int, str]], dict[str, list[AuditRecord]]]:
+        """Every chain's head and records, read in one transaction (a consistent snapshot: SQLite's
+        WAL read transaction, REPEATABLE READ on PostgreSQL), so that appends during the read cannot
+        look like records past their head."""
+        conn = self._engine.connect()
+        if conn.dialect.name == "postgresql":
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn:
+            heads = {r.chain: (r.seq, r.hash) for r in conn.execute(select(_HEAD))}
+            records: dict[str, list[AuditRecord]] = {c: [] for c in heads}
+            for row in conn.execute(select(_LOG).order_by(_LOG.c.chain, _LOG.c.seq)):
+                records.setdefault(row.chain, []).append(record_from_row(row))
+        return heads, records
+
     def mirrored(self) -> dict[str, AuditRecord]:
         """Every record mirrored from a store record, by that store record's hash (`source_hash`)."""
         with self._engine.connect() as conn:
