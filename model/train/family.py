@@ -67,6 +67,27 @@ _SIBLINGS: dict[str, dict] = {
         n_routed_experts=2,
         n_activated_experts=1,
     ),
+    # v41-sib-s grown by two SWA layers at the bottom (model/train/grow.py): 0-3 SWA; 4 Full(m=2);
+    # 5 Reuse(4); 6 decoder Full(m=1) + candidates; 7 Reindex. Trained from the grown v41-sib-s weights.
+    "v41-sib-m": dict(
+        dim=96,
+        n_layers=8,
+        compress_ratios=[0, 0, 0, 0, 2, 2, 1, 1],
+        kv_source_layers=[4, 6],
+        index_source_layers=[4, 6, 7],
+        candidate_source_layer=6,
+        candidate_block_size=4,
+        candidate_topk_blocks=8,
+        index_topk=16,
+        n_heads=2,
+        q_lora_rank=64,
+        o_groups=1,
+        o_lora_rank=64,
+        index_n_heads=2,
+        moe_inter_dim=96,
+        n_routed_experts=2,
+        n_activated_experts=1,
+    ),
     # 8 layers: 0,1 SWA; 2 Full(m=2); 3 Reuse(2); 4 Full(m=2); 5 decoder Full(m=1) + candidates;
     # 6 Reuse(5); 7 Reindex
     "v41-sib-l": dict(

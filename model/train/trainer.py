@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from model.train.corpus import CorpusManifest
 from model.train.dataset import Batch, MixtureSpec, TrainStream
 from model.train.family import FAMILY_RECALL_TASK, SIBLING_NAMES, sibling_config
+from model.train.grow import grown_from, grown_sibling
 from model.train.kv_recall import KvRecallSpec
 from model.train.score import recall_by_bucket, score_batch
 from model.train.tokenizer import load_tokenizer
@@ -212,7 +213,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device)
         torch.manual_seed(spec.seed)
-        model = init_random(Transformer(sibling_config(spec.model)), seed=spec.seed)
+        # a grown sibling starts from its base's trained weights, deepened (model/train/grow.py)
+        if grown_from(spec.model) is not None:
+            model = grown_sibling(spec.model, seed=spec.seed)
+        else:
+            model = init_random(Transformer(sibling_config(spec.model)), seed=spec.seed)
         self.model = model.float().to(self.device)
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
@@ -415,10 +420,14 @@ def train_from_args(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    mixture = default_mixture(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len)
+    if grown_from(args.model) is not None:
+        # its base already went through the distance curriculum: questions at every distance from step 0
+        mixture = dataclasses.replace(mixture, curriculum=((0, mixture.kv.max_distance),))
     spec = TrainSpec(
         model=args.model,
         steps=args.steps,
-        mixture=default_mixture(seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len),
+        mixture=mixture,
         lr=args.lr,
         evidence_weight=args.evidence_weight,
         sparse_from=args.sparse_from,
