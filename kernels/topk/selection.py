@@ -66,11 +66,15 @@ def rank_keys(scores: torch.Tensor) -> torch.Tensor:
     nan = torch.isnan(f)
     # -0.0 + 0.0 is +0.0 under round-to-nearest; every other value keeps its bits
     bits = (f + 0.0).view(torch.int16 if narrow else torch.int32).to(key_dtype)
-    monotone = bits ^ ((bits >> (shift - 1)) & sign_mask)
+    # in place on the one fresh key tensor: a resume's rows x 64K entries made each temporary cost
+    flip = bits >> (shift - 1)
+    flip &= sign_mask
+    bits ^= flip  # monotone: signed-integer order = score order
     # +inf's bits plus one: above every score, as the sort ranks NaN
-    monotone = monotone.masked_fill(nan, inf_bits + 1)
-    ids = torch.arange(n - 1, -1, -1, device=scores.device, dtype=key_dtype) + (2**shift - n)
-    return (monotone << shift) | ids
+    bits.masked_fill_(nan, inf_bits + 1)
+    bits <<= shift
+    bits |= torch.arange(n - 1, -1, -1, device=scores.device, dtype=key_dtype) + (2**shift - n)
+    return bits
 
 
 def as_row_counts(visible: int | torch.Tensor, scores: torch.Tensor) -> int | torch.Tensor:
