@@ -162,7 +162,8 @@ class MappersServicer:
             gate["task_seed"] = request.gate.task_seed
         if request.budget_tokens == 0:
             raise InvalidRequestError("budget_tokens must be positive", field="budget_tokens")
-        fields = {"sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate"}
+        fields = {"sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate",
+                  "fallback"}
         try:
             return FitRequest(
                 sender_model=request.sender_model,
@@ -171,6 +172,7 @@ class MappersServicer:
                 budget_tokens=request.budget_tokens,
                 sequence_tokens=request.sequence_tokens or DEFAULT_SEQUENCE_TOKENS,
                 gate=gate,
+                fallback=request.fallback or "none",
             )
         except ValueError as exc:
             text = str(exc)
@@ -218,6 +220,7 @@ class MappersServicer:
             created_at=_ts(view.created_at),
             started_at=_ts(view.started_at),
             finished_at=_ts(view.finished_at),
+            fallback=str(src.get("fallback", "none")),
         )
         if view.eta_s is not None and view.phase in (FitJobPhase.RUNNING, FitJobPhase.QUEUED):
             msg.eta_s = view.eta_s

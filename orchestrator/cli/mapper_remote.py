@@ -80,6 +80,8 @@ def _remote_fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--gate-off", action="append", default=[], metavar="THRESHOLD",
                      help="turn a gate threshold off, e.g. min_retention_lower (repeatable)")
     fit.add_argument("--task-seed", type=int, help="seed of the retention episodes (default: --seed + 2000)")
+    fit.add_argument("--fallback", choices=("none", "mlp"), default="none",
+                     help="parts whose ridge fails the part gate: keep ridge (none) or fit a residual MLP")
     fit.add_argument("--resubmit", metavar="JOB_ID", help="run an ended job again with its parameters")
     fit.add_argument("--detach", action="store_true", help="print the queued job and exit (no watching)")
     fit.add_argument("--require-gate", action="store_true", help="exit 1 when the job is REJECTED")
@@ -132,7 +134,7 @@ def _start_request(args: argparse.Namespace) -> Any:
         gate.task_seed = args.task_seed
     return mappers_pb2.StartFitRequest(
         sender_model=args.sender, receiver_model=args.receiver, source=source,
-        budget_tokens=args.budget_tokens, sequence_tokens=args.tokens, gate=gate,
+        budget_tokens=args.budget_tokens, sequence_tokens=args.tokens, gate=gate, fallback=args.fallback,
     )
 
 

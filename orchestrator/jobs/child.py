@@ -22,7 +22,9 @@ from typing import Any, TextIO
 from orchestrator.jobs.progress import emit
 from orchestrator.jobs.request import GATE_THRESHOLDS, CalibrationPlan, FitRequest, resolve_tokens_file
 
-__all__ = ["EVAL_PREFIX_TOKENS", "EVAL_SUFFIX_TOKENS", "calibration_sequences", "main", "run_fit"]
+__all__ = [
+    "EVAL_PREFIX_TOKENS", "EVAL_SUFFIX_TOKENS", "calibration_sequences", "main", "run_fit", "task_seed_of"
+]
 
 # The screens' held-out prompts: a mapped prefix, then the receiver's own tokens after it (the CLI's).
 EVAL_PREFIX_TOKENS = 64
@@ -93,6 +95,40 @@ def calibration_sequences(request: FitRequest, vocab: int, data_dir: Path, *, se
     return rows
 
 
+def task_seed_of(request: FitRequest) -> int:
+    """The retention episodes' task seed: the gate's task_seed, else the calibration seed + 2000 (as
+    `kvresume mapper fit` derives --task-seed from --seed)."""
+    given = request.gate.get("task_seed")
+    return int(given) if given is not None else int(request.source.get("seed", 0)) + TASK_SEED_OFFSET
+
+
+def _calibration(spec: dict[str, Any], request: FitRequest, data_dir: Path, task_seed: int) -> dict[str, Any]:
+    """What the fit read, for the artifact (`KVMapper.calibration`): the corpus and its seeds, the rows,
+    and the task seed its gate is measured on, which a later `mapper eval` refuses."""
+    import hashlib
+
+    src = dict(request.source)
+    if src["kind"] == "tokens_file":
+        path = resolve_tokens_file(str(src["path"]), data_dir)
+        src["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    plan = request.plan
+    checkpoints = {
+        f"{side}_checkpoint": spec[side]["source"].removeprefix("checkpoint:")
+        for side in ("sender", "receiver")
+        if spec[side]["source"].startswith("checkpoint:")
+    }
+    seed = int(src.get("seed", 0))
+    return {
+        "corpus": src,
+        "calibration_seed": seed,
+        "eval_prompt_seed": seed + EVAL_SEED_OFFSET,
+        "rows": {"sequences": plan.train, "heldout": plan.heldout, "tokens": plan.sequence_tokens},
+        "task_seeds": [task_seed] if request.gate.get("task_episodes") else [],
+        "fit_job": spec["job_id"],
+        **checkpoints,
+    }
+
+
 def _reporting(batches: list[Any], report: Callable[[int], None]) -> Iterator[Any]:
     """Yield batches; each one is reported done when the fit asks for the next (or ends the loop)."""
     for batch in batches:
@@ -118,9 +154,9 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
         FitSpec,
         GateSpec,
         evaluate_mapper,
-        evaluate_task_retention,
         fit_mapper,
         gate_mapper,
+        measure_retention,
         save_mapper,
     )
     from orchestrator.engine import ServedModelSpec, load_served, registration_of
@@ -152,14 +188,16 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     gate_cfg = dict(request.gate)
     thresholds = {k: v for k, v in gate_cfg.items() if k in GATE_THRESHOLDS}
     gate = GateSpec(**thresholds, **dict.fromkeys(gate_cfg["disabled"]))
+    task_seed = task_seed_of(request)
     emit(out, "phase", phase="running")
     emit(out, "progress", rows_done=0, rows_total=plan.rows_total)
     with torch.inference_mode():
         mapper = fit_mapper(
             sender.model, receiver.model, _reporting(train, report),
-            heldout_batches=_reporting(held, report), spec=FitSpec(), sender_name=sender.name,
-            receiver_name=receiver.name, gate=gate, sender_fingerprint=sender.fingerprint,
-            receiver_fingerprint=receiver.fingerprint,
+            heldout_batches=_reporting(held, report), spec=FitSpec(fallback=request.fallback),
+            sender_name=sender.name, receiver_name=receiver.name, gate=gate,
+            sender_fingerprint=sender.fingerprint, receiver_fingerprint=receiver.fingerprint,
+            calibration=_calibration(spec, request, data_dir, task_seed),
         )
         emit(out, "phase", phase="evaluating")
         prompts = calibration_sequences(
@@ -168,17 +206,12 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
         ).to(spec["device"])
         evaluation = evaluate_mapper(mapper, sender.model, receiver.model, prompts,
                                      suffix_tokens=EVAL_SUFFIX_TOKENS)
-        task = None
-        if gate_cfg["task_episodes"]:
-            from model import family_recall_episodes
-
-            w = receiver.model.cfg.window_size
-            seed = int(gate_cfg.get("task_seed", int(request.source.get("seed", 0)) + TASK_SEED_OFFSET))
-            eps = family_recall_episodes(8 * w, int(gate_cfg["task_episodes"]), seed=seed)
-            task = evaluate_task_retention(
-                mapper, sender.model, receiver.model, eps.tokens.to(spec["device"]),
-                [(a.start, a.end) for a in eps.answers], suffix_tokens=w,
-            )
+        # Retention per distance bucket (8W, 32W) with its paired-bootstrap interval: the gate's figure.
+        task = (
+            measure_retention(mapper, sender.model, receiver.model, episodes=int(gate_cfg["task_episodes"]),
+                              task_seed=task_seed, device=spec["device"])
+            if gate_cfg["task_episodes"] else None
+        )
         mapper, failed = gate_mapper(mapper, evaluation, gate=gate, task=task)
     directory = save_mapper(mapper, spec["out_dir"])
     fields = registration_of(directory)

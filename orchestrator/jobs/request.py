@@ -17,6 +17,7 @@ __all__ = [
     "CORPORA",
     "DEFAULT_EVAL_PROMPTS",
     "DEFAULT_SEQUENCE_TOKENS",
+    "FALLBACKS",
     "GATE_OPTIONS",
     "GATE_THRESHOLDS",
     "MAX_SEQUENCE_TOKENS",
@@ -32,6 +33,8 @@ CORPORA = ("random", "recall")
 DEFAULT_SEQUENCE_TOKENS = 128
 MAX_SEQUENCE_TOKENS = 8192
 DEFAULT_EVAL_PROMPTS = 2
+# mappers.FitSpec.fallback's values (spelled out: this module stays free of torch).
+FALLBACKS = ("none", "mlp")
 # mappers.GateSpec's threshold fields (spelled out: this module stays free of torch).
 GATE_THRESHOLDS = (
     "min_attn_cosine", "max_next_token_kl", "min_index_recall", "min_retention", "min_retention_lower"
@@ -142,6 +145,7 @@ class FitRequest:
         sequence_tokens: tokens per calibration sequence.
         gate: GateSpec thresholds that are set, `disabled` (thresholds turned off), task_episodes,
             eval_prompts and an optional task_seed.
+        fallback: mappers.FitSpec.fallback ("none" or "mlp").
     """
 
     sender_model: str
@@ -150,6 +154,7 @@ class FitRequest:
     budget_tokens: int
     sequence_tokens: int = DEFAULT_SEQUENCE_TOKENS
     gate: Mapping[str, Any] = field(default_factory=dict)
+    fallback: str = "none"
 
     def __post_init__(self) -> None:
         if not self.sender_model:
@@ -162,6 +167,8 @@ class FitRequest:
             raise ValueError(f"budget_tokens={self.budget_tokens} must be positive")
         if not 1 <= self.sequence_tokens <= MAX_SEQUENCE_TOKENS:
             raise ValueError(f"sequence_tokens={self.sequence_tokens} must be in [1, {MAX_SEQUENCE_TOKENS}]")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback {self.fallback!r} must be one of {list(FALLBACKS)}")
         object.__setattr__(self, "source", _source(self.source))
         object.__setattr__(self, "gate", _gate(self.gate))
         plan_calibration(self.budget_tokens, self.sequence_tokens)
@@ -171,8 +178,8 @@ class FitRequest:
         return plan_calibration(self.budget_tokens, self.sequence_tokens)
 
     def stored_source(self) -> dict[str, Any]:
-        """`fit_jobs.source`: the source with the sequence length it is cut into."""
-        return dict(self.source) | {"sequence_tokens": self.sequence_tokens}
+        """`fit_jobs.source`: the source with how its rows become a map (sequence length, fallback)."""
+        return dict(self.source) | {"sequence_tokens": self.sequence_tokens, "fallback": self.fallback}
 
     @classmethod
     def from_stored(
@@ -182,8 +189,9 @@ class FitRequest:
         """The request a stored job was made from (a resubmission runs it again)."""
         src = dict(source)
         seq = int(src.pop("sequence_tokens", DEFAULT_SEQUENCE_TOKENS))
+        fallback = str(src.pop("fallback", "none"))
         return cls(sender_model=sender_model, receiver_model=receiver_model, source=src,
-                   budget_tokens=budget_tokens, sequence_tokens=seq, gate=gate)
+                   budget_tokens=budget_tokens, sequence_tokens=seq, gate=gate, fallback=fallback)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -193,6 +201,7 @@ class FitRequest:
             "budget_tokens": self.budget_tokens,
             "sequence_tokens": self.sequence_tokens,
             "gate": dict(self.gate),
+            "fallback": self.fallback,
         }
 
     @classmethod

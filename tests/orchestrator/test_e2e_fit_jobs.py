@@ -127,7 +127,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 def test_a_job_is_watched_through_its_phases_and_registers_its_mapper(node: Node) -> None:
     job = _start(node.mappers)
-    assert _phase(job) == "QUEUED" and job.rows_total == 512 and job.node
+    assert _phase(job) == "QUEUED" and job.rows_total == 512 and job.node and job.fallback == "none"
     states = list(node.mappers.WatchJob(mappers_pb2.WatchJobRequest(job_id=job.job_id), metadata=admin_md()))
     phases = [_phase(s) for s in states]
     # Every phase once, in order (a watcher may miss QUEUED when the worker was quicker than the stream).
@@ -205,6 +205,10 @@ def test_bad_requests_have_their_status_and_reason(node: Node) -> None:
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "source")
     code, _, _ = _err(lambda: _start(m, gate=mappers_pb2.FitGate(min_retention=0.9)))  # no episodes
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, _, meta = _err(lambda: _start(m, fallback="tree"))
+    assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "fallback")
+    code, _, meta = _err(lambda: _start(m, gate=mappers_pb2.FitGate(disabled=["max_kl"])))
+    assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "gate")
     unknown = "0" * 32
     for call in (
         lambda: m.GetJob(mappers_pb2.GetJobRequest(job_id=unknown), metadata=admin_md()),
@@ -328,6 +332,28 @@ def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(
         assert _gone(again.job_id)
     finally:
         n.stop()
+
+
+@pytest.mark.slow
+def test_a_retention_gated_job_records_its_task_seed_and_eval_refuses_it(node: Node, tmp_path: Path) -> None:
+    # The retention interval gates (mappers.GateSpec.min_retention_lower): this ridge on random text does
+    # not pass it (the pair's own figures are helper E's); what is checked here is the job's pipeline.
+    job = _start(node.mappers, gate=mappers_pb2.FitGate(task_episodes=4, task_seed=77, **LENIENT))
+    watch = node.mappers.WatchJob(mappers_pb2.WatchJobRequest(job_id=job.job_id), metadata=admin_md())
+    final = list(watch)[-1]
+    assert _phase(final) in ("SUCCEEDED", "REJECTED")
+    assert final.metrics["task_seed"] == 77 and final.metrics["task_episodes"] == 8  # 4 per bucket, 2 buckets
+    assert "retention_ci_lower" in final.metrics
+    if _phase(final) == "REJECTED":
+        assert "retention_ci_lower" in final.reason and not final.mapper_id
+    artifact = load_mapper(final.artifact_uri)
+    assert artifact.fit_task_seeds == (77,) and artifact.calibration["fit_job"] == job.job_id
+    assert artifact.calibration["corpus"] == {"kind": "corpus", "name": "random", "seed": 7}
+    # `kvresume mapper eval` refuses to re-score the artifact on the episodes that gated it.
+    out = tmp_path / "eval.json"
+    assert cli_main(["mapper", "eval", final.artifact_uri, "--task-seed", "77", "--task-episodes", "4",
+                     "--json", str(out)]) == 1
+    assert not out.exists()
 
 
 # -- a real `kvresume serve`, killed with SIGKILL mid-job, then restarted on the same data dir ------------
