@@ -14,7 +14,12 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from orchestrator.api.context import ServiceContext
-from orchestrator.api.errors import InvalidRequestError, NotFoundError, check_name_length
+from orchestrator.api.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ResourceExhaustedError,
+    check_name_length,
+)
 from orchestrator.api.status_table import stream_errors, unary_errors
 from orchestrator.db import MapperRepository, run_serializable
 from orchestrator.db.models import FitJobPhase
@@ -131,8 +136,8 @@ class MappersServicer:
         jobs, _ = self._jobs(context)
         limit = request.limit or 100
         if limit > _MAX_LIST_JOBS:
-            raise InvalidRequestError(f"limit={limit} exceeds {_MAX_LIST_JOBS}", field="limit",
-                                      reason="REQUEST_TOO_LARGE")
+            raise ResourceExhaustedError(f"limit={limit} exceeds {_MAX_LIST_JOBS}", field="limit",
+                                         reason="REQUEST_TOO_LARGE")
         return self._pb.ListJobsResponse(jobs=[self._job(v) for v in jobs.list(limit=limit)])
 
     # -- conversions ---------------------------------------------------------------------------------

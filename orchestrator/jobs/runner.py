@@ -209,16 +209,17 @@ class FitJobService:
 
         Raises:
             NotFoundError: MODEL_NOT_SERVED.
-            InvalidRequestError: naming the field.
+            InvalidRequestError: a tokens file that is not there (field source).
+            ResourceExhaustedError: REQUEST_TOO_LARGE, a budget over fit_max_budget_tokens.
         """
         for name in (request.sender_model, request.receiver_model):
             if name not in self._sources:
                 raise model_not_served(name, sorted(self._sources))
         limit = self._settings.fit_max_budget_tokens
         if request.budget_tokens > limit:
-            raise InvalidRequestError(
+            raise ResourceExhaustedError(
                 f"budget_tokens={request.budget_tokens} exceeds this node's fit_max_budget_tokens={limit}",
-                field="budget_tokens",
+                reason="REQUEST_TOO_LARGE", field="budget_tokens",
             )
         if request.source["kind"] == "tokens_file":
             try:

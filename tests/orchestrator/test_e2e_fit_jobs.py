@@ -187,8 +187,11 @@ def test_bad_requests_have_their_status_and_reason(node: Node) -> None:
                                                  "budget_tokens")
     code, _, meta = _err(lambda: _start(m, budget=100))  # less than two sequences of 128
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "budget_tokens")
-    code, _, meta = _err(lambda: _start(m, budget=10_000_000))  # over fit_max_budget_tokens
-    assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "budget_tokens")
+    code, reason, meta = _err(lambda: _start(m, budget=10_000_000))  # over fit_max_budget_tokens
+    assert (code, reason, meta.get("field")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_LARGE",
+                                                 "budget_tokens")
+    code, reason, _ = _err(lambda: m.ListJobs(mappers_pb2.ListJobsRequest(limit=5000), metadata=admin_md()))
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_LARGE")
     code, _, _ = _err(lambda: _start(m, sender=L))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     code, _, meta = _err(lambda: m.StartFit(mappers_pb2.StartFitRequest(
