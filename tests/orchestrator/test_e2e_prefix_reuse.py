@@ -185,8 +185,18 @@ def test_edited_history_shares_storage_up_to_the_edit(tmp_path: Path, models) ->
 
 
 def test_purging_the_writer_does_not_strand_the_reader(tmp_path: Path, models) -> None:
+    _writer_purge(tmp_path, models, None)
+
+
+def test_purging_the_writer_does_not_strand_the_reader_postgres(
+    tmp_path: Path, models, postgres_url: str
+) -> None:
+    _writer_purge(tmp_path, models, postgres_url)
+
+
+def _writer_purge(tmp_path: Path, models, database_url: str | None) -> None:
     rng = random.Random(4)
-    node = start_node(tmp_path, models)
+    node = start_node(tmp_path, models, database_url=database_url)
     pb = node.pb
     try:
         prompt = _ids(rng, 120)
