@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from orchestrator.api import ServiceContext
+from orchestrator.http.body_limit import BodyLimit
 from orchestrator.http.front_door import FrontDoor
 from orchestrator.http.routes import build_app
 
@@ -63,13 +64,12 @@ def start_http_server(
     bound = sock.getsockname()[1]
     door = FrontDoor(ctx)
     config = uvicorn.Config(
-        build_app(door),
+        BodyLimit(build_app(door), limit=ctx.settings.max_request_bytes),
         log_config=None,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=grace_s,
-        # the request bodies are bounded by the settings' max_request_bytes (checked by the app); this
-        # bounds how many connections one process holds
+        # bodies are bounded by BodyLimit (max_request_bytes); this bounds the connections one process holds
         limit_concurrency=max(ctx.settings.grpc_workers * 2, 64),
     )
     server = uvicorn.Server(config)

@@ -63,6 +63,21 @@ def test_400_names_the_bad_field(http_node: HttpNode) -> None:
     )
 
 
+def test_a_body_over_max_request_bytes_is_refused(http_node: HttpNode) -> None:
+    limit = http_node.service.ctx.settings.max_request_bytes
+    huge = _body(messages=[{"role": "user", "content": "x" * (limit + 10)}])
+    err = _error(_post(http_node, huge), 400, "REQUEST_TOO_LARGE", "body")
+    assert str(limit) in err["message"]
+
+    def chunks():
+        # no Content-Length: counted as it arrives
+        yield json.dumps(huge).encode()
+
+    headers = {"Authorization": f"Bearer {TOKENS['acme']}", "Content-Type": "application/json"}
+    r = httpx.post(f"{http_node.base_url}/chat/completions", content=chunks(), headers=headers, timeout=60)
+    _error(r, 400, "REQUEST_TOO_LARGE", "body")
+
+
 def test_401_and_403(http_node: HttpNode) -> None:
     _error(_post(http_node, _body(), token=None), 401, "UNAUTHENTICATED")
     _error(_post(http_node, _body(), token="wrong"), 401, "UNAUTHENTICATED")
