@@ -38,6 +38,8 @@ PHASES = ["QUEUED", "RUNNING", "EVALUATING", "SUCCEEDED"]
 # The screens only (the retention gate needs recall episodes; the job's gate is checked, not the pair's
 # quality): thresholds every fitted ridge of this pair meets on random calibration text.
 LENIENT = {"min_attn_cosine": 0.0, "max_next_token_kl": 100.0, "min_index_recall": 0.0}
+# One held-out prompt for the screens keeps each job's evaluation short.
+SHORT = {"eval_prompts": 1}
 
 
 def _siblings() -> ModelRegistry:
@@ -45,7 +47,7 @@ def _siblings() -> ModelRegistry:
 
 
 def _gate(**extra: Any) -> mappers_pb2.FitGate:
-    gate = mappers_pb2.FitGate(**(LENIENT | extra))
+    gate = mappers_pb2.FitGate(**(LENIENT | SHORT | extra))
     gate.disabled.extend(_retention_defaults())
     return gate
 
@@ -249,8 +251,8 @@ def test_cli_fit_and_list_through_the_api(node: Node, tmp_path: Path, capsys: py
 
     # A gate no ridge meets: the job is REJECTED with its figures, and --require-gate makes it exit 1.
     rc, job = run("mapper", "fit", "--target", target, "--sender", S, "--receiver", L,
-                  "--budget-tokens", "512", "--seed", "3", "--gate-attn-cosine", "0.9999",
-                  "--gate-next-token-kl", "100", "--gate-index-recall", "0",
+                  "--budget-tokens", "512", "--seed", "3", "--eval-prompts", "1",
+                  "--gate-attn-cosine", "0.9999", "--gate-next-token-kl", "100", "--gate-index-recall", "0",
                   *[a for n in _retention_defaults() for a in ("--gate-off", n)], "--require-gate")
     err = capsys.readouterr().err
     assert rc == 1 and job["phase"] == "FIT_JOB_PHASE_REJECTED" and job["passed_gate"] is False
