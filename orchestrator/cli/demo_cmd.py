@@ -64,13 +64,13 @@ def _script(first: str, second: str) -> tuple[_Step, ...]:
     return (
         _Step(label="user: task", text=_SYSTEM + _FILE + "Please find the bug and fix it."),
         _Step(
-            label="tool: read_file", text="<result> def resume(self, sid):  return self.rows.get(sid) </end> "
+            label="tool: read_file", text="<result> def resume(self, sid):  return self.rows.get(sid) <end> "
         ),
-        _Step(label="tool: run_tests", text="<result> 1 failed: KeyError 'sid-42' in resume() </end>"),
+        _Step(label="tool: run_tests", text="<result> 1 failed: KeyError 'sid-42' in resume() <end>"),
         _Step(label="user: after idle", text="I am back. What did you find?", before="idle"),
         _Step(label="user: after purge", text="Summarise the fix in one line.", before="purge"),
         _Step(label="user: on sibling", text="Now write the commit message.", model=second),
-        _Step(label="tool: run_tests", text="<result> all 12 passed </end>", model=second),
+        _Step(label="tool: run_tests", text="<result> all 12 passed <end>", model=second),
     )
 
 
