@@ -264,6 +264,9 @@ def test_cli_fit_and_list_through_the_api(node: Node, tmp_path: Path, capsys: py
     assert again["gate"]["min_attn_cosine"] == 0.9999 and again["source"]["corpus"]["seed"] == "3"
     rc, cancelled = run("mapper", "job", "cancel", again["job_id"], "--target", target)
     assert rc == 0 and cancelled["phase"] == "FIT_JOB_PHASE_CANCELLED"
+    for command in ("get", "watch"):  # an ended job: watch prints its final state at once
+        rc, got = run("mapper", "job", command, job["job_id"], "--target", target)
+        assert rc == 0 and got["phase"] == "FIT_JOB_PHASE_REJECTED" and got["reason"] == job["reason"]
     rc, jobs = run("mapper", "job", "list", "--target", target)
     assert rc == 0 and {job["job_id"], again["job_id"]} <= {j["job_id"] for j in jobs["jobs"]}
     # `mapper list --target` lists the registered mappers through the API (no folder argument).
