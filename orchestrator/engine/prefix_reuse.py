@@ -113,12 +113,12 @@ def find_reuse(
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:
         reuse = _verified(store, registry, compute, reuse, match.session, match.value, tenant, served, prompt)
+    if reuse.pooled is not None:
+        reuse.pooled = dataclasses.replace(reuse.pooled, own=reuse.source_session == session_id)
     if reuse.pooled is not None and reuse.pooled.own and reuse.pooled.n_tokens == len(history):
         reuse.pool = PoolState(model=served.name, windows_end=len(history))
     elif history:
         reuse.pool = _own_entry(pool, tenant, session_id, served, history, last_model)
-    if reuse.pooled is not None:
-        reuse.pooled = dataclasses.replace(reuse.pooled, own=reuse.source_session == session_id)
     return reuse
 
 
