@@ -1,5 +1,6 @@
 """`kvresume models ...`: what a running server serves (the Models service): list, get, and its tokenizer
-(tokenize, detokenize), through the light `kvresume` client only. Any valid token may call it.
+(tokenize, detokenize; `tokenize --chat FILE` renders OpenAI-style messages with the chat template
+first), through the light `kvresume` client only. Any valid token may call it.
 """
 
 from __future__ import annotations
@@ -26,13 +27,40 @@ def _request(args: argparse.Namespace) -> tuple[str, Any]:
     if cmd == "get":
         return "GetModel", m.GetModelRequest(name=args.name)
     if cmd == "tokenize":
-        return "Tokenize", m.TokenizeRequest(model=args.name, text=args.text)
+        return "Tokenize", m.TokenizeRequest(model=args.name, text=_tokenize_text(args))
     assert cmd == "detokenize"
     try:
         ids = [int(t) for t in args.ids.split(",") if t.strip()]
     except ValueError as exc:
         raise ValueError(f"ids must be comma-separated token ids, got {args.ids!r}") from exc
     return "Detokenize", m.DetokenizeRequest(model=args.name, ids=ids)
+
+
+def _tokenize_text(args: argparse.Namespace) -> str:
+    """The text to tokenize: the argument, or the chat template's text of the --chat file's messages."""
+    if (args.text is None) == (args.chat is None):
+        raise ValueError("give either TEXT or --chat FILE")
+    if args.chat is None:
+        return args.text
+    # stdlib only (the light client stays light)
+    from orchestrator.chat import ChatMessage, ToolCall, render_text
+
+    with open(args.chat, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise ValueError(f"{args.chat}: want a JSON list of messages ({{'role': ..., 'content': ...}})")
+    messages = []
+    for i, m in enumerate(raw):
+        calls = tuple(
+            ToolCall(name=c["function"]["name"], arguments=c["function"].get("arguments", ""))
+            for c in m.get("tool_calls") or ()
+        )
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        try:
+            messages.append(ChatMessage(role=role, content=m.get("content") or "", tool_calls=calls))
+        except ValueError as exc:
+            raise ValueError(f"{args.chat}: message {i}: {exc}") from exc
+    return render_text(messages)
 
 
 def _text(cmd: str, doc: dict[str, Any]) -> str:
@@ -74,7 +102,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="the model's name")
     p = add("tokenize", "the token ids a turn with this text would append")
     p.add_argument("name", help="the model's name")
-    p.add_argument("text", help="the text, exactly as a turn's --text would send it")
+    p.add_argument("text", nargs="?", help="the text, exactly as a turn's --text would send it")
+    p.add_argument(
+        "--chat",
+        metavar="FILE",
+        help="instead of TEXT: a JSON list of OpenAI-style messages, rendered with the chat template "
+        "(the text the HTTP API's ids come from)",
+    )
     p = add("detokenize", "the text of token ids")
     p.add_argument("name", help="the model's name")
     p.add_argument("ids", help="comma-separated token ids")

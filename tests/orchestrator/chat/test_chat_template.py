@@ -133,3 +133,27 @@ def test_answer_record_is_bounded_and_purged() -> None:
     # an admin purge names no tenant
     assert record.forget_session("g") == 1 and len(record) == 1
     assert record.forget_tenant("acme") == 1 and len(record) == 0
+
+
+def test_models_tokenize_chat_renders_with_the_template(tmp_path, capsys) -> None:
+    """`kvresume models tokenize NAME --chat FILE` against a real server with the trained tokenizer."""
+    import json
+
+    from orchestrator.cli import main
+    from tests.orchestrator.http.conftest import TOKENS, start_http_node
+
+    node = start_http_node(tmp_path / "node")
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Fix it."}]
+        path = tmp_path / "chat.json"
+        path.write_text(json.dumps(messages))
+        caller = ["--target", f"127.0.0.1:{node.grpc_server.port}", "--token", TOKENS["acme"]]
+        out = tmp_path / "ids.json"
+        assert main(["models", "tokenize", MODEL, "--chat", str(path), *caller, "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        expected = ChatTemplate(encode=CODEC.encode).render([ChatMessage(**m) for m in messages])
+        assert doc["ids"] == expected
+        assert main(["models", "tokenize", MODEL, *caller]) == 1
+        assert "either TEXT or --chat" in capsys.readouterr().err
+    finally:
+        node.stop()
