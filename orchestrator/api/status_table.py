@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError
 
 from orchestrator.api import errors
 from orchestrator.errors import OrchestratorError
-from storage import StorageError, StoreClosedError
+from storage import StorageError, StoreClosedError, StoreDamagedError
 
 __all__ = [
     "STATUS_TABLE",
@@ -54,6 +54,8 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY"),
     (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
     (StoreClosedError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
+    # A read error while serving (the store is marked for quarantine at its next open): retry elsewhere.
+    (StoreDamagedError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
     (OperationalError, grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE"),
     (errors.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),

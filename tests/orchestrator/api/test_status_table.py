@@ -7,6 +7,7 @@ import pytest
 
 from orchestrator.api import errors
 from orchestrator.api.status_table import STATUS_TABLE, status_for
+from storage import StoreDamagedError
 
 
 @pytest.mark.parametrize(
@@ -20,6 +21,7 @@ from orchestrator.api.status_table import STATUS_TABLE, status_for
         (errors.PreconditionError("x"), grpc.StatusCode.FAILED_PRECONDITION),
         (errors.ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (errors.UnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
+        (StoreDamagedError("x"), grpc.StatusCode.UNAVAILABLE),
         (errors.DeadlineError("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
         (errors.CancelledError("x"), grpc.StatusCode.CANCELLED),
         (NotImplementedError("x"), grpc.StatusCode.UNIMPLEMENTED),
