@@ -23,7 +23,7 @@ from storage.audit_record import (
     seal,
     verify_chain,
 )
-from storage.audit_rocks import RocksAuditSink
+from storage.audit_rocks import RocksAuditSink, read_only_audit
 from storage.errors import (
     AuditRecordError,
     StorageError,
@@ -133,6 +133,7 @@ __all__ = [
     "open_store",
     "refuse_newer_format",
     "prefix_digests",
+    "read_only_audit",
     "repair_store",
     "seal",
     "verify_chain",

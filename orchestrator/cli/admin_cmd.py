@@ -38,8 +38,7 @@ def _audit_verify_local(args: argparse.Namespace) -> int:
     """The whole audit check without a server: the registry's chains, this node's store chain (opened
     read-only) and, with `audit_anchor_key_file`, its anchors; the same verdict and text as `audit verify`."""
     from orchestrator.db import AuditChecker, SqlAuditSink, heads_digest, make_engine
-    from storage import AnchorFile, AnchorKey
-    from storage.audit_rocks import read_only_audit
+    from storage import AnchorFile, AnchorKey, read_only_audit
 
     settings = settings_from_args(args)
     key_file = settings.audit_anchor_key_file

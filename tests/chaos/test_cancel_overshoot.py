@@ -12,6 +12,7 @@ within one step plus the turn's own unwind (about 0.5 s here). Figures go to the
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import threading
@@ -22,6 +23,7 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.hardware import cpu_model
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
 from orchestrator.settings import Settings
@@ -134,7 +136,7 @@ def _measure(
         "abort_overshoot_s": [round(x, 4) for x in abort_overshoot],
         "deadline_overshoot_max_s": round(max(deadline_overshoot), 4),
         "abort_overshoot_max_s": round(max(abort_overshoot), 4),
-        "hardware": "see benchmarks/hardware.py; CI: 2-core AMD EPYC VM",
+        "hardware": f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch threads 1",
     }
     chaos_report.record(section, **figures)
     bound = step_s + UNWIND_S
