@@ -93,3 +93,35 @@ def test_newer_format_version_refuses_and_touches_nothing(tmp_path: Path) -> Non
     after = {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
     assert after == before
     assert not (root / "quarantine").exists()
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_newer_store_with_exit_1_and_touches_nothing(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from rocksdict import Options, Rdict
+
+    from tests.chaos.damaged_store_run import REPO_ROOT
+
+    write_store(tmp_path / "kv", seed=4, tenants=1, sessions=1)
+    db = Rdict(str(tmp_path / "kv" / "db"), Options(raw_mode=True))
+    db.put(b"V", b"kvresume-store-2")
+    db.close()
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    env = {**os.environ, "KVRESUME_TENANT_TOKENS": "acme=x", "KVRESUME_ADMIN_TOKEN": "y"}
+    argv = ["serve", "--data-dir", str(tmp_path), "--models", "a=random:v41-tiny@1", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "kvresume serve: error:" in done.stderr and "newer than this code's" in done.stderr
+    assert "Traceback" not in done.stderr
+    after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert after == before
