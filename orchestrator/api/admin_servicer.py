@@ -206,6 +206,9 @@ class AdminServicer:
     @unary_errors
     def Purge(self, request: Any, context: grpc.ServicerContext) -> Any:
         caller = self._ctx.auth.admin(context)
+        # Bounded before anything is looked up or audited (an audit record names the target).
+        for name in ("session_id", "tenant_id", "model", "model_tenant_id"):
+            check_name_length(name, getattr(request, name))
         target = request.WhichOneof("target")
         purger = self._ctx.purger
         if target == "session_id" and request.session_id:
@@ -235,6 +238,8 @@ class AdminServicer:
     @unary_errors
     def QueryAudit(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._ctx.auth.admin(context)
+        for name in ("tenant_id", "chain", "action"):
+            check_name_length(name, getattr(request, name))
         limit = request.limit or _DEFAULT_AUDIT_PAGE
         if limit > _MAX_AUDIT_PAGE:
             raise InvalidRequestError(f"limit={limit} exceeds {_MAX_AUDIT_PAGE}")
@@ -302,6 +307,7 @@ class AdminServicer:
     @unary_errors
     def GetStoreStats(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._ctx.auth.admin(context)
+        check_name_length("tenant_id", request.tenant_id)
         tenant = request.tenant_id or None
         with self._ctx.sessions() as s:
             totals = SegmentRepository(s).totals(tenant_id=tenant)

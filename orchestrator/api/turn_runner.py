@@ -126,7 +126,8 @@ def generation_spec(
         return GenerationSpec(
             max_new_tokens=max_new,
             temperature=temperature,
-            top_p=top_p if top_p > 0 else 1.0,
+            # 0 is proto3's "unset"; anything else (NaN, negative, > 1) reaches the validation.
+            top_p=top_p if top_p != 0 else 1.0,
             top_k=top_k,
             seed=seed,
             stop_token_ids=stop_token_ids,

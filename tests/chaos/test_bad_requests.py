@@ -176,6 +176,16 @@ def _catalogue(pb: Any, sid: str) -> list[tuple[str, str, Any]]:
     ]
 
 
+# What each catalogue entry must get, in order: tiny and huge temperatures sample; every out-of-range
+# float, id or count is refused with INVALID_ARGUMENT (or the limit's RESOURCE_EXHAUSTED, NOT_FOUND).
+_EXPECTED = [
+    "OK", "OK", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "OK", "OK",
+    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+]
+
+
 def _call(
     channel: grpc.Channel, pb: Any, service: str, method: str, request: Any, md: Any
 ) -> grpc.StatusCode:
@@ -226,12 +236,13 @@ def _run(tmp_path: Path, n_fuzzed: int, seed: int, chaos_report, section: str) -
         admin = (("authorization", f"Bearer {ADMIN}"),)
         codes: Counter[str] = Counter()
         bad: list[str] = []
-        for service, method, request in _catalogue(pb, sids[0]):
+        for (service, method, request), want in zip(_catalogue(pb, sids[0]), _EXPECTED, strict=True):
             md = admin if service == "Admin" else owner
             code = _call(node.channel, pb, service, method, request, md)
             codes[code.name] += 1
-            if code in _BAD_CODES:
-                bad.append(f"catalogue {service}.{method}: {code.name}")
+            if code in _BAD_CODES or code.name != want:
+                shown = str(request)[:120]
+                bad.append(f"catalogue {service}.{method} {shown!r}: {code.name}, expected {want}")
         callers = _callers()
         for service, method, request in _requests(pb, rng, fuzzer, n_fuzzed):
             # Mostly the caller the service expects, so that the checks behind authentication run.
