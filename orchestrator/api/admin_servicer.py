@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 
 _DEFAULT_AUDIT_PAGE = 100
 _MAX_AUDIT_PAGE = 10000
+_MAX_SQL_INT = (1 << 63) - 1
 # Region labels one residency policy may list (a policy is one row; labels are short names).
 _MAX_REGIONS = 64
 
@@ -240,6 +241,11 @@ class AdminServicer:
         self._ctx.auth.admin(context)
         for name in ("tenant_id", "chain", "action"):
             check_name_length(name, getattr(request, name))
+        # SQL integers are signed 64-bit: a larger uint64 would overflow in the query.
+        if request.after_seq > _MAX_SQL_INT:
+            raise InvalidRequestError(
+                f"after_seq={request.after_seq} exceeds {_MAX_SQL_INT}", field="after_seq"
+            )
         limit = request.limit or _DEFAULT_AUDIT_PAGE
         if limit > _MAX_AUDIT_PAGE:
             raise InvalidRequestError(f"limit={limit} exceeds {_MAX_AUDIT_PAGE}")

@@ -171,6 +171,7 @@ def _catalogue(pb: Any, sid: str) -> list[tuple[str, str, Any]]:
         ("Admin", "SetResidencyPolicy", a.ResidencyPolicy(tenant_id="acme", allowed_regions=["r"] * 10_000)),
         ("Admin", "QueryAudit", a.QueryAuditRequest(limit=(1 << 32) - 1)),
         ("Admin", "QueryAudit", a.QueryAuditRequest(action="x" * 100_000)),
+        ("Admin", "QueryAudit", a.QueryAuditRequest(tenant_id="acme", after_seq=(1 << 64) - 1)),
         ("Admin", "Purge", a.PurgeRequest(model="x" * 100_000)),
         ("Admin", "Purge", a.PurgeRequest()),
     ]
@@ -183,6 +184,7 @@ _EXPECTED = [
     "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
     "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
     "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    "INVALID_ARGUMENT",
 ]
 
 
@@ -291,5 +293,6 @@ def test_bad_requests_never_internal_and_health_stays_serving(tmp_path: Path, ch
 
 
 @pytest.mark.slow
-def test_many_fuzzed_requests(tmp_path: Path, chaos_report) -> None:
-    _run(tmp_path, n_fuzzed=3000, seed=1313, chaos_report=chaos_report, section="bad_requests_slow")
+@pytest.mark.parametrize("seed", [1313, 2626, 3939])
+def test_many_fuzzed_requests(tmp_path: Path, seed: int, chaos_report) -> None:
+    _run(tmp_path, n_fuzzed=3000, seed=seed, chaos_report=chaos_report, section=f"bad_requests_slow_{seed}")
