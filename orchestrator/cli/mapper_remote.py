@@ -70,7 +70,10 @@ def _remote_fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--tokens-file",
                      help="a JSON list of token-id lists on the server (instead of --corpus)")
     fit.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for the screens (2)")
-    fit.add_argument("--task-episodes", type=int, default=0, help="recall episodes for task retention (0)")
+    fit.add_argument("--task-episodes", type=int, default=0,
+                     help="recall episodes per distance bucket for the task retention (0: none; the "
+                          "library's default gate, min_retention_lower, refuses a mapper whose retention "
+                          "was not measured)")
     fit.add_argument("--gate-attn-cosine", type=float, help="gate: min mean attention cosine")
     fit.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL")
     fit.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall")
