@@ -51,12 +51,12 @@ def _field(err: grpc.RpcError) -> str:
     return ""
 
 
-def test_bad_policies_store_nothing_and_a_restart_succeeds(tmp_path: Path) -> None:
+def _scenario(tmp_path: Path, database_url: str | None) -> None:
     torch.set_num_threads(1)
     models = registry()
     key_file = tmp_path / "anchor.key"
     key_file.write_bytes(b"0123456789abcdef0123456789abcdef\n")
-    node = start_node(tmp_path, models, audit_anchor_key_file=key_file)
+    node = start_node(tmp_path, models, database_url=database_url, audit_anchor_key_file=key_file)
     try:
         pb, admin = node.pb, node.admin
         admin.SetRetentionPolicy(
@@ -113,10 +113,20 @@ def test_bad_policies_store_nothing_and_a_restart_succeeds(tmp_path: Path) -> No
     finally:
         node.stop()
 
-    again = start_node(tmp_path, models, audit_anchor_key_file=key_file)
+    again = start_node(tmp_path, models, database_url=database_url, audit_anchor_key_file=key_file)
     try:
         report = again.admin.VerifyAudit(again.pb.admin.VerifyAuditRequest(), metadata=admin_md())
         assert report.verdict == "ok" and report.ok, list(report.problems)
         assert report.HasField("store_chain") and report.store_chain.ok and report.anchors >= 3
     finally:
         again.stop()
+
+
+def test_bad_policies_store_nothing_and_a_restart_succeeds(tmp_path: Path) -> None:
+    _scenario(tmp_path, None)
+
+
+def test_bad_policies_store_nothing_and_a_restart_succeeds_postgres(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    _scenario(tmp_path, postgres_url)
