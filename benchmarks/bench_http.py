@@ -14,7 +14,7 @@ under a tenant of its own (no reuse across them). Refuses to report unless both 
 generate the same tokens on every turn (the HTTP answers re-rendered from the generated ids must continue
 exactly the history the gRPC session holds).
 
-Run: python -m benchmarks.bench_http [--turns 20] [--max-new-tokens 8] [--json PATH|-]
+Run: python -m benchmarks.bench_http [--turns 20] [--max-new-tokens 8] [--think-ms 50] [--json PATH|-]
 """
 
 from __future__ import annotations
@@ -189,7 +189,9 @@ def _serve(data_dir: Path, ports: Any, stop: Any) -> None:
     service.close()
 
 
-def bench(turns: int, max_new: int, data_dir: Path, seed: int = 3) -> dict[str, Any]:
+def bench(
+    turns: int, max_new: int, data_dir: Path, *, think_s: float = 0.05, seed: int = 3
+) -> dict[str, Any]:
     mp = multiprocessing.get_context("spawn")
     parent_end, child_end = mp.Pipe()
     stop = mp.Event()
@@ -229,11 +231,15 @@ def bench(turns: int, max_new: int, data_dir: Path, seed: int = 3) -> dict[str, 
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            time.sleep(think_s)
             g = _grpc_turn(stubs, channel, sid, ids[len(history) :], max_new)
+            time.sleep(think_s)
             h = _sse_turn(bare, f"{base}/chat/completions", TOKENS["http"], body)
+            time.sleep(think_s)
             kd = _sse_turn(
                 bare, f"{base}/chat/completions", TOKENS["keyed"], body | {"prompt_cache_key": "agent"}
             )
+            time.sleep(think_s)
             oa = _openai_turn(official, body)
             content = [i for i in g["out"] if i != END]
             answer = codec.decode(content)
@@ -277,7 +283,7 @@ def bench(turns: int, max_new: int, data_dir: Path, seed: int = 3) -> dict[str, 
     summary["http_over_grpc_overhead_ratio"] = (
         summary["http_overhead_ms_p50"] / summary["grpc_overhead_ms_p50"]
     )
-    return {"model": MODEL, "max_new_tokens": max_new, **summary, "turns": rows}
+    return {"model": MODEL, "max_new_tokens": max_new, "think_ms": 1e3 * think_s, **summary, "turns": rows}
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
@@ -289,6 +295,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--think-ms", type=float, default=50.0, help="pause before each request")
     add_json_flag(parser)
     args = parser.parse_args()
     if args.turns < 2:
@@ -298,7 +305,7 @@ def main() -> None:
     enter_numerics("portable", "benchmarks.bench_http", None)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_http_") as tmp:
-        result = bench(args.turns, args.max_new_tokens, Path(tmp))
+        result = bench(args.turns, args.max_new_tokens, Path(tmp), think_s=args.think_ms / 1e3)
     out = table_stream(args.json)
     print(
         f"one {args.turns}-turn agent session, {MODEL}, 1 thread; client TTFT and overhead (client - engine) "

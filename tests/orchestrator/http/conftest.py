@@ -62,8 +62,10 @@ class HttpNode:
         self.service.close()
 
 
-def start_http_node(data_dir: Path, **settings: Any) -> HttpNode:
-    registry = ModelRegistry({MODEL: ServedModelSpec(name=MODEL, checkpoint=REPO / "checkpoints" / MODEL)})
+def start_http_node(data_dir: Path, *, models: tuple[str, ...] = (MODEL,), **settings: Any) -> HttpNode:
+    registry = ModelRegistry(
+        {name: ServedModelSpec(name=name, checkpoint=REPO / "checkpoints" / name) for name in models}
+    )
     values: dict[str, Any] = dict(
         data_dir=data_dir,
         database_url=f"sqlite:///{data_dir / 'registry.sqlite3'}",
