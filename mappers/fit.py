@@ -53,6 +53,10 @@ class FitSpec:
             held-out batches to decide).
         mlp_context, mlp_hidden, mlp_epochs, mlp_embed, mlp_other_ratio: the fallback's features (previous
             entries, receiver token embeddings, the sender's sources of the other ratios) and training.
+        attention_weighted: weight every calibration and held-out row (ridge moments, the MLP's loss and
+            its R²) by how much the receiver's own attention reads that entry (`model.attention_mass`:
+            summed over heads, queries and the layers reading the source, divided by its batch mean),
+            plus `weight_floor` so no row counts for nothing. Task-free: no answer positions are used.
     """
 
     k: int | None = None
@@ -66,6 +70,8 @@ class FitSpec:
     mlp_epochs: int = 20
     mlp_embed: bool = True
     mlp_other_ratio: bool = True
+    attention_weighted: bool = False
+    weight_floor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
@@ -81,6 +87,8 @@ class FitSpec:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not (math.isfinite(self.part_gate_r2) and self.part_gate_r2 <= 1):
             raise ValueError(f"part_gate_r2 must be finite and <= 1, got {self.part_gate_r2}")
+        if not (math.isfinite(self.weight_floor) and self.weight_floor >= 0):
+            raise ValueError(f"weight_floor must be finite and >= 0, got {self.weight_floor}")
         if self.mlp_context < 0 or self.mlp_hidden < 1 or self.mlp_epochs < 1:
             raise ValueError(
                 f"mlp_context={self.mlp_context} must be >= 0, mlp_hidden={self.mlp_hidden} and "
@@ -111,14 +119,31 @@ class _Blocks:
             for split in ("train", "heldout")
         }
 
-    def add(self, split: str, cs: ContentKV, cr: ContentKV) -> None:
+    def add(self, split: str, cs: ContentKV, cr: ContentKV, weights: dict[int, torch.Tensor] | None = None):
+        """weights: ratio -> [B, n] row weights (None: unweighted)."""
         for m in self.receivers:
             for part in _PARTS:
                 x = torch.cat([cs.part(part)[s] for s in self.senders[m]], -1).flatten(0, 1)  # [B*n, S*D]
                 y = torch.cat([cr.part(part)[r] for r in self.receivers[m]], -1).flatten(0, 1)  # [B*n, R*D]
                 if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
                     raise FitError(f"non-finite captured {part} entries at ratio {m}")
-                self.stats[(m, part, split)].update(x, y)
+                w = None if weights is None else weights[m].flatten()
+                self.stats[(m, part, split)].update(x, y, w)
+
+
+def _row_weights(
+    spec: FitSpec, receiver_model: Transformer, tokens: torch.Tensor, receivers: dict[int, list[int]]
+) -> dict[int, torch.Tensor]:
+    """ratio -> [B, n] attention weights of one batch: the receiver's attention mass on each entry, summed
+    over the ratio's receiver sources, over its batch mean, plus the floor."""
+    from model import attention_mass
+
+    mass = attention_mass(receiver_model, tokens)
+    out = {}
+    for m, layers in receivers.items():
+        read = sum(mass[r] for r in layers)
+        out[m] = read / read.mean().clamp_min(1e-12) + spec.weight_floor
+    return out
 
 
 def _score(fit: RidgeMapper, train: MomentStats, heldout: MomentStats, xi, yi) -> float:
@@ -180,19 +205,25 @@ def _recompute_r2(
     return 1.0 - sse / max(sst, torch.finfo(torch.float64).tiny)
 
 
-def _pooled_r2(pred: torch.Tensor, y: torch.Tensor) -> float:
-    sse = float(((pred - y) ** 2).sum())
-    sst = float(((y - y.mean(0)) ** 2).sum())
+def _pooled_r2(pred: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> float:
+    """1 - SSE / SST over all columns; weighted by rows when `w` [N] is given."""
+    w = torch.ones(y.size(0)) if w is None else w.float()
+    mean = (w @ y) / w.sum()
+    sse = float((w.unsqueeze(1) * (pred - y) ** 2).sum())
+    sst = float((w.unsqueeze(1) * (y - mean) ** 2).sum())
     return 1.0 - sse / max(sst, torch.finfo(torch.float64).tiny)
 
 
 def _mlp_rows(
-    captures: list[tuple[ContentKV, ContentKV, torch.Tensor]], part: str, chosen: list[int], r: int, m: int,
-    feats: MlpFeatures, embed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ridge input x, features f, target y) rows of one part over captured batches, fp32 on the CPU."""
-    xs, fs, ys = [], [], []
-    for cs, cr, tokens in captures:
+    captures: list[tuple[ContentKV, ContentKV, torch.Tensor, dict | None]], part: str, chosen: list[int],
+    r: int, m: int, feats: MlpFeatures, embed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ridge input x, features f, target y, row weights or None) of one part over captured batches, fp32
+    on the CPU."""
+    xs, fs, ys, ws = [], [], [], []
+    for cs, cr, tokens, weights in captures:
+        if weights is not None:
+            ws.append(weights[m].flatten().float().cpu())
         own = [cs.part(part)[s] for s in chosen]
         n = own[0].size(1)
         others = {s: (cs.ratios[s], cs.kv[s]) for s in feats.other_layers}
@@ -200,7 +231,7 @@ def _mlp_rows(
         fs.append(build_features(own, others, feats, m, n, embed_rows=rows).flatten(0, 1).cpu())
         xs.append(torch.cat(own, -1).flatten(0, 1).float().cpu())
         ys.append(cr.part(part)[r].flatten(0, 1).float().cpu())
-    return torch.cat(xs), torch.cat(fs), torch.cat(ys)
+    return torch.cat(xs), torch.cat(fs), torch.cat(ys), torch.cat(ws) if ws else None
 
 
 def _fit_mlp_part(
@@ -214,12 +245,12 @@ def _fit_mlp_part(
     )
     embed = receiver_model.embed.weight
     coef, intercept = fit.coef_.float().cpu(), fit.intercept_.float().cpu()
-    x, f, y = _mlp_rows(train_caps, part, chosen, r, m, feats, embed)
+    x, f, y, w = _mlp_rows(train_caps, part, chosen, r, m, feats, embed)
     residual = y - (x @ coef.T + intercept)
-    arrays = fit_mlp_residual(f, residual, hidden=feats.hidden, epochs=spec.mlp_epochs)
-    xh, fh, yh = _mlp_rows(held_caps, part, chosen, r, m, feats, embed)
+    arrays = fit_mlp_residual(f, residual, hidden=feats.hidden, epochs=spec.mlp_epochs, weights=w)
+    xh, fh, yh, wh = _mlp_rows(held_caps, part, chosen, r, m, feats, embed)
     pred = mlp_predict(arrays | {"coef": coef, "intercept": intercept}, xh, fh)
-    return feats, arrays, _pooled_r2(pred, yh)
+    return feats, arrays, _pooled_r2(pred, yh, wh)
 
 
 @torch.no_grad()
@@ -275,16 +306,21 @@ def fit_mapper(
     # index "recompute" is scored on the held-out rows themselves (a nonlinear map: no moments suffice)
     held_captures: list[tuple[ContentKV, ContentKV]] = []
     # the mlp fallback trains on rows, not moments: keep every capture (and its tokens) when it may run
-    mlp_caps: dict[str, list[tuple[ContentKV, ContentKV, torch.Tensor]]] = {"train": [], "heldout": []}
+    mlp_caps: dict[str, list[tuple[ContentKV, ContentKV, torch.Tensor, dict | None]]] = {
+        "train": [], "heldout": [],
+    }
     for split, batches in (("train", token_batches), ("heldout", heldout_batches)):
         for tokens in batches:
             cs, _ = capture_content(sender_model, tokens)
             cr, _ = capture_content(receiver_model, tokens)
-            blocks.add(split, cs, cr)
+            weights = None
+            if spec.attention_weighted:
+                weights = _row_weights(spec, receiver_model, tokens, receivers)
+            blocks.add(split, cs, cr, weights)
             if split == "heldout" and spec.index_mode != "map":
                 held_captures.append((cs, cr))
             if spec.fallback == "mlp":
-                mlp_caps[split].append((cs, cr, tokens))
+                mlp_caps[split].append((cs, cr, tokens, weights))
     if spec.index_mode == "best" and not held_captures:
         raise ValueError("index_mode='best' compares on held-out rows: pass heldout_batches")
     if spec.fallback == "mlp" and not mlp_caps["heldout"]:

@@ -51,11 +51,14 @@ class MomentStats:
     def n_y(self) -> int:
         return self.mean_y.numel()
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Add rows x [N, P] and y [N, Q] (any float dtype; accumulated in fp32).
 
+        weights: optional [N] non-negative row weights: the moments become weighted ones (weighted means,
+        Σ w (x-x̄)ᵀ(x-x̄), ...) and `n` the total weight, so a ridge solve minimises Σ w ||y - Wx - b||².
+
         Raises:
-            ValueError: widths or row counts that do not match.
+            ValueError: widths or row counts that do not match, or negative / non-finite weights.
         """
         if x.ndim != 2 or y.ndim != 2 or x.size(0) != y.size(0):
             raise ValueError(
@@ -69,6 +72,18 @@ class MomentStats:
         if nb == 0:
             return
         xb, yb = x.to(self.cxx.device, torch.float32), y.to(self.cxx.device, torch.float32)
+        if weights is not None:
+            w = weights.to(self.cxx.device, torch.float32).reshape(-1)
+            if w.numel() != nb or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+                raise ValueError(f"weights must be {nb} finite values >= 0, got shape {list(weights.shape)}")
+            total = float(w.double().sum())
+            if total <= 0:
+                return
+            mx, my = (w @ xb) / total, (w @ yb) / total
+            xc, yc = xb - mx, yb - my
+            xw, yw = xc * w.unsqueeze(1), yc * w.unsqueeze(1)
+            self._merge(total, mx.double(), my.double(), xw.T @ xc, xw.T @ yc, (yw * yc).sum(0))
+            return
         mx, my = xb.mean(0), yb.mean(0)
         xc, yc = xb - mx, yb - my
         self._merge(nb, mx.double(), my.double(), xc.T @ xc, xc.T @ yc, (yc * yc).sum(0))  # [P,P] [P,Q] [Q]

@@ -117,11 +117,13 @@ __all__ = [
 # The training and quality-harness command lines (kvresume train / eval); imported last because
 # model.train builds on the modules above.
 from model.train.quality_report import add_eval_arguments, eval_from_args, family_recall_episodes  # noqa: E402
+from model.train.train_pass import attention_mass  # noqa: E402
 from model.train.trainer import add_train_arguments, train_from_args  # noqa: E402
 
 __all__ += [
     "add_eval_arguments",
     "add_train_arguments",
+    "attention_mass",
     "eval_from_args",
     "family_recall_episodes",
     "train_from_args",

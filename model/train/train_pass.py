@@ -102,6 +102,7 @@ def _evidence_loss(p_comp: torch.Tensor, sel: torch.Tensor, hints: torch.Tensor)
 def _attention(
     model: Transformer, i: int, x: torch.Tensor, shared: dict, mode: PassMode, losses: list,
     agreement: dict[int, float], hints: torch.Tensor | None = None, evidence: list | None = None,
+    mass: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Layer i's attention over the whole sequence: x [B, T, dim] -> [B, T, dim]."""
     cfg = model.cfg
@@ -175,6 +176,10 @@ def _attention(
     if comp is not None:
         p_comp = probs[..., t : t + comp.size(1)]  # [B, H, T, G]
         o = o + torch.einsum("bhtg,bgd->bthd", p_comp, comp)
+        if mass is not None:
+            src = cfg.kv_source_of(i)
+            read = p_comp.detach().float().sum((1, 2))  # [B, G]: what this layer's queries read per entry
+            mass[src] = mass[src] + read if src in mass else read
         if hints is not None and evidence is not None and hints.numel():
             ev = _evidence_loss(p_comp, sel, hints)
             if ev is not None:
@@ -199,7 +204,11 @@ def _attention(
 
 
 def train_pass(
-    model: Transformer, tokens: torch.Tensor, mode: PassMode, evidence_hints: torch.Tensor | None = None
+    model: Transformer,
+    tokens: torch.Tensor,
+    mode: PassMode,
+    evidence_hints: torch.Tensor | None = None,
+    attention_mass: dict[int, torch.Tensor] | None = None,
 ) -> TrainPassOutput:
     """Run every layer over `tokens` from position 0 (the reference prefill function), differentiably.
 
@@ -211,6 +220,9 @@ def train_pass(
             decoder's candidate-source layer (ratio 1, so entry = token position) should look to answer.
             The pass then returns the evidence-attention loss (`_evidence_loss`) of that layer: an
             auxiliary target for the retrieval the recall task needs, used only in training.
+        attention_mass: when given, filled with kv-source layer -> [B, G] fp32: the attention
+            probability every query of every layer reading that source puts on each compressed entry,
+            summed over heads, queries and layers (detached; mapper calibration weights).
 
     Returns:
         TrainPassOutput with hidden [B, T, dim].
@@ -237,7 +249,7 @@ def train_pass(
         attn_pre, attn_post, attn_comb = blk._mixes(h, blk.hc_attn_fn, blk.hc_attn_scale, blk.hc_attn_base)
         y = _attention(
             model, i, blk.attn_input(h, pre), shared, mode, losses, agreement,
-            evidence_hints if i == hint_layer else None, evidence,
+            evidence_hints if i == hint_layer else None, evidence, attention_mass,
         )
         h = expand(y, h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = blk._mixes(h, blk.hc_ffn_fn, blk.hc_ffn_scale, blk.hc_ffn_base)
@@ -247,6 +259,16 @@ def train_pass(
     distill = torch.stack(losses).mean() if losses else x.new_zeros((), dtype=torch.float32)
     ev = torch.stack(evidence).mean() if evidence else x.new_zeros((), dtype=torch.float32)
     return TrainPassOutput(hidden=x, distill=distill, index_agreement=agreement, evidence=ev)
+
+
+@torch.no_grad()
+def attention_mass(model: Transformer, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    """kv-source layer -> [B, T // ratio] fp32: how much attention every query puts on each compressed
+    entry (summed over heads, queries and the layers reading the source), in one pass with the served
+    selection and cache quantization (sparse top-k, QDQ). Task-free: it weighs the rows a model reads."""
+    mass: dict[int, torch.Tensor] = {}
+    train_pass(model, tokens, PassMode(sparse=True, qdq=True, distill=False), attention_mass=mass)
+    return mass
 
 
 def head_logits(model: Transformer, hidden: torch.Tensor) -> torch.Tensor:

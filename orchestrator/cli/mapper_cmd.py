@@ -292,7 +292,8 @@ def _run_fit(args: argparse.Namespace) -> int:
                 f"{fit_seqs} and the evaluation prompts the last {eval_seqs}; they would overlap"
             )
     spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode, fallback=args.fallback,
-                   part_gate_r2=args.part_gate_r2, mlp_epochs=args.mlp_epochs, mlp_hidden=args.mlp_hidden)
+                   part_gate_r2=args.part_gate_r2, mlp_epochs=args.mlp_epochs, mlp_hidden=args.mlp_hidden,
+                   mlp_context=args.mlp_context, attention_weighted=args.attention_weighted)
     with torch.inference_mode():
         mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
                             receiver_name=r_name, gate=_gate(args), calibration=_calibration(args))
@@ -458,8 +459,11 @@ def _fit_options(fit: argparse.ArgumentParser) -> None:
                      help="parts whose ridge fails the part gate: keep ridge, or try a residual MLP on "
                           "context features (kept when better on held-out rows)")
     fit.add_argument("--part-gate-r2", type=float, default=0.9, help="held-out R² a part's ridge must reach")
+    fit.add_argument("--attention-weighted", action="store_true",
+                     help="weight calibration rows by the receiver's own attention mass on each entry")
     fit.add_argument("--mlp-epochs", type=int, default=20, help="training epochs of an MLP part")
     fit.add_argument("--mlp-hidden", type=int, default=512, help="hidden width of an MLP part")
+    fit.add_argument("--mlp-context", type=int, default=2, help="previous entries an MLP part reads")
     _add_common(fit)
 
 
