@@ -62,7 +62,9 @@ class AuditDelivery:
         if not batch:
             return
         if self._on_audit is None:
-            self.ack_audit(batch)
+            # An offline store (hold_audit) leaves them for the consumer of the next open.
+            if not self._hold_audit:
+                self.ack_audit(batch)
             return
         try:
             self._on_audit(batch)

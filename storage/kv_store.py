@@ -120,6 +120,9 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             store lock (e.g. to mirror them into the service's authoritative SQL log). Returning
             acknowledges them; raising keeps them for the next delivery and for re-delivery when the
             store opens again (so the consumer must skip records it already holds).
+        hold_audit: without `on_audit`, keep every record unacknowledged (an offline tool's store:
+            the node's consumer receives them when it next opens the store) instead of acknowledging
+            them as delivered.
 
     Raises:
         StoreVersionError: the directory holds a store of a newer format (nothing was written).
@@ -135,10 +138,12 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         *,
         clock: Callable[[], float] = time.time,
         on_audit: Callable[[list[AuditRecord]], None] | None = None,
+        hold_audit: bool = False,
     ) -> None:
         self.config = config
         self._clock = clock
         self._on_audit = on_audit
+        self._hold_audit = hold_audit and on_audit is None
         self._lock = ReleaseHookLock()
         self._lock.on_release = self._after_release
         self._pending = threading.local()

@@ -47,12 +47,13 @@ def open_store(
     *,
     clock: Callable[[], float] = time.time,
     on_audit: Callable[[list[AuditRecord]], None] | None = None,
+    hold_audit: bool = False,
     actor: str = "storage",
 ) -> GlobalKVStore:
     """Open the store; if its database is damaged, quarantine it and open an empty one.
 
     The returned store's `quarantined_at_open` names the entry moved aside (None when none was), and
-    its `health()` reports `quarantined` until that copy is removed.
+    its `health()` reports `quarantined` until that copy is removed. `hold_audit`: see GlobalKVStore.
 
     Raises:
         StoreVersionError: the database is of a newer format; nothing was moved or written.
@@ -63,7 +64,7 @@ def open_store(
     refuse_newer_format(config)
     area = QuarantineArea(config.path)
     try:
-        store = GlobalKVStore(config, clock=clock, on_audit=on_audit)
+        store = GlobalKVStore(config, clock=clock, on_audit=on_audit, hold_audit=hold_audit)
         store.quarantined_at_open = None
         return store
     except StoreVersionError:
@@ -72,7 +73,7 @@ def open_store(
         entry = area.move_aside(
             config.db_path, config.checkpoint_dir, reason=_reason(exc, area).value, detail=str(exc)
         )
-    store = GlobalKVStore(config, clock=clock, on_audit=on_audit)
+    store = GlobalKVStore(config, clock=clock, on_audit=on_audit, hold_audit=hold_audit)
     store.record_quarantine(entry, actor=actor)
     store.quarantined_at_open = entry
     return store
@@ -220,7 +221,8 @@ def repair_store(config: StoreConfig, *, keep_quarantined: bool = False, actor: 
         StoreVersionError: a newer format; nothing was moved or written.
         StoreLockedError: a running node (or another process) has the store open; stop it first.
     """
-    store = open_store(config, actor=actor)
+    # Its records stay unacknowledged: the node mirrors them into SQL when it next opens the store.
+    store = open_store(config, hold_audit=True, actor=actor)
     try:
         removed: list[QuarantinedStore] = []
         if not keep_quarantined:

@@ -24,7 +24,9 @@ def _ids(seed: int, n: int) -> list[int]:
 def test_node_on_a_damaged_store_starts_degraded_and_serves_cold(tmp_path: Path, chaos_report) -> None:
     torch.set_num_threads(1)
     t0 = time.monotonic()
-    first = start_node(tmp_path, registry())
+    key = tmp_path / "anchor.key"
+    key.write_bytes(b"chaos-anchor-key-" * 3)
+    first = start_node(tmp_path, registry(), audit_anchor_key_file=key)
     try:
         assert health_status(first.channel, STORE) == "SERVING"
         sid = first.sessions.CreateSession(
@@ -36,7 +38,7 @@ def test_node_on_a_damaged_store_starts_degraded_and_serves_cold(tmp_path: Path,
         first.stop()
 
     what = DAMAGES["sst_bitflips"](tmp_path / "kv" / "db", random.Random(5))
-    second = start_node(tmp_path, registry())
+    second = start_node(tmp_path, registry(), audit_anchor_key_file=key)
     try:
         store = second.service.store
         assert store.quarantined_at_open is not None and store.stats().chunks == 0
@@ -50,6 +52,10 @@ def test_node_on_a_damaged_store_starts_degraded_and_serves_cold(tmp_path: Path,
         assert turn.path == "COLD_PREFILL"
         records = [r.action.value for r in store.audit.iter_records()]
         assert records[0] == "quarantine"
+        # The store's chain starts again; audit verify (both chains, their agreement, the anchors of
+        # the replaced store's chain) still holds.
+        report = second.service.ctx.audit_checker.verify()
+        assert report.verdict == "ok", report.problems
     finally:
         second.stop()
 
@@ -57,10 +63,12 @@ def test_node_on_a_damaged_store_starts_degraded_and_serves_cold(tmp_path: Path,
     repaired = repair_store(cfg, actor="admin:chaos")
     assert repaired.quarantined is None and len(repaired.removed) == 1
     assert check_store(cfg).healthy and check_store(cfg).quarantined == []
-    third = start_node(tmp_path, registry())
+    third = start_node(tmp_path, registry(), audit_anchor_key_file=key)
     try:
         assert health_status(third.channel, STORE) == "SERVING"
         assert run_turn(third, sid, _ids(3, 5)).path in ("GLOBAL_REPLAY", "FULL_HIT")
+        report = third.service.ctx.audit_checker.verify()
+        assert report.verdict == "ok", report.problems
     finally:
         third.stop()
     chaos_report.record(
