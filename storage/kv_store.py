@@ -125,10 +125,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             them as delivered.
 
     Raises:
-        StoreVersionError: the directory holds a store of a newer format (nothing was written).
+        StoreVersionError: the directory holds a store of a newer format (no entry was written).
         StoreFormatError: the directory holds data without a store format mark.
         StoreDamagedError: the database cannot be read whole or an entry of ours does not decode;
-            nothing was written (`store_open.open_store` quarantines it and opens an empty store).
+            no entry was written (`store_open.open_store` quarantines it and opens an empty store).
         StoreLockedError: another process or store object has the database open.
     """
 
@@ -186,7 +186,9 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         log.info("store_opened", path=config.path, **self.recovery.__dict__)
 
     def _open_db(self, *, redeliver: bool = True) -> None:
-        """Open the database and recover the index from it, or raise without writing anything.
+        """Open the database and recover the index from it, or raise without writing any entry
+        (RocksDB's own open may still rotate its MANIFEST and LOG; `store_open.refuse_newer_format`
+        checks the format read-only first).
 
         Raises:
             StoreVersionError: a newer store format (never opened, never quarantined).
