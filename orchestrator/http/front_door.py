@@ -27,6 +27,7 @@ from orchestrator.chat import END, EOS, AnswerRecord, ChatMessage, ChatTemplate,
 from orchestrator.http.schemas import ChatCompletionRequest, CompletionRequest
 from orchestrator.http.session_map import ForgettingPurger, SessionKeys, continued_session
 from orchestrator.http.spare_sessions import SpareSessions
+from orchestrator.http.token_cache import TokenCache
 
 __all__ = ["FrontDoor", "PreparedTurn"]
 
@@ -66,10 +67,11 @@ class FrontDoor:
             max_workers=workers or ctx.settings.grpc_workers, thread_name_prefix="kvresume-http"
         )
         self.spares = SpareSessions(ctx, self.executor)
+        self.tokens = TokenCache()
         # Purges through either API clear this front door's tenant data too.
         if not isinstance(ctx.purger, ForgettingPurger):
             ctx.purger = ForgettingPurger(  # type: ignore[assignment]
-                ctx.purger, answers=self.answers, keys=self.keys, spares=self.spares
+                ctx.purger, answers=self.answers, keys=self.keys, spares=self.spares, tokens=self.tokens
             )
 
     def close(self) -> None:
@@ -148,7 +150,7 @@ class FrontDoor:
         """
         self._check_model(body.model)
         template = ChatTemplate(
-            encode=lambda text: self._encode(body.model, text),
+            encode=self.tokens.encoder(tenant, body.model, lambda text: self._encode(body.model, text)),
             generated_ids=lambda text: self.answers.lookup(tenant=tenant, text=text),
         )
         ids = template.render(self._messages(body), body.tools or ())

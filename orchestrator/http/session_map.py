@@ -19,6 +19,7 @@ from orchestrator.chat import AnswerRecord
 from orchestrator.db import SessionRepository
 from orchestrator.db.models import SessionStatus
 from orchestrator.http.spare_sessions import SpareSessions
+from orchestrator.http.token_cache import TokenCache
 
 __all__ = ["ForgettingPurger", "SessionKeys", "SessionTarget", "continued_session"]
 
@@ -100,15 +101,22 @@ def continued_session(
 
 class ForgettingPurger:
     """The context's purger, also clearing the HTTP front door's tenant data (answer record, key map, spare
-    sessions) of what a purge removes; every other attribute is the wrapped purger's."""
+    sessions, token cache) of what a purge removes; every other attribute is the wrapped purger's."""
 
     def __init__(
-        self, inner: Any, *, answers: AnswerRecord, keys: SessionKeys, spares: SpareSessions
+        self,
+        inner: Any,
+        *,
+        answers: AnswerRecord,
+        keys: SessionKeys,
+        spares: SpareSessions,
+        tokens: TokenCache,
     ) -> None:
         self._inner = inner
         self._answers = answers
         self._keys = keys
         self._spares = spares
+        self._tokens = tokens
 
     def purge_session(self, session_id: str, *, tenant_id: str | None, actor: str, reason: str) -> Any:
         outcome = self._inner.purge_session(session_id, tenant_id=tenant_id, actor=actor, reason=reason)
@@ -116,6 +124,7 @@ class ForgettingPurger:
             self._answers.forget_session(session_id, tenant=tenant_id)
             self._keys.forget_session(session_id)
             self._spares.forget_session(session_id)
+            self._tokens.forget_tenant(tenant_id)
         return outcome
 
     def purge_tenant(self, tenant_id: str, *, actor: str, reason: str) -> Any:
@@ -123,6 +132,7 @@ class ForgettingPurger:
         self._answers.forget_tenant(tenant_id)
         self._keys.forget_tenant(tenant_id)
         self._spares.forget_tenant(tenant_id)
+        self._tokens.forget_tenant(tenant_id)
         return outcome
 
     def __getattr__(self, name: str) -> Any:
