@@ -68,6 +68,9 @@ class Settings:
     max_sessions_per_tenant: int = 10000
     pool_budget_bytes: int = field(default_factory=_default_pool_budget)
     pool_ttl_s: float = 600.0
+    # Decoded global KV kept beside pool entries so a full hit skips dequantizing the history
+    # (orchestrator/engine/decoded_states.py); 0 disables it.
+    decoded_state_budget_bytes: int = 256 * _MIB
     retention_floor_s: float = 72 * 3600.0
     retention_ceiling_s: float = 30 * 24 * 3600.0
     calibration_file: Path | None = None
@@ -151,6 +154,10 @@ class Settings:
             raise ValueError(f"orphan_grace_s={self.orphan_grace_s} must be finite and >= 0")
         if not (math.isfinite(self.audit_anchor_interval_s) and self.audit_anchor_interval_s > 0):
             raise ValueError(f"audit_anchor_interval_s={self.audit_anchor_interval_s} must be finite and > 0")
+        if self.decoded_state_budget_bytes < 0:
+            raise ValueError(
+                f"decoded_state_budget_bytes={self.decoded_state_budget_bytes} must be >= 0 (0 disables)"
+            )
         if self.pool_ttl_s <= 0:
             raise ValueError(f"pool_ttl_s={self.pool_ttl_s} must be positive")
         if self.retention_floor_s < 0 or self.retention_ceiling_s <= 0:
@@ -220,6 +227,7 @@ _INT_FIELDS = {
     "max_new_tokens",
     "max_sessions_per_tenant",
     "pool_budget_bytes",
+    "decoded_state_budget_bytes",
     "grpc_workers",
     "kv_chunk_tokens",
     "kv_capacity_bytes",

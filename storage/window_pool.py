@@ -107,7 +107,18 @@ class WindowPool:
         self._content: dict[tuple[str, str], ContentKey] = {}
         self._index = PrefixIndex()
         self._bytes = 0
+        self._drop_listeners: list[Callable[[str, str, bytes], None]] = []
         self._hits = self._absent = self._expired_misses = self._evicted = self._expired = self._refused = 0
+
+    def on_drop(self, listener: Callable[[str, str, bytes], None]) -> None:
+        """Call `listener(tenant, session, value)` whenever an entry leaves the pool (replaced by a put,
+        discarded, expired, evicted): state derived from that value (the engine's decoded states) goes
+        with it.
+
+        The listener runs under the pool's lock, so it must not call the pool (take only its own lock).
+        """
+        with self._lock:
+            self._drop_listeners.append(listener)
 
     def put(self, tenant: str, session: str, value: bytes, *, content: ContentKey | None = None) -> PoolPut:
         """Store (replace) a session's window state; evicts least recently used entries to fit.
@@ -252,6 +263,8 @@ class WindowPool:
         content = self._content.pop(key, None)
         if content is not None:
             self._index.remove(key[0], key[1], content)
+        for listener in self._drop_listeners:
+            listener(key[0], key[1], entry[0])
         return True
 
     def _sweep(self, now: float) -> int:

@@ -150,6 +150,16 @@ class ServiceMetrics:
             "kvresume_pool_budget_bytes", "Byte budget of the window pool", registry=r
         )
         self.pool_entries = Gauge("kvresume_pool_entries", "Sessions with windows in the pool", registry=r)
+        self.decoded_state_lookups = Counter(
+            "kvresume_decoded_state_lookups",
+            "Full-hit candidates by whether kept decoded KV filled the state (hit) or the chunks were "
+            "imported (miss)",
+            ["result"],
+            registry=r,
+        )
+        self.decoded_state_bytes = Gauge(
+            "kvresume_decoded_state_bytes", "Bytes of decoded global KV kept beside pool entries", registry=r
+        )
         self.running_turns = Gauge("kvresume_running_turns", "Turns running now", registry=r)
         self.ttft = Histogram(
             "kvresume_ttft_seconds",

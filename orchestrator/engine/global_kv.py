@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.db.models import CacheSegment
+from orchestrator.engine.decoded_states import DecodedSources
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
 from orchestrator.engine.pool_entry import chunks_digest_of
 from orchestrator.engine.served_models import ServedModel
@@ -37,6 +38,7 @@ class StoredPrefix:
             a `ModelState` under `TorchCompute`.
         blobs: the verified chunk payloads in order (what a mapper reads on a model swap).
         miss_reason: why the prefix stops before the end of the history (None when it covers it all).
+        decoded: whether the state was filled from kept decoded KV instead of importing the chunks.
     """
 
     model: str
@@ -46,6 +48,7 @@ class StoredPrefix:
     ranges: list[tuple[int, int]] = field(default_factory=list)
     miss_reason: str | None = None
     lookup_result: str = "miss"
+    decoded: bool = False
     _hashes: list[bytes] | None = field(default=None, repr=False)
 
     def payload_hashes(self) -> list[bytes]:
@@ -75,6 +78,7 @@ def read_prefix(
     served: ServedModel,
     history: Sequence[int],
     compute: ModelCompute | None = None,
+    decoded: DecodedSources | None = None,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
@@ -84,6 +88,9 @@ def read_prefix(
             sink (outside the store lock, after its sync), so an SQL transaction held across it could
             wait on itself.
         compute: the model operations (default: the real model).
+        decoded: the decoded global KV a window pool entry of this history was kept with
+            (`decoded_states.py`): when the verified chunks read here are exactly the ones it decodes
+            (same ranges, same payload digests), it fills the state instead of dequantizing them.
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
@@ -120,8 +127,18 @@ def read_prefix(
             break
         blobs.append(payload)
         ranges.append((start, end))
-    # one import of every named chunk: linear in the history (chunk by chunk would be quadratic)
-    appended, error = import_chunks(compute, served, state, blobs)
+    hashes: list[bytes] | None = None
+    used_decoded = False
+    if decoded is not None:
+        hashes = [hashlib.sha256(b).digest() for b in blobs]
+        used_decoded = decoded.matches(ranges, hashes)
+    if used_decoded:
+        assert decoded is not None
+        decoded.fill(state)
+        appended, error = len(blobs), None
+    else:
+        # one import of every named chunk: linear in the history (chunk by chunk would be quadratic)
+        appended, error = import_chunks(compute, served, state, blobs)
     if error is not None:
         miss_reason = f"stored chunk at token {ranges[appended][0]} failed the cache format check ({error})"
         del blobs[appended:], ranges[appended:]
@@ -141,6 +158,8 @@ def read_prefix(
         ranges=ranges,
         miss_reason=miss_reason,
         lookup_result=result,
+        decoded=used_decoded,
+        _hashes=hashes if hashes is not None and len(hashes) == len(blobs) else None,
     )
 
 

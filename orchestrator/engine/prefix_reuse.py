@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from model import CacheFormatError
+from orchestrator.engine.decoded_states import DecodedSources, DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_compute import ModelCompute
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
@@ -99,20 +100,33 @@ def find_reuse(
     history: Sequence[int],
     new_tokens: Sequence[int],
     last_model: str | None,
+    decoded: DecodedStates | None = None,
 ) -> ContentReuse:
     """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
 
     Args:
         registry: makes a read session of the registry (see `read_prefix`: opened after store calls).
         history, new_tokens: the session's history and this turn's tokens (> 0 of them).
+        decoded: decoded global KV kept beside pool entries: the one kept with the pooled windows found
+            fills the state instead of an import when the stored chunks are exactly its bytes.
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
-    prefix = read_prefix(store, registry, tenant=tenant, served=served, history=probe, compute=compute)
     match = pool.find_prefix(tenant, served.fingerprint_hex, probe) if probe else None
+    memo = None
+    if decoded is not None and match is not None:
+        memo = decoded.get(tenant, match.session, fingerprint=served.fingerprint, pool_value=match.value)
+    prefix = read_prefix(
+        store, registry, tenant=tenant, served=served, history=probe, compute=compute, decoded=memo
+    )
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:
-        reuse = _verified(store, registry, compute, reuse, match.session, match.value, tenant, served, prompt)
+        reuse = _verified(
+            store, registry, compute, reuse, match.session, match.value, tenant, served, prompt, memo
+        )
+        if decoded is not None:
+            exact = reuse.pooled_prefix
+            decoded.record(hit=exact is not None and exact.decoded)
     if reuse.pooled is not None:
         reuse.pooled = dataclasses.replace(reuse.pooled, own=reuse.source_session == session_id)
     if reuse.pooled is not None and reuse.pooled.own and reuse.pooled.n_tokens == len(history):
@@ -132,6 +146,7 @@ def _verified(
     tenant: str,
     served: ServedModel,
     prompt: list[int],
+    memo: DecodedSources | None = None,
 ) -> ContentReuse:
     """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
     envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
@@ -153,7 +168,7 @@ def _verified(
     else:
         # the longest prefix runs past n through a full chunk: read exactly [0, n) (the source's tail)
         exact = read_prefix(
-            store, registry, tenant=tenant, served=served, history=prompt[:n], compute=compute
+            store, registry, tenant=tenant, served=served, history=prompt[:n], compute=compute, decoded=memo
         )
         if exact.n_tokens != n or exact.state is None:
             return reuse

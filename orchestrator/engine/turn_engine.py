@@ -49,6 +49,7 @@ from orchestrator.db.models import (
     TurnStatus,
     tokens_to_blob,
 )
+from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import link_segments, persist_chunks
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.pool_entry import pack_pool_entry
@@ -124,6 +125,8 @@ class TurnEngine:
         scheduler: how this turn's forward passes share the model with other sessions' (default: the
             serial scheduler over `compute`).
         compute: the model operations (default `TorchCompute`: the real model).
+        decoded: decoded global KV kept beside pool entries (default: one of the settings'
+            `decoded_state_budget_bytes`, owned by `pool`; `decoded_states.py`).
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class TurnEngine:
         prefill_chunk_tokens: int = 1024,
         compute: ModelCompute | None = None,
         scheduler: TurnScheduler | None = None,
+        decoded: DecodedStates | None = None,
     ) -> None:
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
@@ -154,6 +158,11 @@ class TurnEngine:
         self.scheduler = scheduler if scheduler is not None else SerialScheduler(self.compute)
         if self.scheduler.chunk_tokens is not None:
             self._chunk = min(self._chunk, self.scheduler.chunk_tokens)
+        self.decoded = (
+            decoded
+            if decoded is not None
+            else DecodedStates(ctx.settings.decoded_state_budget_bytes, pool=pool, metrics=ctx.metrics)
+        )
         self._prep = TurnPreparation(
             ctx=ctx,
             registry=registry,
@@ -162,6 +171,7 @@ class TurnEngine:
             costs=self.costs,
             mappers=self.mappers,
             compute=self.compute,
+            decoded=self.decoded,
         )
 
     @staticmethod
@@ -383,7 +393,17 @@ class TurnEngine:
                 # Indexed by content: a later prompt of the tenant that starts with this history (another
                 # session's too: a stateless client resending the conversation) continues from here.
                 content = ContentKey.of(served.fingerprint_hex, full)
-                self.pool.put(f.tenant_id, f.session_id, entry, content=content)
+                # Kept beside the pool entry it belongs to (before its put, which drops the previous one).
+                self.decoded.put(
+                    f.tenant_id,
+                    f.session_id,
+                    state,
+                    fingerprint=served.fingerprint,
+                    chunks=outcome.chunks,
+                    pool_value=entry,
+                )
+                if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
+                    self.decoded.discard(f.tenant_id, f.session_id)
             yield TurnStatsEvent(
                 turn_index=index,
                 ttft_s=ttft,

@@ -27,6 +27,7 @@ from orchestrator.db import (
     session_view,
 )
 from orchestrator.db.models import SessionStatus
+from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_catalog import served_or_not_found
 from orchestrator.engine.model_compute import ModelCompute
@@ -90,8 +91,10 @@ class TurnPreparation:
         costs: CostTable,
         mappers: KVMapperApplier,
         compute: ModelCompute,
+        decoded: DecodedStates | None = None,
     ) -> None:
         self._ctx = ctx
+        self.decoded = decoded
         self.registry = registry
         self.store = store
         self.pool = pool
@@ -258,6 +261,7 @@ class TurnPreparation:
             history=history,
             new_tokens=new_tokens,
             last_model=last,
+            decoded=self.decoded,
         )
         prefix = reuse.prefix
         if foreign and prefix.n_tokens < len(history):

@@ -1,0 +1,205 @@
+"""DecodedStates: the decoded global KV kept beside pool entries.
+
+The fast path (fill a fresh state from a turn end's kept tensors) against its slow twin (import the
+chunks that turn end stored), tensor for tensor on fresh random histories of a seeded v41-tiny (ratios 2
+and 1, so open compression groups and a partial tail chunk occur), after prefill chunks and decode steps
+(whose appends write into shared buffers). Then the LRU byte budget, and ownership by a real window pool:
+every way the pool drops an entry drops the decoded state, and a get never returns state kept beside
+another value, another fingerprint or another tenant.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model import ModelState, decode, export_global, import_global_chunks, prefill
+from orchestrator.engine import ModelRegistry, ServedModelSpec
+from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates
+from orchestrator.engine.global_kv import chunk_ranges
+from orchestrator.engine.pool_entry import chunks_digest
+from storage import PoolConfig, WindowPool
+
+CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.set_num_threads(1)
+    reg = ModelRegistry({"a": ServedModelSpec(name="a", config="v41-tiny", seed=3)})
+    s = reg.get("a")
+    assert s is not None
+    return s
+
+
+def _sealed(served, state: ModelState, tokens: list[int]) -> ModelState:
+    """The import path's finishing steps (TorchCompute.seal_prefix)."""
+    state.tokens = torch.tensor([tokens], dtype=torch.int64)
+    state.drop_windows(range(served.model.cfg.n_layers))
+    state.drop_encoder_rows()
+    return state
+
+
+def _run(served, tokens: list[int], decode_steps: int, rng: random.Random) -> ModelState:
+    """A live state over `tokens`: prefill in random-sized chunks, then decode steps of random ids."""
+    model = served.model
+    state = None
+    pos = 0
+    prompt = tokens[: len(tokens) - decode_steps]
+    with torch.inference_mode():
+        while pos < len(prompt):
+            end = min(len(prompt), pos + rng.randrange(7, 90))
+            out = prefill(model, torch.tensor([prompt[pos:end]]), state, mode="ced", prompt_end=len(prompt))
+            state, pos = out.state, end
+        for t in tokens[len(prompt) :]:
+            state = decode(model, torch.tensor([t]), state).state
+    assert state is not None and state.n_tokens == len(tokens)
+    return state
+
+
+def _assert_states_equal(a: ModelState, b: ModelState) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.sources.keys() == b.sources.keys()
+    for layer in a.sources:
+        sa, sb = a.sources[layer], b.sources[layer]
+        assert sa.ratio == sb.ratio
+        for name in (*SOURCE_FIELDS, "carry_kv", "carry_score"):
+            ta, tb = getattr(sa, name), getattr(sb, name)
+            if ta is None or tb is None:
+                assert ta is None and tb is None, (layer, name)
+                continue
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape, (layer, name)
+            assert torch.equal(ta, tb), (layer, name)
+    for name in ("windows", "window_codes", "window_scales"):
+        for ta, tb in zip(getattr(a, name), getattr(b, name), strict=True):
+            assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), name
+    assert a.window_from == b.window_from and a.enc_from == b.enc_from and a.extra == b.extra
+    for name in ("enc_lanes", "enc_pre"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        assert (ta is None) == (tb is None) and (ta is None or torch.equal(ta, tb)), name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randrange(40, 260)
+    tokens = [rng.randrange(0, served.vocab_size) for _ in range(n)]
+    live = _run(served, tokens, decode_steps=rng.randrange(1, 12), rng=rng)
+    ranges = chunk_ranges(n, CHUNK)
+    blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
+    digest = chunks_digest(ranges, blobs)
+    kept = DecodedSources.of(live, fingerprint=served.fingerprint, chunks=digest)
+    # the live state continues (its appends write past the kept views into the same buffers)
+    with torch.inference_mode():
+        decode(served.model, torch.tensor([5]), live.clone())
+
+    slow = served.model.new_state(1)
+    done = import_global_chunks(slow, blobs, fingerprint=served.fingerprint)
+    assert done.failure is None and done.end == n
+    fast = served.model.new_state(1)
+    import hashlib
+
+    assert kept.matches(ranges, [hashlib.sha256(b).digest() for b in blobs])
+    kept.fill(fast)
+    _assert_states_equal(_sealed(served, fast, tokens), _sealed(served, slow, tokens))
+
+
+def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
+    import hashlib
+
+    rng = random.Random(7)
+    tokens = [rng.randrange(0, served.vocab_size) for _ in range(100)]
+    live = _run(served, tokens, decode_steps=2, rng=rng)
+    ranges = chunk_ranges(100, CHUNK)
+    blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
+    hashes = [hashlib.sha256(b).digest() for b in blobs]
+    kept = DecodedSources.of(live, fingerprint=served.fingerprint, chunks=chunks_digest(ranges, blobs))
+    assert kept.matches(ranges, hashes)
+    assert not kept.matches(ranges[:-1], hashes[:-1])  # a shorter prefix (tail expired or purged)
+    other = list(hashes)
+    other[1] = hashlib.sha256(b"another writer's bytes").digest()
+    assert not kept.matches(ranges, other)
+    assert not kept.matches([], [])
+    with pytest.raises(ValueError, match="not a fresh state"):
+        kept.fill(live.clone())
+
+
+def _fake_state(served, n: int, seed: int) -> ModelState:
+    rng = random.Random(seed)
+    return _run(served, [rng.randrange(0, served.vocab_size) for _ in range(n)], decode_steps=1, rng=rng)
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lru_byte_budget_and_disabled(served) -> None:
+    states = [_fake_state(served, 64, s) for s in range(3)]
+    size = DecodedSources.of(states[0], fingerprint=served.fingerprint, chunks=b"\0" * 32).nbytes
+    assert size > 0
+    cache = DecodedStates(2 * size + size // 2)
+    for i, st in enumerate(states):
+        assert cache.put("t", f"s{i}", st, fingerprint=served.fingerprint, chunks=b"\0" * 32, pool_value=b"v")
+        if i == 1:
+            # s0 used: s1 becomes the least recently used
+            assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
+    stats = cache.stats()
+    assert stats.entries == 2 and stats.evicted == 1 and stats.bytes_used <= stats.budget_bytes
+    assert cache.get("t", "s1", fingerprint=served.fingerprint, pool_value=b"v") is None
+    assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
+    small = DecodedStates(size - 1)
+    assert not small.put("t", "s", states[0], fingerprint=served.fingerprint, chunks=b"", pool_value=b"v")
+    off = DecodedStates(0)
+    assert not off.enabled
+    assert not off.put("t", "s", states[0], fingerprint=served.fingerprint, chunks=b"", pool_value=b"v")
+    assert off.get("t", "s", fingerprint=served.fingerprint, pool_value=b"v") is None
+    with pytest.raises(ValueError, match="decoded_state_budget_bytes=-1"):
+        DecodedStates(-1)
+
+
+def test_the_pool_owns_it(served) -> None:
+    clock = _Clock()
+    pool = WindowPool(PoolConfig(budget_bytes=1000, ttl_s=60.0), clock=clock)
+    cache = DecodedStates(1 << 30, pool=pool)
+    st = _fake_state(served, 40, 1)
+    fp = served.fingerprint
+
+    def keep(tenant: str, session: str, value: bytes) -> None:
+        # the engine's order: decoded first, then the pool put that drops the previous value
+        assert cache.put(tenant, session, st, fingerprint=fp, chunks=b"c" * 32, pool_value=value)
+        assert pool.put(tenant, session, value).stored
+
+    def held(tenant: str, session: str, value: bytes) -> bool:
+        return cache.get(tenant, session, fingerprint=fp, pool_value=value) is not None
+
+    keep("t", "a", b"v1")
+    assert held("t", "a", b"v1")
+    assert not held("t", "a", b"v2")  # the pool's value is another one: a miss
+    assert not held("u", "a", b"v1")  # another tenant's session of the same id
+    assert cache.get("t", "a", fingerprint=b"x" * 32, pool_value=b"v1") is None  # another fingerprint
+    keep("t", "a", b"v2")  # the next turn end: the replaced value's state goes, the new one stays
+    assert held("t", "a", b"v2") and cache.stats().entries == 1
+    pool.discard("t", "a")  # session purge
+    assert cache.stats().entries == 0
+    keep("t", "a", b"v1")
+    keep("t", "b", b"v1")
+    keep("u", "a", b"v1")
+    pool.discard_tenant("t")  # tenant purge / residency
+    assert cache.stats().entries == 1 and held("u", "a", b"v1")
+    clock.now += 61.0
+    pool.sweep()  # TTL
+    assert cache.stats().entries == 0 and cache.stats().bytes_used == 0
+    keep("t", "a", b"x" * 600)
+    keep("t", "b", b"y" * 600)  # the pool evicts a's entry to fit its budget
+    assert not held("t", "a", b"x" * 600) and held("t", "b", b"y" * 600)
+    assert cache.stats().entries == 1
+    # a pool put refused (over the pool's budget): the engine discards what it kept first
+    assert cache.put("t", "c", st, fingerprint=fp, chunks=b"c" * 32, pool_value=b"z" * 2000)
+    if not pool.put("t", "c", b"z" * 2000).stored:
+        cache.discard("t", "c")
+    assert cache.stats().entries == 1

@@ -1,0 +1,151 @@
+"""Decoded global KV kept beside pool entries, over real gRPC on loopback, a SQLite registry file and a
+RocksDB store, with the trained v41-sib-s (W = 16, ratios 2/1; chunks of 32 tokens).
+
+Narrations: the same turns on a node keeping decoded states and on one with the budget 0 (the import
+path, the slow twin) give the same tokens, the same pooled windows and the same stored chunk bytes, the
+full hits of the first served from kept state (hits counted, bytes gauged); the state a full hit starts
+from is tensor for tensor the imported one; a purge, a pool expiry or another tenant never reaches kept
+state.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.engine import ModelRegistry, ServedModelSpec, repo_root
+from orchestrator.engine.prefix_reuse import find_reuse
+from tests.orchestrator.engine.node_harness import POOL_TTL_S, admin_md, md, run_turn, start_node
+from tests.orchestrator.engine.test_decoded_states import _assert_states_equal
+
+MODEL = "v41-sib-s"
+
+
+@pytest.fixture(scope="module")
+def models() -> ModelRegistry:
+    ckpt = repo_root() / "checkpoints" / MODEL
+    if not (ckpt / "model.safetensors").is_file():
+        pytest.skip(f"{ckpt} is not shipped in this checkout")
+    torch.set_num_threads(1)
+    return ModelRegistry({MODEL: ServedModelSpec(name=MODEL, checkpoint=ckpt)})
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 4096) for _ in range(n)]
+
+
+def _new_session(node, tenant: str = "acme") -> str:
+    pb = node.pb
+    created = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model=MODEL), metadata=md(tenant))
+    return created.session.session_id
+
+
+def _lookups(node, result: str) -> float:
+    value = node.service.ctx.metrics.registry.get_sample_value(
+        "kvresume_decoded_state_lookups_total", {"result": result}
+    )
+    return value or 0.0
+
+
+def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
+    fp = models.get(MODEL).fingerprint_hex
+    rng = random.Random(11)
+    parts = [_ids(rng, 150)] + [_ids(rng, rng.randrange(5, 40)) for _ in range(4)]
+    on = start_node(tmp_path / "on", models)
+    off = start_node(tmp_path / "off", models, decoded_state_budget_bytes=0)
+    try:
+        assert on.service.engine.decoded.enabled and not off.service.engine.decoded.enabled
+        s_on, s_off = _new_session(on), _new_session(off)
+        history: list[int] = []
+        for k, part in enumerate(parts):
+            a = run_turn(on, s_on, part, max_new=4)
+            b = run_turn(off, s_off, part, max_new=4)
+            assert a.path == b.path == ("COLD_PREFILL" if k == 0 else "FULL_HIT"), a.plan.reason
+            assert a.tokens == b.tokens
+            history += part + a.tokens
+            assert on.service.pool.get("acme", s_on) == off.service.pool.get("acme", s_off)
+            stored = on.service.store.longest_valid_prefix("acme", fp, history).payloads
+            assert stored and stored == off.service.store.longest_valid_prefix("acme", fp, history).payloads
+        assert _lookups(on, "hit") == len(parts) - 1 and _lookups(on, "miss") == 0
+        assert off.service.engine.decoded.stats().hits == 0
+        kept = on.service.engine.decoded.stats()
+        assert kept.entries == 1 and kept.bytes_used > 0
+        assert (
+            on.service.ctx.metrics.registry.get_sample_value("kvresume_decoded_state_bytes")
+            == kept.bytes_used
+        )
+
+        # the state the next full hit starts from: kept (fast) against imported (slow), on the same node
+        engine = on.service.engine
+        served = engine.registry.get(MODEL)
+        nxt = _ids(rng, 9)
+
+        def reuse(decoded):
+            return find_reuse(
+                engine.store,
+                engine.pool,
+                on.service.ctx.sessions,
+                engine.compute,
+                tenant="acme",
+                session_id=s_on,
+                served=served,
+                history=history,
+                new_tokens=nxt,
+                last_model=MODEL,
+                decoded=decoded,
+            )
+
+        fast, slow = reuse(engine.decoded), reuse(None)
+        assert fast.pooled_prefix is not None and fast.pooled_prefix.decoded
+        assert slow.pooled_prefix is not None and not slow.pooled_prefix.decoded
+        assert fast.pooled_prefix.blobs == slow.pooled_prefix.blobs
+        _assert_states_equal(fast.full_hit_state, slow.full_hit_state)
+        _assert_states_equal(fast.prefix.state, slow.prefix.state)
+    finally:
+        on.stop()
+        off.stop()
+
+
+def test_purge_expiry_and_other_tenants_never_reach_kept_state(tmp_path: Path, models) -> None:
+    rng = random.Random(12)
+    node = start_node(tmp_path, models)
+    pb = node.pb
+    decoded = node.service.engine.decoded
+    try:
+        prompt = _ids(rng, 120)
+        a = _new_session(node)
+        ta = run_turn(node, a, prompt)
+        assert decoded.stats().entries == 1
+        # another tenant with the same conversation: nothing of acme's is found
+        g = _new_session(node, tenant="globex")
+        tg = run_turn(node, g, prompt + ta.tokens + _ids(rng, 5), tenant="globex")
+        assert tg.path == "COLD_PREFILL" and decoded.stats().hits == 0
+
+        # purge of the session: its kept state goes with its pool entry, before any turn; a new session
+        # carrying the purged conversation (found by content otherwise) starts cold
+        node.admin.Purge(pb.admin.PurgeRequest(session_id=a), metadata=admin_md())
+        assert decoded.stats().entries == 1  # globex's only
+        t = run_turn(node, _new_session(node), prompt + ta.tokens + _ids(rng, 6))
+        assert t.path == "COLD_PREFILL" and decoded.stats().hits == 0
+
+        # pool expiry: the next turn finds no pooled windows and the kept state is dropped with them
+        b = _new_session(node)
+        run_turn(node, b, _ids(rng, 70))
+        t = run_turn(node, b, _ids(rng, 7))
+        assert t.path == "FULL_HIT" and decoded.stats().hits == 1
+        node.pool_clock.now += POOL_TTL_S + 1
+        t = run_turn(node, b, _ids(rng, 7))
+        assert t.path == "GLOBAL_REPLAY" and decoded.stats().hits == 1
+        # the expired entries (globex's too: its clock moved as well) left with their pool entries; the
+        # turn just run kept its own
+        assert decoded.stats().entries == node.service.pool.stats().entries == 1
+
+        # tenant purge
+        node.admin.Purge(pb.admin.PurgeRequest(tenant_id="acme"), metadata=admin_md())
+        assert decoded.stats().entries == node.service.pool.stats().entries == 0
+        assert decoded.stats().bytes_used == 0
+    finally:
+        node.stop()
