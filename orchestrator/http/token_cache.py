@@ -1,6 +1,7 @@
 """The ids of message texts a tenant sent before, per model: an agent resends its whole conversation on
-every request, and without this each request would re-tokenise every earlier message (about 0.6 ms for a
-4 KB conversation here, on the path to the first token).
+every request, and without this each request would re-tokenise every earlier message: rendering a
+42-message, 4 KB conversation takes 0.98 ms, 0.16 ms from the cache (one sha256 and a lookup per piece,
+short pieces included: their tokenizer call costs more than that), on the path to the first token.
 
 Bounded (least recently used first) and in memory only. It holds what tenants sent, so a tenant purge
 clears the tenant's entries and a session purge clears them too (a text is not tied to one session: the
@@ -16,8 +17,6 @@ from collections.abc import Callable
 
 __all__ = ["TokenCache"]
 
-# Shorter texts are tokenised faster than they are hashed and looked up.
-_MIN_CHARS = 64
 
 
 class TokenCache:
@@ -36,7 +35,7 @@ class TokenCache:
         """`encode`, answered from the cache for texts of this tenant and model seen before."""
 
         def cached(text: str) -> list[int]:
-            if len(text) < _MIN_CHARS:
+            if not text:
                 return encode(text)
             key = (model, hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest())
             with self._lock:
