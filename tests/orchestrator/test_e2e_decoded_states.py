@@ -110,8 +110,18 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
 
 
 def test_purge_expiry_and_other_tenants_never_reach_kept_state(tmp_path: Path, models) -> None:
+    _purge_expiry_isolation(tmp_path, models, None)
+
+
+def test_purge_expiry_and_other_tenants_never_reach_kept_state_postgres(
+    tmp_path: Path, models, postgres_url: str
+) -> None:
+    _purge_expiry_isolation(tmp_path, models, postgres_url)
+
+
+def _purge_expiry_isolation(tmp_path: Path, models, database_url: str | None) -> None:
     rng = random.Random(12)
-    node = start_node(tmp_path, models)
+    node = start_node(tmp_path, models, database_url=database_url)
     pb = node.pb
     decoded = node.service.engine.decoded
     try:

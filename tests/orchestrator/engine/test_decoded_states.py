@@ -10,6 +10,7 @@ another value, another fingerprint or another tenant.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -99,16 +100,12 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     done = import_global_chunks(slow, blobs, fingerprint=served.fingerprint)
     assert done.failure is None and done.end == n
     fast = served.model.new_state(1)
-    import hashlib
-
     assert kept.matches(ranges, [hashlib.sha256(b).digest() for b in blobs])
     kept.fill(fast)
     _assert_states_equal(_sealed(served, fast, tokens), _sealed(served, slow, tokens))
 
 
 def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
-    import hashlib
-
     rng = random.Random(7)
     tokens = [rng.randrange(0, served.vocab_size) for _ in range(100)]
     live = _run(served, tokens, decode_steps=2, rng=rng)
