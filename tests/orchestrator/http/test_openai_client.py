@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from orchestrator.chat import ASST, END, ChatMessage, ChatTemplate, ToolCall
 from orchestrator.engine import BpeCodec
@@ -110,9 +109,6 @@ def test_the_raw_sse_stream_ends_with_done(http_node: HttpNode) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
-@pytest.mark.xfail(
-    strict=False, reason="needs content-addressed pool reuse for new sessions (issue 14 item 2)"
-)
 def test_stateless_full_history_requests_reach_full_hit_from_the_second_turn(http_node: HttpNode) -> None:
     client = http_node.client()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the KeyError."}]
