@@ -59,6 +59,7 @@ def main() -> None:
     seconds = time.perf_counter() - started
     rows = report.per_turn()
     slope, lo, hi = report.slope()
+    slope1, lo1, hi1 = report.slope(from_turn=1)
     out = table_stream(args.json)
     print(f"drift {a} <-> {b}, {args.episodes} episodes, evidence {distance} tokens before the last probe, "
           f"{args.turns} turns of {args.turn_tokens} tokens after a first turn of {report.first_tokens}",
@@ -67,10 +68,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['turn']:>4} {r['model']:<10}{r['own_acc']:>7.3f}{r['mapped_acc']:>8.3f}"
               f"{r['retention']:>10.3f} [{r['ci_lower']:.3f}, {r['ci_upper']:.3f}]", file=out)
-    print(f"slope of retention per turn {slope:+.4f} [{lo:+.4f}, {hi:+.4f}] (turn 0 is unmapped)", file=out)
+    print(f"slope of retention per turn {slope:+.4f} [{lo:+.4f}, {hi:+.4f}] over turns 0-{args.turns - 1}, "
+          f"{slope1:+.4f} [{lo1:+.4f}, {hi1:+.4f}] over the mapped turns 1-{args.turns - 1}", file=out)
     write_json({
         "pair": [a, b], "episodes": args.episodes, "distance": distance, "turns": rows,
-        "slope_per_turn": slope, "slope_ci": [lo, hi], "seconds": seconds, "threads": args.threads,
+        "slope_per_turn": slope, "slope_ci": [lo, hi], "slope_per_turn_mapped_turns": slope1,
+        "slope_ci_mapped_turns": [lo1, hi1], "seconds": seconds, "threads": args.threads,
         "numerics": numerics_record(),
         "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
     }, args.json)

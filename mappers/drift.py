@@ -56,15 +56,21 @@ class DriftReport:
         ret = np.divide(mapped.sum(0), den, out=np.zeros(len(turns)), where=den > 0)
         return float(np.polyfit(turns, ret, 1)[0])
 
-    def slope(self, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
-        """(slope of retention per turn, lower, upper): episode-resampled percentile interval."""
-        turns = np.arange(self.mapped.shape[1], dtype=np.float64)
-        point = self._slope(self.mapped, self.own, turns)
+    def slope(
+        self, n_boot: int = 2000, seed: int = 0, level: float = 0.95, *, from_turn: int = 0
+    ) -> tuple[float, float, float]:
+        """(slope of retention per turn, lower, upper) over turns `from_turn`.. (turn 0 is unmapped: 1 to
+        skip it): episode-resampled percentile interval."""
+        mapped, own = self.mapped[:, from_turn:], self.own[:, from_turn:]
+        turns = np.arange(from_turn, self.mapped.shape[1], dtype=np.float64)
+        if turns.size < 2:
+            raise ValueError(f"a slope needs two turns from turn {from_turn}")
+        point = self._slope(mapped, own, turns)
         rng = np.random.default_rng(seed)
         reps = []
         for _ in range(n_boot):
-            idx = rng.integers(0, self.mapped.shape[0], self.mapped.shape[0])
-            reps.append(self._slope(self.mapped[idx], self.own[idx], turns))
+            idx = rng.integers(0, mapped.shape[0], mapped.shape[0])
+            reps.append(self._slope(mapped[idx], own[idx], turns))
         lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
         return point, float(lo), float(hi)
 
