@@ -65,3 +65,17 @@ def test_mapper_eval_refuses_a_task_seed_used_in_fitting(tmp_path: Path, capsys)
     # --seed 7 without --task-seed means task seed 2007 too
     assert cli_main(["mapper", "eval", str(out), "--seed", "7", "--task-episodes", "4", *models]) == 1
     assert "task seed 2007" in capsys.readouterr().err
+
+
+def test_mapper_eval_without_models_needs_the_artifacts_checkpoints(tmp_path: Path, capsys) -> None:
+    cfg = load_preset("v41-tiny")
+    model = init_random(Transformer(cfg), seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        mapper = fit_mapper(model, model, [torch.randint(0, 512, (2, 64), generator=g)],
+                            spec=FitSpec(alphas=(1e-2,)), sender_name="no-such-sibling",
+                            receiver_name="no-such-sibling")
+    out = save_mapper(mapper, tmp_path / "m")
+    assert cli_main(["mapper", "eval", str(out), "--threads", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "'no-such-sibling' has no checkpoint here" in err and "--sender-checkpoint" in err
