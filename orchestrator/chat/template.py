@@ -40,6 +40,9 @@ _SPELLING = {
     RESULT: "<result>",
     END: "<end>",
 }
+# Every special spelling, so that markers typed inside a message stay text. A copy of model.train's
+# SPECIAL_TOKENS on purpose: the light CLI renders chats without importing the model stack (torch);
+# tests/orchestrator/chat/test_chat_template.py pins the two equal.
 _ALL_SPECIAL = (
     "<pad>",
     "<bos>",

@@ -63,6 +63,16 @@ class AuditReport:
         return self.verdict != "broken"
 
 
+@dataclass(frozen=True, kw_only=True)
+class _AnchorCopies:
+    """One consistent read of both anchor copies, and the lines/entries that did not decode."""
+
+    in_file: list[Anchor]
+    bad_lines: list[str]
+    in_store: list[Anchor]
+    bad_entries: list[str]
+
+
 class AuditChecker:
     """Verifies the audit log and, given a key, writes its anchors.
 
@@ -220,6 +230,9 @@ class AuditChecker:
         problems: list[str] = []
         sql_hashes: dict[str, dict[int, str]] = {}
         verdicts: list[ChainVerdict] = []
+        # The anchors before any chain: chains only grow, so an anchor read first never claims a head
+        # past what the chain reads below see (read after them, one written meanwhile could).
+        copies = self._read_anchors() if self._key is not None and self._file is not None else None
         # The store first: its records are mirrored into SQL after their batch, so a snapshot of SQL
         # taken later holds every mirror of what the store snapshot acknowledges.
         store_verdict: ChainVerdict | None = None
@@ -252,12 +265,14 @@ class AuditChecker:
             store_hashes = {r.seq: r.hash for r in store_records}
             pending = self._agreement(store_records, mirrors, problems, acked, read_at_us)
         anchors = 0
-        if self._key is not None and self._file is not None:
+        if copies is not None:
             all_heads = dict(heads)
             if store_verdict is not None:
                 all_heads[store_name] = (store_verdict.head_seq, store_verdict.head_hash)
                 sql_hashes[store_name] = store_hashes
-            anchors = self._check_anchors(problems, heads=all_heads, hashes=sql_hashes, store_name=store_name)
+            anchors = self._check_anchors(
+                problems, copies, heads=all_heads, hashes=sql_hashes, store_name=store_name
+            )
         chains_ok = all(v.result.ok for v in verdicts) and (store_verdict is None or store_verdict.result.ok)
         if not chains_ok or problems:
             verdict = "broken"
@@ -310,22 +325,30 @@ class AuditChecker:
                     )
         return pending
 
+    def _read_anchors(self) -> _AnchorCopies:
+        """Both anchor copies, read under the writer's lock (it writes the file, then the store: a read
+        between the two would see the copies disagree)."""
+        assert self._file is not None
+        with self._lock:
+            in_file, bad_lines = self._file.read()
+            in_store, bad_entries = self._store.anchors() if self._store is not None else ([], [])
+        return _AnchorCopies(in_file=in_file, bad_lines=bad_lines, in_store=in_store, bad_entries=bad_entries)
+
     def _check_anchors(
         self,
         problems: list[str],
+        copies: _AnchorCopies,
         *,
         heads: dict[str, tuple[int, str]],
         hashes: dict[str, dict[int, str]],
         store_name: str,
     ) -> int:
-        assert self._key is not None and self._file is not None
-        in_file, bad_lines = self._file.read()
-        problems.extend(bad_lines)
+        assert self._key is not None
+        in_file, in_store = copies.in_file, copies.in_store
+        problems.extend(copies.bad_lines)
         problems.extend(f"anchor file: {p}" for p in check_anchor_chain(in_file, self._key))
-        in_store: list[Anchor] = []
         if self._store is not None:
-            in_store, bad_entries = self._store.anchors()
-            problems.extend(bad_entries)
+            problems.extend(copies.bad_entries)
             problems.extend(f"store anchors: {p}" for p in check_anchor_chain(in_store, self._key))
             if in_store != in_file:
                 only_store = {a.n for a in in_store} - {a.n for a in in_file}

@@ -157,3 +157,13 @@ def test_models_tokenize_chat_renders_with_the_template(tmp_path, capsys) -> Non
         assert "either TEXT or --chat" in capsys.readouterr().err
     finally:
         node.stop()
+
+
+def test_special_spellings_and_ids_are_the_tokenizers():
+    """The template keeps a torch-free copy of the family's special tokens; it must not drift."""
+    from model.train import SPECIAL_TOKENS
+    from orchestrator.chat import template
+
+    assert template._ALL_SPECIAL == SPECIAL_TOKENS
+    for token_id, spelling in template._SPELLING.items():
+        assert SPECIAL_TOKENS[token_id] == spelling
