@@ -127,7 +127,7 @@ class FitGate(_message.Message):
     def __init__(self, min_attn_cosine: _Optional[float] = ..., max_next_token_kl: _Optional[float] = ..., min_index_recall: _Optional[float] = ..., min_retention: _Optional[float] = ..., task_episodes: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., min_retention_lower: _Optional[float] = ..., disabled: _Optional[_Iterable[str]] = ..., task_seed: _Optional[int] = ...) -> None: ...
 
 class StartFitRequest(_message.Message):
-    __slots__ = ("sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate", "resubmit_job_id", "fallback")
+    __slots__ = ("sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate", "resubmit_job_id", "fallback", "attention_weighted")
     SENDER_MODEL_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class StartFitRequest(_message.Message):
     GATE_FIELD_NUMBER: _ClassVar[int]
     RESUBMIT_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     sender_model: str
     receiver_model: str
     source: CalibrationSource
@@ -144,10 +145,11 @@ class StartFitRequest(_message.Message):
     gate: FitGate
     resubmit_job_id: str
     fallback: str
-    def __init__(self, sender_model: _Optional[str] = ..., receiver_model: _Optional[str] = ..., source: _Optional[_Union[CalibrationSource, _Mapping]] = ..., budget_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ..., gate: _Optional[_Union[FitGate, _Mapping]] = ..., resubmit_job_id: _Optional[str] = ..., fallback: _Optional[str] = ...) -> None: ...
+    attention_weighted: bool
+    def __init__(self, sender_model: _Optional[str] = ..., receiver_model: _Optional[str] = ..., source: _Optional[_Union[CalibrationSource, _Mapping]] = ..., budget_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ..., gate: _Optional[_Union[FitGate, _Mapping]] = ..., resubmit_job_id: _Optional[str] = ..., fallback: _Optional[str] = ..., attention_weighted: _Optional[bool] = ...) -> None: ...
 
 class FitJob(_message.Message):
-    __slots__ = ("job_id", "phase", "sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate", "rows_done", "rows_total", "eta_s", "reason", "metrics", "passed_gate", "mapper_id", "artifact_uri", "resubmitted_from", "node", "created_at", "started_at", "finished_at", "fallback")
+    __slots__ = ("job_id", "phase", "sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate", "rows_done", "rows_total", "eta_s", "reason", "metrics", "passed_gate", "mapper_id", "artifact_uri", "resubmitted_from", "node", "created_at", "started_at", "finished_at", "fallback", "attention_weighted")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +179,7 @@ class FitJob(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     phase: FitJobPhase
     sender_model: str
@@ -199,7 +202,8 @@ class FitJob(_message.Message):
     started_at: _timestamp_pb2.Timestamp
     finished_at: _timestamp_pb2.Timestamp
     fallback: str
-    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[_Union[FitJobPhase, str]] = ..., sender_model: _Optional[str] = ..., receiver_model: _Optional[str] = ..., source: _Optional[_Union[CalibrationSource, _Mapping]] = ..., budget_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ..., gate: _Optional[_Union[FitGate, _Mapping]] = ..., rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., eta_s: _Optional[float] = ..., reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., passed_gate: _Optional[bool] = ..., mapper_id: _Optional[str] = ..., artifact_uri: _Optional[str] = ..., resubmitted_from: _Optional[str] = ..., node: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., fallback: _Optional[str] = ...) -> None: ...
+    attention_weighted: bool
+    def __init__(self, job_id: _Optional[str] = ..., phase: _Optional[_Union[FitJobPhase, str]] = ..., sender_model: _Optional[str] = ..., receiver_model: _Optional[str] = ..., source: _Optional[_Union[CalibrationSource, _Mapping]] = ..., budget_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ..., gate: _Optional[_Union[FitGate, _Mapping]] = ..., rows_done: _Optional[int] = ..., rows_total: _Optional[int] = ..., eta_s: _Optional[float] = ..., reason: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., passed_gate: _Optional[bool] = ..., mapper_id: _Optional[str] = ..., artifact_uri: _Optional[str] = ..., resubmitted_from: _Optional[str] = ..., node: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., fallback: _Optional[str] = ..., attention_weighted: _Optional[bool] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -178,6 +178,7 @@ class MappersServicer:
                 sequence_tokens=request.sequence_tokens or DEFAULT_SEQUENCE_TOKENS,
                 gate=gate,
                 fallback=request.fallback or "none",
+                attention_weighted=request.attention_weighted,
             )
         except ValueError as exc:
             text = str(exc)
@@ -226,6 +227,7 @@ class MappersServicer:
             started_at=_ts(view.started_at),
             finished_at=_ts(view.finished_at),
             fallback=str(src.get("fallback", "none")),
+            attention_weighted=bool(src.get("attention_weighted", False)),
         )
         if view.eta_s is not None and view.phase in (FitJobPhase.RUNNING, FitJobPhase.QUEUED):
             msg.eta_s = view.eta_s

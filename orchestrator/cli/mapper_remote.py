@@ -85,6 +85,8 @@ def _remote_fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--task-seed", type=int, help="seed of the retention episodes (default: --seed + 2000)")
     fit.add_argument("--fallback", choices=("none", "mlp"), default="none",
                      help="parts whose ridge fails the part gate: keep ridge (none) or fit a residual MLP")
+    fit.add_argument("--attention-weighted", action="store_true",
+                     help="weight calibration rows by the receiver's own attention mass on each entry")
     fit.add_argument("--resubmit", metavar="JOB_ID", help="run an ended job again with its parameters")
     fit.add_argument("--detach", action="store_true", help="print the queued job and exit (no watching)")
     fit.add_argument("--require-gate", action="store_true", help="exit 1 when the job is REJECTED")
@@ -138,6 +140,7 @@ def _start_request(args: argparse.Namespace) -> Any:
     return mappers_pb2.StartFitRequest(
         sender_model=args.sender, receiver_model=args.receiver, source=source,
         budget_tokens=args.budget_tokens, sequence_tokens=args.tokens, gate=gate, fallback=args.fallback,
+        attention_weighted=args.attention_weighted,
     )
 
 

@@ -136,6 +136,13 @@ def _reporting(batches: list[Any], report: Callable[[int], None]) -> Iterator[An
         report(int(batch.numel()))
 
 
+def _fit_spec(request: FitRequest) -> Any:
+    """The fit's mappers.FitSpec from the request's options (mappers imports torch, hence here)."""
+    from mappers import FitSpec
+
+    return FitSpec(fallback=request.fallback, attention_weighted=request.attention_weighted)
+
+
 def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     """The job: fit, evaluate, gate, save. Returns the result event's fields."""
     from model import configure_torch
@@ -151,7 +158,6 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
           file=sys.stderr, flush=True)
 
     from mappers import (
-        FitSpec,
         GateSpec,
         evaluate_mapper,
         fit_mapper,
@@ -194,7 +200,7 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     with torch.inference_mode():
         mapper = fit_mapper(
             sender.model, receiver.model, _reporting(train, report),
-            heldout_batches=_reporting(held, report), spec=FitSpec(fallback=request.fallback),
+            heldout_batches=_reporting(held, report), spec=_fit_spec(request),
             sender_name=sender.name, receiver_name=receiver.name, gate=gate,
             sender_fingerprint=sender.fingerprint, receiver_fingerprint=receiver.fingerprint,
             calibration=_calibration(spec, request, data_dir, task_seed),

@@ -146,6 +146,7 @@ class FitRequest:
         gate: GateSpec thresholds that are set, `disabled` (thresholds turned off), task_episodes,
             eval_prompts and an optional task_seed.
         fallback: mappers.FitSpec.fallback ("none" or "mlp").
+        attention_weighted: mappers.FitSpec.attention_weighted (rows weighted by the receiver's attention).
     """
 
     sender_model: str
@@ -155,6 +156,7 @@ class FitRequest:
     sequence_tokens: int = DEFAULT_SEQUENCE_TOKENS
     gate: Mapping[str, Any] = field(default_factory=dict)
     fallback: str = "none"
+    attention_weighted: bool = False
 
     def __post_init__(self) -> None:
         if not self.sender_model:
@@ -179,7 +181,11 @@ class FitRequest:
 
     def stored_source(self) -> dict[str, Any]:
         """`fit_jobs.source`: the source with how its rows become a map (sequence length, fallback)."""
-        return dict(self.source) | {"sequence_tokens": self.sequence_tokens, "fallback": self.fallback}
+        return dict(self.source) | {
+            "sequence_tokens": self.sequence_tokens,
+            "fallback": self.fallback,
+            "attention_weighted": self.attention_weighted,
+        }
 
     @classmethod
     def from_stored(
@@ -190,8 +196,10 @@ class FitRequest:
         src = dict(source)
         seq = int(src.pop("sequence_tokens", DEFAULT_SEQUENCE_TOKENS))
         fallback = str(src.pop("fallback", "none"))
+        weighted = bool(src.pop("attention_weighted", False))
         return cls(sender_model=sender_model, receiver_model=receiver_model, source=src,
-                   budget_tokens=budget_tokens, sequence_tokens=seq, gate=gate, fallback=fallback)
+                   budget_tokens=budget_tokens, sequence_tokens=seq, gate=gate, fallback=fallback,
+                   attention_weighted=weighted)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -202,6 +210,7 @@ class FitRequest:
             "sequence_tokens": self.sequence_tokens,
             "gate": dict(self.gate),
             "fallback": self.fallback,
+            "attention_weighted": self.attention_weighted,
         }
 
     @classmethod

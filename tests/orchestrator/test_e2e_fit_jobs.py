@@ -158,7 +158,9 @@ def test_a_job_is_watched_through_its_phases_and_registers_its_mapper(node: Node
 
 def test_cancel_kills_the_child_and_admission_is_bounded(node: Node) -> None:
     big = _start(node.mappers, budget=100_000)
-    queued = _start(node.mappers, budget=100_000)  # the one queue place (fit_max_queued_jobs=1)
+    # the one queue place (fit_max_queued_jobs=1); its map options come back as given
+    queued = _start(node.mappers, budget=100_000, fallback="mlp", attention_weighted=True)
+    assert queued.fallback == "mlp" and queued.attention_weighted and not big.attention_weighted
     code, reason, _ = _err(lambda: _start(node.mappers))
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "CAPACITY")
     # Cancelled as soon as its child runs (progress itself is the first test's subject).
@@ -173,8 +175,8 @@ def test_cancel_kills_the_child_and_admission_is_bounded(node: Node) -> None:
     # Cancelling again is a no-op.
     again = node.mappers.CancelJob(mappers_pb2.CancelJobRequest(job_id=big.job_id), metadata=admin_md())
     assert _phase(again) == "CANCELLED"
-    assert _phase(node.mappers.GetJob(mappers_pb2.GetJobRequest(job_id=queued.job_id), metadata=admin_md())) \
-        == "CANCELLED"
+    stored = node.mappers.GetJob(mappers_pb2.GetJobRequest(job_id=queued.job_id), metadata=admin_md())
+    assert _phase(stored) == "CANCELLED" and stored.attention_weighted and stored.fallback == "mlp"
     time.sleep(0.3)
     late = node.mappers.GetJob(mappers_pb2.GetJobRequest(job_id=big.job_id), metadata=admin_md())
     assert _phase(late) == "CANCELLED" and not late.mapper_id  # nothing the dying child said overwrote it

@@ -70,6 +70,18 @@ def test_the_stored_form_round_trips_and_defaults_are_filled() -> None:
     assert set(GATE_THRESHOLDS) >= {k for k in req.gate if k.startswith(("min_", "max_"))}
 
 
+def test_the_map_options_survive_storage_and_reach_the_fit_spec() -> None:
+    from orchestrator.jobs.child import _fit_spec
+
+    req = _req(fallback="mlp", attention_weighted=True)
+    again = FitRequest.from_stored(sender_model="s", receiver_model="r", source=req.stored_source(),
+                                   budget_tokens=1024, gate=req.gate)
+    assert again == req and FitRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+    spec = _fit_spec(again)
+    assert spec.fallback == "mlp" and spec.attention_weighted is True
+    assert _fit_spec(_req()).attention_weighted is False
+
+
 def test_events_are_one_checked_json_object_per_line() -> None:
     buf = io.StringIO()
     emit(buf, "progress", rows_done=3, rows_total=10)
