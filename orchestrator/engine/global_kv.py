@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,7 @@ def read_prefix(
     history: Sequence[int],
     compute: ModelCompute | None = None,
     decoded: DecodedSources | None = None,
+    now: float | None = None,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
@@ -91,6 +93,7 @@ def read_prefix(
         decoded: the decoded global KV a window pool entry of this history was kept with
             (`decoded_states.py`): when the verified chunks read here are exactly the ones it decodes
             (same ranges, same payload digests), it fills the state instead of dequantizing them.
+        now: wall seconds the registry's retention stamps are compared with (default: time.time()).
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
@@ -104,16 +107,20 @@ def read_prefix(
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=why)
     verified = store.longest_valid_prefix(tenant, fp, list(history))
     keys = [s.address for s in found.spans]
+    # A chunk serves while any session of the tenant that stored or read it is inside its granted
+    # retention (ARCHITECTURE §1: past its retention is a miss). The comparison runs in SQL, where the
+    # stored stamps and this one are converted alike on both dialects.
+    live_at = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC)
     with registry() as session:
-        named = set(
-            session.scalars(
-                select(CacheSegment.store_key).where(
-                    CacheSegment.store_key.in_(keys),
-                    CacheSegment.tenant_id == tenant,
-                    CacheSegment.fingerprint == fp,
-                )
+        rows = session.execute(
+            select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
+                CacheSegment.store_key.in_(keys),
+                CacheSegment.tenant_id == tenant,
+                CacheSegment.fingerprint == fp,
             )
-        )
+        ).all()
+    named = {key for key, _ in rows}
+    live = {key for key, is_live in rows if is_live}
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)
@@ -122,8 +129,12 @@ def read_prefix(
     ranges: list[tuple[int, int]] = []
     by_range = {(s.start, s.end): s.address for s in found.spans}
     for (start, end), payload in zip(verified.ranges, verified.payloads, strict=True):
-        if by_range.get((start, end)) not in named:
+        key = by_range.get((start, end))
+        if key not in named:
             miss_reason = f"stored chunk at token {start} is not in the registry (purged)"
+            break
+        if key not in live:
+            miss_reason = f"stored chunk at token {start} is past the retention of every session holding it"
             break
         blobs.append(payload)
         ranges.append((start, end))

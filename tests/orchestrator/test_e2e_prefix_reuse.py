@@ -345,3 +345,49 @@ def test_full_hit_needs_the_chunk_bytes_its_windows_were_computed_over(tmp_path:
         assert again.path == "FULL_HIT", again.plan.reason
     finally:
         node.stop()
+
+
+def test_chunks_past_every_holders_retention_are_a_miss(tmp_path: Path, models) -> None:
+    _past_retention(tmp_path, models, None)
+
+
+def test_chunks_past_every_holders_retention_are_a_miss_postgres(
+    tmp_path: Path, models, postgres_url: str
+) -> None:
+    _past_retention(tmp_path, models, postgres_url)
+
+
+def _past_retention(tmp_path: Path, models, database_url: str | None) -> None:
+    """ARCHITECTURE §1: a cache past its retention is a miss. The registry's retention stamps of the
+    writer's chunks are moved into the past (as a session whose granted retention ran out); the store
+    still holds the bytes (its own ceiling is later), yet neither a new session nor the writer gets them.
+    The stamps are compared in SQL, so both dialects run it."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from orchestrator.db.models import CacheSegment
+
+    rng = random.Random(11)
+    node = start_node(tmp_path, models, database_url=database_url)
+    try:
+        prompt = _ids(rng, 300)
+        a = _new_session(node)
+        assert run_turn(node, a, prompt).path == "COLD_PREFILL"
+        b = _new_session(node)
+        assert _reason(node, run_turn(node, b, prompt)) == "PREFIX_BY_CONTENT"  # live: reused
+        past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        with node.service.ctx.sessions() as s:
+            s.execute(update(CacheSegment).values(expires_at=past))
+            s.commit()
+        again = run_turn(node, a, _ids(rng, 20))  # the writer's own continuation
+        assert again.stats.counts.cached == 0, again.plan.reason
+        assert "retention" in again.plan.reason, again.plan.reason
+        # (that turn stored the chunks anew under A's renewed retention; expire them once more)
+        with node.service.ctx.sessions() as s:
+            s.execute(update(CacheSegment).values(expires_at=past))
+            s.commit()
+        late = run_turn(node, _new_session(node), prompt)
+        assert late.path == "COLD_PREFILL" and late.stats.counts.cached == 0, late.plan.reason
+    finally:
+        node.stop()
