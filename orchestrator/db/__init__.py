@@ -11,6 +11,7 @@ from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
 from orchestrator.db.reconcile import (
     ORPHAN_REASON,
+    RETENTION_REASON,
     OrphanSweeper,
     ReconcileReport,
     collect_orphans,
@@ -39,6 +40,7 @@ __all__ = [
     "NODE_CHAIN",
     "ORPHAN_REASON",
     "OrphanSweeper",
+    "RETENTION_REASON",
     "STORE_CHAIN_PREFIX",
     "AuditChecker",
     "AuditReport",

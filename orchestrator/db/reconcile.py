@@ -11,6 +11,7 @@ audit record each.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from storage import AuditAction, AuditRecord
 
 __all__ = [
     "ORPHAN_REASON",
+    "RETENTION_REASON",
     "OrphanStore",
     "OrphanSweeper",
     "ReconcileReport",
@@ -40,6 +42,10 @@ __all__ = [
 
 ORPHAN_REASON = "orphan_no_registry_row"
 """The reason of the PURGE record of each orphan chunk deleted."""
+
+RETENTION_REASON = "retention_expired"
+"""The reason of the PURGE record of each chunk whose registry row is past the granted retention of every
+session that held it (the row's expires_at is the latest of theirs)."""
 
 # Store records after which the named chunk is gone from the store.
 _GONE = frozenset({AuditAction.EXPIRE, AuditAction.EVICT, AuditAction.READ_CORRUPT, AuditAction.PURGE})
@@ -201,7 +207,9 @@ def collect_orphans(
     factory: sessionmaker[Session], store: OrphanStore, *, node: str, grace_s: float, now: float
 ) -> tuple[int, int]:
     """Delete from the store every chunk stored more than `grace_s` before `now` that no segment row of
-    this node names (the chunks of turns that never committed). Returns (chunks, bytes) deleted.
+    this node names (the chunks of turns that never committed), and every one whose row is past its
+    retention (no session that held it may keep it longer; the PURGE record's mirror then removes the
+    row). Returns (chunks, bytes) deleted.
 
     The SQL read comes before the store's deletion and not under its lock (no SQL under the store
     lock); a turn that links one of these old chunks in between loses it to a miss at its next
@@ -211,19 +219,29 @@ def collect_orphans(
     candidates = store.chunks_stored_before(cutoff)
     if not candidates:
         return 0, 0
+    # compared in SQL, as the rows were stamped (both dialects convert the two alike)
+    live_at = dt.datetime.fromtimestamp(now, dt.UTC)
     with factory() as s:
-        named = set(
-            s.scalars(
-                select(CacheSegment.store_key).where(
-                    CacheSegment.store_key.in_(candidates), CacheSegment.node == node
-                )
+        rows = s.execute(
+            select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
+                CacheSegment.store_key.in_(candidates), CacheSegment.node == node
             )
-        )
+        ).all()
+    named = {key for key, _ in rows}
     orphans = [a for a in candidates if a not in named]
-    if not orphans:
-        return 0, 0
-    chunks, freed = store.delete_orphans(orphans, older_than=cutoff, actor="reconcile", reason=ORPHAN_REASON)
-    log.info("orphan_chunks_deleted", node=node, chunks=chunks, bytes=freed, grace_s=grace_s)
+    expired = sorted(key for key, is_live in rows if not is_live)
+    chunks = freed = 0
+    if orphans:
+        chunks, freed = store.delete_orphans(
+            orphans, older_than=cutoff, actor="reconcile", reason=ORPHAN_REASON
+        )
+        log.info("orphan_chunks_deleted", node=node, chunks=chunks, bytes=freed, grace_s=grace_s)
+    if expired:
+        gone, gone_bytes = store.delete_orphans(
+            expired, older_than=cutoff, actor="reconcile", reason=RETENTION_REASON
+        )
+        log.info("expired_chunks_deleted", node=node, chunks=gone, bytes=gone_bytes)
+        chunks, freed = chunks + gone, freed + gone_bytes
     return chunks, freed
 
 

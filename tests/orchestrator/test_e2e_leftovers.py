@@ -103,3 +103,44 @@ def test_orphans_are_collected_and_expired_rows_go_at_once_postgres(
     tmp_path: Path, postgres_url: str
 ) -> None:
     _scenario(tmp_path, postgres_url)
+
+
+def _past_retention(tmp_path: Path, database_url: str | None) -> None:
+    """Chunks whose registry row is past the retention of every session that held it are collected by
+    the sweep (reason retention_expired, one PURGE record each) and their rows go with the records."""
+    import datetime as dt
+
+    from sqlalchemy import update
+
+    from orchestrator.db import RETENTION_REASON
+
+    torch.set_num_threads(1)
+    node = start_node(tmp_path, registry(), database_url=database_url, orphan_grace_s=3600.0)
+    try:
+        pb, store, ctx = node.pb, node.service.store, node.service.ctx
+        sid = node.sessions.CreateSession(
+            pb.sessions.CreateSessionRequest(model="a"), metadata=md("acme")
+        ).session.session_id
+        assert run_turn(node, sid, _ids(5, 70), tenant="acme", max_new=1).stats.persisted
+        stored = store.tenant_stats("acme").chunks
+        assert stored >= 2 and _rows(node, "acme") == stored
+        # inside their retention: nothing goes, whatever the grace
+        assert collect_orphans(ctx.serializable, store, node=ctx.node, grace_s=0.0, now=time.time()) == (0, 0)
+        past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        with ctx.sessions() as s:
+            s.execute(update(CacheSegment).values(expires_at=past))
+            s.commit()
+        chunks, _ = collect_orphans(ctx.serializable, store, node=ctx.node, grace_s=0.0, now=time.time())
+        assert chunks == stored and store.tenant_stats("acme").chunks == 0 and _rows(node, "acme") == 0
+        purged = [r for r in store.audit.iter_records() if r.reason == RETENTION_REASON]
+        assert len(purged) == stored and all(r.action == AuditAction.PURGE for r in purged)
+    finally:
+        node.stop()
+
+
+def test_chunks_past_their_retention_are_collected(tmp_path: Path) -> None:
+    _past_retention(tmp_path, None)
+
+
+def test_chunks_past_their_retention_are_collected_postgres(tmp_path: Path, postgres_url: str) -> None:
+    _past_retention(tmp_path, postgres_url)
