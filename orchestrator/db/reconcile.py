@@ -11,7 +11,6 @@ audit record each.
 
 from __future__ import annotations
 
-import datetime as dt
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -219,17 +218,10 @@ def collect_orphans(
     candidates = store.chunks_stored_before(cutoff)
     if not candidates:
         return 0, 0
-    # compared in SQL, as the rows were stamped (both dialects convert the two alike)
-    live_at = dt.datetime.fromtimestamp(now, dt.UTC)
     with factory() as s:
-        rows = s.execute(
-            select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
-                CacheSegment.store_key.in_(candidates), CacheSegment.node == node
-            )
-        ).all()
-    named = {key for key, _ in rows}
+        named = SegmentRepository(s).within_retention(candidates, now=now, node=node)
     orphans = [a for a in candidates if a not in named]
-    expired = sorted(key for key, is_live in rows if not is_live)
+    expired = sorted(key for key, live in named.items() if not live)
     chunks = freed = 0
     if orphans:
         chunks, freed = store.delete_orphans(

@@ -15,11 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, SegmentRepository
-from orchestrator.db.models import CacheSegment
 from orchestrator.engine.decoded_states import DecodedSources
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
 from orchestrator.engine.pool_entry import chunks_digest_of
@@ -108,19 +106,11 @@ def read_prefix(
     verified = store.longest_valid_prefix(tenant, fp, list(history))
     keys = [s.address for s in found.spans]
     # A chunk serves while any session of the tenant that stored or read it is inside its granted
-    # retention (ARCHITECTURE §1: past its retention is a miss). The comparison runs in SQL, where the
-    # stored stamps and this one are converted alike on both dialects.
-    live_at = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC)
+    # retention (ARCHITECTURE §1: past its retention is a miss).
     with registry() as session:
-        rows = session.execute(
-            select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
-                CacheSegment.store_key.in_(keys),
-                CacheSegment.tenant_id == tenant,
-                CacheSegment.fingerprint == fp,
-            )
-        ).all()
-    named = {key for key, _ in rows}
-    live = {key for key, is_live in rows if is_live}
+        named = SegmentRepository(session).within_retention(
+            keys, now=time.time() if now is None else now, tenant_id=tenant, fingerprint=fp
+        )
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)
@@ -133,7 +123,7 @@ def read_prefix(
         if key not in named:
             miss_reason = f"stored chunk at token {start} is not in the registry (purged)"
             break
-        if key not in live:
+        if not named[key]:
             miss_reason = f"stored chunk at token {start} is past the retention of every session holding it"
             break
         blobs.append(payload)

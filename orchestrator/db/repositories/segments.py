@@ -226,6 +226,32 @@ class SegmentRepository:
         self._delete_rows(rows)
         return len(rows)
 
+    def within_retention(
+        self,
+        keys: Sequence[bytes],
+        *,
+        now: float,
+        tenant_id: str | None = None,
+        fingerprint: str | None = None,
+        node: str | None = None,
+    ) -> dict[bytes, bool]:
+        """Each of these keys that has a row (under the filters given) -> whether that row is still inside
+        the latest retention granted by the sessions holding it. The comparison runs in SQL, where the
+        stored stamps and this one are converted alike on both dialects."""
+        if not keys:
+            return {}
+        live_at = dt.datetime.fromtimestamp(now, dt.UTC)
+        stmt = select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
+            CacheSegment.store_key.in_(list(keys))
+        )
+        if tenant_id is not None:
+            stmt = stmt.where(CacheSegment.tenant_id == tenant_id)
+        if fingerprint is not None:
+            stmt = stmt.where(CacheSegment.fingerprint == fingerprint)
+        if node is not None:
+            stmt = stmt.where(CacheSegment.node == node)
+        return {key: bool(live) for key, live in self._s.execute(stmt)}
+
     def keys_on_node(self, node: str) -> set[bytes]:
         return set(self._s.scalars(select(CacheSegment.store_key).where(CacheSegment.node == node)))
 

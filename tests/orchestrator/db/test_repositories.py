@@ -172,6 +172,25 @@ def test_expired_segments_are_dropped(engine) -> None:
         assert [x.store_key for x in segs.for_session(a)] == [b"new"]
 
 
+def test_within_retention_compares_each_rows_latest_grant(engine) -> None:
+    factory = make_session_factory(engine)
+    now = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    with factory() as s, s.begin():
+        a, b = _session_with_turns(s), _session_with_turns(s)
+        segs = SegmentRepository(s)
+        segs.link(a, _seg(b"old", 0, 3, expires=now - dt.timedelta(seconds=1)))
+        segs.link(a, _seg(b"new", 3, 6, expires=now + dt.timedelta(hours=1)))
+        # a second holder with a later grant keeps the shared chunk inside its retention
+        segs.link(a, _seg(b"both", 6, 9, expires=now - dt.timedelta(seconds=1)))
+        segs.link(b, _seg(b"both", 6, 9, expires=now + dt.timedelta(seconds=5)))
+        keys = [b"old", b"new", b"both", b"none"]
+        t = now.timestamp()
+        assert segs.within_retention(keys, now=t) == {b"old": False, b"new": True, b"both": True}
+        assert segs.within_retention(keys, now=t + 7200) == dict.fromkeys(keys[:3], False)
+        assert segs.within_retention(keys, now=t, tenant_id="other") == {}
+        assert segs.within_retention([], now=t) == {}
+
+
 def test_policy_ceiling_wins_and_clips_hints(engine) -> None:
     factory = make_session_factory(engine)
     with factory() as s, s.begin():
