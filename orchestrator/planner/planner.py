@@ -249,6 +249,36 @@ def _same_model_candidates(
     return out
 
 
+def _best_mapper(mappers: Sequence[MapperInfo], sender: str, model: str) -> MapperInfo | None:
+    """The validated mapper of sender -> model to use: the best score, then the lowest id (deterministic)."""
+    valid = [m for m in mappers if m.passed_gate and m.sender_model == sender and m.receiver_model == model]
+    return min(valid, key=lambda m: (-m.score, m.mapper_id), default=None)
+
+
+def _swap(
+    session: SessionView,
+    geometry: ModelGeometry,
+    model: str,
+    sender_cache: CacheInventory,
+    sender_prefix: int,
+    mapper: MapperInfo,
+    reason_code: PlanReason,
+) -> _Candidate:
+    """MODEL_SWAP of the sender's stored prefix through `mapper` (on a switch, or found by content)."""
+    sender = sender_cache.model
+    stored = _prefix_reason(sender_prefix, session, sender_cache)
+    return _from_prefix(
+        session,
+        geometry,
+        sender_prefix,
+        path=ResumePath.MODEL_SWAP,
+        source_model=sender,
+        mapper_id=mapper.mapper_id,
+        reason=f"{sender} -> {model} via mapper {mapper.mapper_id}: {stored} on {sender}",
+        reason_code=reason_code,
+    )
+
+
 def _content_swap_candidates(
     session: SessionView,
     model: str,
@@ -264,25 +294,12 @@ def _content_swap_candidates(
     beside this model's own candidates (its cold prefill included: a new session has no last model)."""
     sender = sender_cache.model
     candidates = _same_model_candidates(session, model, geometry, cache, pool, pooled)
-    valid = sorted(
-        (m for m in mappers if m.passed_gate and m.sender_model == sender and m.receiver_model == model),
-        key=lambda m: (-m.score, m.mapper_id),
-    )
+    mapper = _best_mapper(mappers, sender, model)
     sender_prefix = _checked_prefix(session, sender_cache, sender)
-    if not valid or sender_prefix == 0:
+    if mapper is None or sender_prefix == 0:
         return candidates
-    stored = _prefix_reason(sender_prefix, session, sender_cache)
     candidates.append(
-        _from_prefix(
-            session,
-            geometry,
-            sender_prefix,
-            path=ResumePath.MODEL_SWAP,
-            source_model=sender,
-            mapper_id=valid[0].mapper_id,
-            reason=f"{sender} -> {model} via mapper {valid[0].mapper_id}: {stored} on {sender}",
-            reason_code=PlanReason.MAPPED_BY_CONTENT,
-        )
+        _swap(session, geometry, model, sender_cache, sender_prefix, mapper, PlanReason.MAPPED_BY_CONTENT)
     )
     cheaper = f"cold prefill on {model} is cheaper than mapping {sender_prefix} tokens from {sender}"
     return [
@@ -349,13 +366,10 @@ def plan_turn(
             for c in _same_model_candidates(session, model, geometry, cache, pool, pooled)
             if c.path != ResumePath.COLD_PREFILL
         ]
-        valid = sorted(
-            (m for m in mappers if m.passed_gate and m.sender_model == sender and m.receiver_model == model),
-            key=lambda m: (-m.score, m.mapper_id),
-        )
+        mapper = _best_mapper(mappers, sender, model)
         sender_prefix = _checked_prefix(session, sender_cache, sender)
         cold_code = PlanReason.COLD_CHEAPER
-        if not valid:
+        if mapper is None:
             cold_reason, cold_code = no_mapper_reason(sender, model), PlanReason.NO_VALIDATED_MAPPER
         elif sender_prefix == 0:
             why = sender_cache.miss_reason if sender_cache is not None and sender_cache.miss_reason else None
@@ -366,17 +380,10 @@ def plan_turn(
                 f"cold prefill on {model} is cheaper than mapping {sender_prefix} tokens from {sender}"
             )
             assert sender_cache is not None
-            stored = _prefix_reason(sender_prefix, session, sender_cache)
             candidates.append(
-                _from_prefix(
-                    session,
-                    geometry,
-                    sender_prefix,
-                    path=ResumePath.MODEL_SWAP,
-                    source_model=sender,
-                    mapper_id=valid[0].mapper_id,
-                    reason=f"{sender} -> {model} via mapper {valid[0].mapper_id}: {stored} on {sender}",
-                    reason_code=PlanReason.MAPPED_FROM_LAST_MODEL,
+                _swap(
+                    session, geometry, model, sender_cache, sender_prefix, mapper,
+                    PlanReason.MAPPED_FROM_LAST_MODEL,
                 )
             )
         candidates.append(_cold(session, geometry, cold_reason, cold_code))
