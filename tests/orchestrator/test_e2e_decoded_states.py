@@ -14,11 +14,18 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
-from orchestrator.engine import ModelRegistry, ServedModelSpec, repo_root
+from orchestrator.engine import ModelRegistry
 from orchestrator.engine.prefix_reuse import find_reuse
-from tests.orchestrator.engine.node_harness import POOL_TTL_S, admin_md, md, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    POOL_TTL_S,
+    admin_md,
+    new_session,
+    run_turn,
+    start_node,
+    trained_ids,
+    trained_registry,
+)
 from tests.orchestrator.engine.test_decoded_states import _assert_states_equal
 
 MODEL = "v41-sib-s"
@@ -26,21 +33,15 @@ MODEL = "v41-sib-s"
 
 @pytest.fixture(scope="module")
 def models() -> ModelRegistry:
-    ckpt = repo_root() / "checkpoints" / MODEL
-    if not (ckpt / "model.safetensors").is_file():
-        pytest.skip(f"{ckpt} is not shipped in this checkout")
-    torch.set_num_threads(1)
-    return ModelRegistry({MODEL: ServedModelSpec(name=MODEL, checkpoint=ckpt)})
+    return trained_registry(MODEL)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(16, 4096) for _ in range(n)]
+    return trained_ids(rng, n)
 
 
 def _new_session(node, tenant: str = "acme") -> str:
-    pb = node.pb
-    created = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model=MODEL), metadata=md(tenant))
-    return created.session.session_id
+    return new_session(node, MODEL, tenant)
 
 
 def _lookups(node, result: str) -> float:

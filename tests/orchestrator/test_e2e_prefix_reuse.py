@@ -15,13 +15,21 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from mappers import identity_mapper, read_metadata, save_mapper
 from orchestrator.db import SegmentRepository, SessionRepository
-from orchestrator.engine import ModelRegistry, ServedModelSpec, pack_pool_entry, repo_root, unpack_pool_entry
+from orchestrator.engine import ModelRegistry, pack_pool_entry, unpack_pool_entry
 from storage import ContentKey
-from tests.orchestrator.engine.node_harness import admin_md, counts, md, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    admin_md,
+    counts,
+    md,
+    new_session,
+    run_turn,
+    start_node,
+    trained_ids,
+    trained_registry,
+)
 from tests.orchestrator.engine.node_harness import registry as harness_registry
 
 MODEL = "v41-sib-s"
@@ -31,22 +39,15 @@ WINDOW = 16
 
 @pytest.fixture(scope="module")
 def models() -> ModelRegistry:
-    ckpt = repo_root() / "checkpoints" / MODEL
-    if not (ckpt / "model.safetensors").is_file():
-        pytest.skip(f"{ckpt} is not shipped in this checkout")
-    torch.set_num_threads(1)
-    return ModelRegistry({MODEL: ServedModelSpec(name=MODEL, checkpoint=ckpt)})
+    return trained_registry(MODEL)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
-    # ordinary BPE ids of the trained vocabulary (0-15 are the family's special tokens)
-    return [rng.randrange(16, 4096) for _ in range(n)]
+    return trained_ids(rng, n)
 
 
 def _new_session(node, tenant: str = "acme") -> str:
-    pb = node.pb
-    created = node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model=MODEL), metadata=md(tenant))
-    return created.session.session_id
+    return new_session(node, MODEL, tenant)
 
 
 def _reason(node, t) -> str:

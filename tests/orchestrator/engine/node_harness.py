@@ -11,17 +11,39 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from model import greedy
 from orchestrator.api import RunningServer, build_server
-from orchestrator.engine import ModelRegistry, NodeService, ServedModelSpec, build_node
+from orchestrator.engine import ModelRegistry, NodeService, ServedModelSpec, build_node, repo_root
 from orchestrator.settings import Settings
 
 TOKENS = {"acme": "tok-acme", "globex": "tok-globex"}
 ADMIN = "tok-admin"
 WINDOW = 32
 POOL_TTL_S = 600.0
+
+
+def trained_registry(name: str) -> ModelRegistry:
+    """One shipped trained sibling (1 torch thread), or a skip naming the missing checkpoint."""
+    ckpt = repo_root() / "checkpoints" / name
+    if not (ckpt / "model.safetensors").is_file():
+        pytest.skip(f"{ckpt} is not shipped in this checkout")
+    torch.set_num_threads(1)
+    return ModelRegistry({name: ServedModelSpec(name=name, checkpoint=ckpt)})
+
+
+def trained_ids(rng: Any, n: int, vocab: int = 4096) -> list[int]:
+    """n ordinary token ids of the trained vocabulary (0-15 are the family's special tokens)."""
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+def new_session(node: Node, model: str, tenant: str = "acme") -> str:
+    created = node.sessions.CreateSession(
+        node.pb.sessions.CreateSessionRequest(model=model), metadata=md(tenant)
+    )
+    return created.session.session_id
 
 
 def registry() -> ModelRegistry:
