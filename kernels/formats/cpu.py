@@ -3,19 +3,13 @@ reference (reference.py, its slow twin) on every input, NaN payloads aside (a Na
 quiet NaN here, whatever the reference's vector or tail code gave).
 
 Knows nothing of validation (api.py does it): it takes contiguous CPU bf16/fp32 tensors. The C file is
-compiled on first use with the system C compiler (`cc -O3 -ffp-contract=off -march=native`) into a
-cache folder keyed by the source's hash and the host's CPU flags (`$KVRESUME_KERNEL_CACHE`, else
-`~/.cache/kvresume/kernels`); without a compiler `available()` is False and callers keep the reference.
+compiled on first use by `kernels.native.load_library` (cached by source hash and host CPU flags);
+without a compiler `available()` is False and callers keep the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -32,6 +26,7 @@ from kernels.formats.spec import (
     MXFP4,
     MXFP4_AMAX_FLOOR,
 )
+from kernels.native import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_formats.c")
 # the C quantizer stages one FP8 group in a fixed buffer of this many values
@@ -42,46 +37,11 @@ _INT = ctypes.c_int
 _P = ctypes.c_void_p
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVRESUME_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "kvresume" / "kernels"
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    # an install that left the C source out (package data) keeps the reference, as without a compiler
-    if compiler is None or not _SOURCE.is_file():
+    lib = load_library(_SOURCE)
+    if lib is None:
         return None
-    # tuned for this host; the results do not depend on it (integer bit arithmetic and IEEE operations
-    # without contraction), but the instructions do, so the cache key names the host's CPU flags
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-shared", "-fPIC"]
-    source = _SOURCE.read_bytes()
-    host = " ".join(sorted(_cpu_flags()))
-    digest = hashlib.sha256(source + " ".join(flags).encode() + host.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_formats-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # build beside the target and rename: concurrent first uses never load a half-written file
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"],
-                                  capture_output=True, check=False)  # fmt: skip
-            if done.returncode != 0:
-                return None
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
     lib.fp4_quantize.argtypes = [_P, _INT, _I64, _INT, _INT, _F, _F, _P, _P, _P, _P]
     lib.fp4_dequantize.argtypes = [_P, _P, _I64, _INT, _P, _P, _INT, _P]
     lib.fp8_quantize.argtypes = [_P, _INT, _I64, _INT, _F, _F, _P, _P]

@@ -1,13 +1,16 @@
 """Lightning-indexer scores, sum_h w·relu(q·k), with optional visibility/candidate masks: `index_score`.
 
-`reference.py` is the ground truth (bitwise equal to the official reference on CPU); `triton.py` is the
-CUDA kernel (also runs under TRITON_INTERPRET=1), equal to it up to fp32 summation order.
+`reference.py` is the ground truth (bitwise equal to the official reference on CPU); `cpu.py` is its
+compiled CPU twin for the full scan (bitwise equal to it under the portable numerics profile; the torch
+backend takes it on CPU when it builds); `triton.py` is the CUDA kernel (also runs under
+TRITON_INTERPRET=1), equal to it up to fp32 summation order.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.index_score import cpu
 from kernels.index_score.reference import index_score_at_reference, index_score_reference
 
 __all__ = ["index_score", "index_score_at"]
@@ -62,7 +65,9 @@ def index_score(
         visible: optional [T] or [B, T] int; key n is masked for row t when n >= visible[.., t]
             (the causal rule: query at position i sees (i + 1) // ratio entries).
         candidates: optional [B, T, N] bool pool from `candidate_blocks`; False is masked (Reindex layers).
-        backend: "torch" (reference, any device) or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+        backend: "torch" (the compiled CPU twin on CPU where it builds and covers the head dim, else the
+            reference; both give the same bits under the portable profile) or "triton" (CUDA, or CPU under
+            TRITON_INTERPRET=1).
 
     Returns:
         [B, T, N] bf16 scores.
@@ -74,6 +79,10 @@ def index_score(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_inputs(q, k, weights, visible, candidates)
     if backend == "torch":
+        if candidates is None and cpu.usable(q, k):
+            scores = cpu.index_score_cpu(q, k, weights, visible)
+            if scores is not None:
+                return scores
         return index_score_reference(q, k, weights, visible=visible, candidates=candidates)
     # imported here so that importing kernels never imports triton (the interpreter flag must be set first)
     from kernels.index_score.triton import index_score_triton

@@ -1,0 +1,133 @@
+/* Compiled CPU lightning-indexer scores: bit for bit what kernels/index_score/reference.py computes with
+ * torch 2.13 under the portable numerics profile (ATen's AVX2 kernels, oneDNN off), NaN payloads aside
+ * (a NaN is the canonical bf16 quiet NaN here).
+ *
+ * score[r, n] = bf16( sum_h bf16( relu(bf16(q[r, h] . k[n])) * w[r, h] ) ), -inf where n >= visible[r].
+ *
+ * Why the sums are written out as they are: the reference's bf16 einsum reaches ATen's reduced-precision
+ * dot product (fp32 arithmetic), whose order decides the last bit of every score. Measured against torch
+ * on 21M random products at D = 32 and millions more at D = 16..128 (tests/kernels/test_index_score_cpu.py
+ * re-checks it on fresh inputs): the products go into eight fp32 vector registers of eight lanes, element
+ * l of each 64-wide chunk into register (l / 8) % 8, lane l % 8, each register a fused multiply-add
+ * chain; the registers are summed pairwise (r + r + 4, then + 2, then + 1); the remaining 8-wide pieces of
+ * a D that is not a multiple of 64 are multiply-added into that sum one after another; the eight lanes are
+ * then summed pairwise the same way. The head sum of the reference (`sum(dim=2)` over bf16) accumulates
+ * in fp32 from +0 in head order, and relu keeps -0 (x < 0 ? +0 : x).
+ *
+ * Layout for speed: keys are converted to fp32 once per block of 8 keys, transposed so that one AVX2
+ * vector holds one dimension of 8 different keys; every (row, head) then runs the same ordered sums on 8
+ * keys at once. Each key's sums are still exactly the order above: vectorizing across keys never
+ * reassociates within one key. Built without fast-math and with -ffp-contract=off (kernels/native), so
+ * the only fused operations are the explicit _mm256_fmadd_ps, where ATen fuses too (measured: products
+ * whose fp32 rounding is visible, subnormal ones, match only fused). Needs AVX2 and FMA, which the
+ * portable profile needs anyway; on other CPUs the build fails and callers keep the reference.
+ *
+ * q: [R, H, D] bf16 bits; k: [N, D] bf16 bits; w: [R, H] bf16 bits; visible: [R] int64 or NULL;
+ * out: [R, N] bf16 bits. D must be a multiple of 8 (the caller checks).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "cpu_index_score.c needs AVX2 and FMA (the portable profile's instruction set)"
+#endif
+
+#define KEYS 8   /* keys per block: one fp32 AVX2 vector per dimension */
+#define LANES 8  /* ATen's fp32 vector width at the AVX2 level */
+#define REGS 8   /* ATen's accumulator registers per 64-wide chunk */
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* 8 fp32 -> their bf16 round to nearest even (c10::BFloat16), as fp32 bit patterns (bf16 << 16); NaN ->
+ * 0x7FC0 << 16. */
+static inline __m256i round_bf16_bits(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    const __m256i bits = _mm256_slli_epi32(_mm256_srli_epi32(rounded, 16), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+}
+
+static inline __m256 round_bf16(__m256 x) { return _mm256_castsi256_ps(round_bf16_bits(x)); }
+
+/* The dot products of one query row qv[D] (fp32) with the 8 keys of a transposed block kt[D] (one vector
+ * per dimension), in ATen's order (file comment). */
+static inline __m256 dot_block(const float *qv, const __m256 *kt, int d) {
+    const int chunks = d / (REGS * LANES);
+    __m256 lane[LANES];
+    for (int j = 0; j < LANES; j++) {
+        __m256 s = _mm256_setzero_ps();
+        if (chunks > 0) {
+            __m256 reg[REGS];
+            for (int r = 0; r < REGS; r++) {
+                __m256 v = _mm256_setzero_ps();
+                for (int c = 0; c < chunks; c++) {
+                    const int l = c * REGS * LANES + r * LANES + j;
+                    v = _mm256_fmadd_ps(_mm256_set1_ps(qv[l]), kt[l], v);
+                }
+                reg[r] = v;
+            }
+            for (int half = REGS / 2; half >= 1; half /= 2)
+                for (int r = 0; r < half; r++) reg[r] = _mm256_add_ps(reg[r], reg[r + half]);
+            s = reg[0];
+        }
+        for (int l = chunks * REGS * LANES + j; l < d; l += LANES)
+            s = _mm256_fmadd_ps(_mm256_set1_ps(qv[l]), kt[l], s);
+        lane[j] = s;
+    }
+    for (int half = LANES / 2; half >= 1; half /= 2)
+        for (int j = 0; j < half; j++) lane[j] = _mm256_add_ps(lane[j], lane[j + half]);
+    return lane[0];
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated (the caller falls back to the reference). */
+int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, int64_t rows, int heads, int d,
+                     int64_t n_keys, const int64_t *visible, uint16_t *out) {
+    float *qf = malloc(sizeof(float) * (size_t)(rows * heads * d));
+    float *wf = malloc(sizeof(float) * (size_t)(rows * heads));
+    __m256 *kt = aligned_alloc(32, sizeof(__m256) * (size_t)d);
+    if (!qf || !wf || !kt) {
+        free(qf);
+        free(wf);
+        free(kt);
+        return -1;
+    }
+    for (int64_t i = 0; i < rows * heads * d; i++) qf[i] = bf16_to_f32(q[i]);
+    for (int64_t i = 0; i < rows * heads; i++) wf[i] = bf16_to_f32(w[i]);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t n0 = 0; n0 < n_keys; n0 += KEYS) {
+        const int nb = n_keys - n0 < KEYS ? (int)(n_keys - n0) : KEYS;
+        /* transpose the block to fp32 [D] x 8 keys; a short last block pads with zero keys, never stored */
+        for (int l = 0; l < d; l++) {
+            float col[KEYS];
+            for (int n = 0; n < KEYS; n++) col[n] = n < nb ? bf16_to_f32(k[(n0 + n) * d + l]) : 0.0f;
+            kt[l] = _mm256_loadu_ps(col);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 total = zero; /* the head sum starts at +0, as torch's fp32 sum does */
+            for (int h = 0; h < heads; h++) {
+                __m256 s = round_bf16(dot_block(qf + (r * heads + h) * d, kt, d));
+                /* relu keeps -0 and NaN (x < 0 ? +0 : x), as torch's does */
+                s = _mm256_blendv_ps(s, zero, _mm256_cmp_ps(s, zero, _CMP_LT_OQ));
+                total = _mm256_add_ps(total, round_bf16(_mm256_mul_ps(s, _mm256_set1_ps(wf[r * heads + h]))));
+            }
+            uint32_t bits[KEYS];
+            _mm256_storeu_si256((__m256i *)bits, round_bf16_bits(total));
+            const int64_t seen = visible ? visible[r] : INT64_MAX;
+            uint16_t *o = out + r * n_keys + n0;
+            for (int n = 0; n < nb; n++) o[n] = n0 + n >= seen ? 0xFF80 : (uint16_t)(bits[n] >> 16);
+        }
+    }
+    free(qf);
+    free(wf);
+    free(kt);
+    return 0;
+}

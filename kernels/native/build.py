@@ -1,0 +1,70 @@
+"""Build a kernel's C source into a shared library on first use, cached by content and host.
+
+Each compiled op (the block formats, the CPU index scores) keeps its C file beside its `cpu.py`. The
+library is compiled with the system C compiler (`$CC`, else `cc`) and the flags below into a cache folder
+(`$KVRESUME_KERNEL_CACHE`, else `~/.cache/kvresume/kernels`), keyed by the source's hash, the flags and
+the host's CPU flags. Without a compiler, or when the build fails, `load_library` returns None and the
+caller keeps its torch reference.
+
+Why these flags: every compiled kernel here must equal a torch reference bit for bit, so no fast-math and
+no FMA contraction (`-ffp-contract=off`): a C file that wants a fused multiply-add writes `fmaf`.
+`-march=native` only picks the instructions, never the arithmetic, which is why the host's CPU flags are
+part of the cache key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+__all__ = ["cpu_flags", "load_library"]
+
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-shared", "-fPIC")
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The first processor's flags in /proc/cpuinfo (empty where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVRESUME_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "kvresume" / "kernels"
+
+
+@cache
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """The compiled library of `source` (a .c file), building it on the first call; None without a
+    compiler, without the source (an install that left package data out), or when the build fails."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or not source.is_file():
+        return None
+    text = source.read_bytes()
+    host = " ".join(sorted(cpu_flags()))
+    digest = hashlib.sha256(text + " ".join(_FLAGS).encode() + host.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target and rename: concurrent first uses never load a half-written file
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+                                  capture_output=True, check=False)  # fmt: skip
+            if done.returncode != 0:
+                return None
+            os.replace(built, target)
+    return ctypes.CDLL(str(target))

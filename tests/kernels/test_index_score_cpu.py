@@ -1,0 +1,70 @@
+"""The compiled CPU indexer scores (kernels/index_score/cpu.py) against their slow twin, the torch
+reference: every score's bits, on fresh random inputs of the shapes the models use and the edges of the
+C code's order (head dims, short key blocks, one query row, masks, zeros, tiny products)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import index_score, qdq_mxfp4
+from kernels.index_score import cpu
+from kernels.index_score.reference import index_score_reference
+
+pytestmark = pytest.mark.skipif(not cpu.usable(torch.zeros(1, 2, 1, 32), torch.zeros(1, 1, 32)),
+                                reason="no C compiler / no AVX2+FMA: the reference serves alone")  # fmt: skip
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16)
+
+
+def _inputs(g: torch.Generator, b: int, t: int, h: int, d: int, n: int, *, scale: float = 1.0):
+    q = (torch.randn(b, t, h, d, generator=g) * scale).bfloat16()
+    k = (torch.randn(b, n, d, generator=g) * 3 * scale).bfloat16()
+    w = torch.randn(b, t, h, generator=g).bfloat16()
+    return q, k, w
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_compiled_scores_equal_the_reference_bit_for_bit(d: int) -> None:
+    seed = random.SystemRandom().randrange(2**31)  # fresh inputs every run; the seed is in the message
+    g = torch.Generator().manual_seed(seed)
+    for b, t, h, n in [(1, 80, 4, 2053), (2, 3, 4, 517), (1, 1, 4, 9), (1, 5, 1, 300), (3, 2, 2, 1)]:
+        q, k, w = _inputs(g, b, t, h, d, n)
+        visible = torch.randint(0, n + 1, (b, t), generator=g)
+        for vis in (None, visible, visible[0]):
+            want = index_score_reference(q, k, w, visible=vis)
+            got = cpu.index_score_cpu(q, k, w, vis)
+            assert got is not None
+            assert torch.equal(_bits(got), _bits(want)), (seed, d, b, t, h, n, vis is None)
+
+
+def test_quantized_inputs_zeros_and_tiny_products_keep_every_bit() -> None:
+    """What the model feeds (MXFP4-QDQ'd queries and keys on a coarse grid, so exact ties and zero
+    scores), negative weights (relu's zeros times w < 0 give -0), and products whose fp32 rounding is
+    visible (subnormal): these tell a fused multiply-add from a plain one."""
+    g = torch.Generator().manual_seed(7)
+    q, k, w = _inputs(g, 1, 16, 4, 32, 4096)
+    q, k = qdq_mxfp4(q), qdq_mxfp4(k)
+    want = index_score_reference(q, k, w)
+    assert torch.equal(_bits(cpu.index_score_cpu(q, k, w, None)), _bits(want))
+    assert (want == 0).any()
+    q, k, w = _inputs(g, 1, 8, 4, 32, 2048, scale=2.0**-70)
+    assert torch.equal(_bits(cpu.index_score_cpu(q, k, w, None)), _bits(index_score_reference(q, k, w)))
+
+
+def test_index_score_takes_the_compiled_path_only_where_it_is_covered() -> None:
+    """`index_score` (torch backend) equals the reference on covered and uncovered shapes alike: a head
+    dim whose ATen order the C code does not reproduce (8, 24, 40, 96) or a single product row keeps the
+    reference."""
+    assert cpu.covers(32, 80) and cpu.covers(128, 2) and cpu.covers(16, 2)
+    assert not any(cpu.covers(d, 80) for d in (8, 24, 40, 96)) and not cpu.covers(32, 1)
+    g = torch.Generator().manual_seed(3)
+    for d, t, h in [(32, 7, 4), (8, 7, 4), (24, 7, 4), (40, 7, 4), (96, 3, 2), (32, 1, 1)]:
+        q, k, w = _inputs(g, 1, t, h, d, 777)
+        visible = torch.randint(0, 778, (t,), generator=g)
+        want = index_score_reference(q, k, w, visible=visible)
+        assert torch.equal(_bits(index_score(q, k, w, visible=visible)), _bits(want)), (d, t, h)
