@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, insert, select, text, update
+from sqlalchemy import Engine, bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import AuditHead, AuditRow
@@ -49,6 +49,18 @@ NODE_CHAIN = ""
 _LOG = AuditRow.__table__
 _HEAD = AuditHead.__table__
 _FIELDS = ("seq", "ts_us", "actor", "action", "tenant", "subject", "reason", "nbytes", "prev_hash", "hash")
+
+# An append's statements, built once (they run in every turn's transaction).
+_HEAD_FOR_UPDATE = select(_HEAD.c.seq, _HEAD.c.hash).where(_HEAD.c.chain == bindparam("c")).with_for_update()
+_HEAD_NEW = insert(_HEAD)
+_HEAD_MOVE = (
+    update(_HEAD)
+    .where(_HEAD.c.chain == bindparam("c"), _HEAD.c.seq == bindparam("seq0"))
+    .values(seq=bindparam("seq1"), hash=bindparam("hash1"))
+)
+_LOG_ADD = insert(_LOG)
+_SEQSCAN_OFF = text("SET LOCAL enable_seqscan = off")
+_SEQSCAN_DEFAULT = text("SET LOCAL enable_seqscan TO DEFAULT")
 
 
 def record_from_row(row: object) -> AuditRecord:
@@ -186,20 +198,19 @@ class SqlAuditSink(AuditSink):
             by_chain.setdefault(chain_of(event.tenant), []).append(i)
         sealed: list[AuditRecord | None] = [None] * len(items)
         rows: list[dict[str, object]] = []
-        postgres = session.get_bind().dialect.name == "postgresql"
+        conn = session.connection()
+        postgres = conn.dialect.name == "postgresql"
         if postgres:
             # Under SERIALIZABLE a sequential scan of audit_head (the planner's choice while it is small)
             # takes a predicate lock on the whole table, so appends of two tenants would conflict and one
             # be rerun; index scans lock only the chain's own head row.
-            session.execute(text("SET LOCAL enable_seqscan = off"))
+            conn.execute(_SEQSCAN_OFF)
         # Heads are locked in chain order, so two transactions that touch the same chains cannot
         # deadlock; FOR UPDATE serialises appenders of one chain on PostgreSQL, and under SERIALIZABLE
         # a concurrent head move (or a concurrent first record of a chain) fails one of the two
         # transactions, which run_serializable reruns.
         for chain in sorted(by_chain):
-            head = session.execute(
-                select(_HEAD.c.seq, _HEAD.c.hash).where(_HEAD.c.chain == chain).with_for_update()
-            ).one_or_none()
+            head = conn.execute(_HEAD_FOR_UPDATE, {"c": chain}).one_or_none()
             seq0, prev = (head.seq, head.hash) if head is not None else (0, GENESIS_HASH)
             seq = seq0
             for i in by_chain[chain]:
@@ -210,19 +221,15 @@ class SqlAuditSink(AuditSink):
                 sealed[i] = rec
                 prev = rec.hash
             if head is None:
-                session.execute(insert(_HEAD).values(chain=chain, seq=seq, hash=prev))
+                conn.execute(_HEAD_NEW, {"chain": chain, "seq": seq, "hash": prev})
             else:
-                moved = session.execute(
-                    update(_HEAD)
-                    .where(_HEAD.c.chain == chain, _HEAD.c.seq == seq0)
-                    .values(seq=seq, hash=prev)
-                )
+                moved = conn.execute(_HEAD_MOVE, {"c": chain, "seq0": seq0, "seq1": seq, "hash1": prev})
                 # The guarded update can only miss if another writer moved the head under us, which
                 # the lock and the isolation level exclude.
                 assert moved.rowcount == 1, f"audit head of chain {chain!r} moved during append"
         if postgres:
-            session.execute(text("SET LOCAL enable_seqscan TO DEFAULT"))
-        session.execute(insert(_LOG), rows)
+            conn.execute(_SEQSCAN_DEFAULT)
+        conn.execute(_LOG_ADD, rows)
         return [r for r in sealed if r is not None]
 
     def chains(self) -> list[str]:

@@ -5,7 +5,9 @@ Knows nothing of the schema; `migrate.py` creates it through Alembic, never `cre
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -30,11 +32,14 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, echo=echo, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_MS / 1000})
         event.listen(engine, "connect", _sqlite_on_connect)
-        # pysqlite's own BEGIN handling is disabled; `_sqlite_on_begin` emits BEGIN IMMEDIATE for
+        # pysqlite's own BEGIN handling is disabled; `WriterQueue.on_begin` emits BEGIN IMMEDIATE for
         # writers (`serializable_factory`), so that a read-then-write transaction cannot deadlock
         # against another writer (serialisable on SQLite), and a deferred BEGIN for readers, which in
         # WAL mode neither take nor wait for the write lock.
-        event.listen(engine, "begin", _sqlite_on_begin)
+        queue = WriterQueue()
+        event.listen(engine, "begin", queue.on_begin)
+        for name in ("checkin", "invalidate", "soft_invalidate", "detach", "close"):
+            event.listen(engine, name, queue.on_release)
         return engine
     if backend == "postgresql":
         return create_engine(url, echo=echo, pool_pre_ping=True)
@@ -55,9 +60,46 @@ WRITER_OPTION = "kvresume_sqlite_writer"
 """Execution option that makes a SQLite transaction take the write lock at BEGIN (BEGIN IMMEDIATE)."""
 
 
-def _sqlite_on_begin(connection: object) -> None:
-    writer = connection.get_execution_options().get(WRITER_OPTION, False)  # type: ignore[attr-defined]
-    connection.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")  # type: ignore[attr-defined]
+_HOLDS_QUEUE = "kvresume_holds_writer_queue"
+
+
+class WriterQueue:
+    """This process's SQLite writers wait here, one at a time, before they ask for SQLite's write lock.
+
+    A writer that finds SQLite's lock taken polls for it with growing sleeps (its busy handler: 1, 2,
+    5 ... 100 ms), so under many concurrent turns writers slept far past the moment the lock was free
+    (some turns waited seconds). A writer queued here instead wakes as soon as the previous writer's
+    connection is back in the pool (after its COMMIT or ROLLBACK).
+
+    Writers of other processes (an offline CLI) still meet SQLite's busy handler. A writer that waits
+    here longer than the busy timeout goes on to BEGIN IMMEDIATE without its turn (SQLite then decides,
+    as it did without the queue), so a thread that opens a second write transaction while holding one
+    fails after the timeout as before instead of waiting forever.
+    """
+
+    def __init__(self, timeout_s: float = _SQLITE_BUSY_TIMEOUT_MS / 1000) -> None:
+        self._lock = threading.Lock()
+        self._timeout_s = timeout_s
+
+    def on_begin(self, connection: Any) -> None:
+        """The engine's `begin` event: BEGIN IMMEDIATE for writers (after their turn here), BEGIN else."""
+        writer = connection.get_execution_options().get(WRITER_OPTION, False)
+        if writer and not connection.info.get(_HOLDS_QUEUE) and self._lock.acquire(timeout=self._timeout_s):
+            connection.info[_HOLDS_QUEUE] = True
+        try:
+            connection.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")
+        except BaseException:
+            self._release(connection.info)
+            raise
+
+    def on_release(self, dbapi_connection: Any, record: Any, *args: Any) -> None:
+        """The pool's checkin / invalidate / detach / close events: the connection's transaction is over."""
+        if record is not None:
+            self._release(record.info)
+
+    def _release(self, info: dict[Any, Any]) -> None:
+        if info.pop(_HOLDS_QUEUE, False):
+            self._lock.release()
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
-from sqlalchemy import select
+from sqlalchemy import bindparam, delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db.audit_sink import SqlAuditSink
@@ -48,6 +48,9 @@ session that held it (the row's expires_at is the latest of theirs)."""
 
 # Store records after which the named chunk is gone from the store.
 _GONE = frozenset({AuditAction.EXPIRE, AuditAction.EVICT, AuditAction.READ_CORRUPT, AuditAction.PURGE})
+_FORGET = delete(CacheSegment.__table__).where(
+    CacheSegment.store_key.in_(bindparam("keys", expanding=True)), CacheSegment.node == bindparam("node")
+)
 
 log = structlog.get_logger(__name__)
 
@@ -160,15 +163,9 @@ def forget_gone_chunks(session: Session, *, node: str, records: Iterable[AuditRe
     keys = _gone_keys(records)
     if not keys:
         return 0
-    rows = list(
-        session.scalars(
-            select(CacheSegment).where(CacheSegment.store_key.in_(keys), CacheSegment.node == node)
-        )
-    )
-    for row in rows:
-        session.delete(row)
-    session.flush()
-    return len(rows)
+    # Core, built once (`_FORGET`): this runs in the transaction of every turn whose write replaced a
+    # tail chunk. The links go with the rows (ON DELETE CASCADE).
+    return session.connection().execute(_FORGET, {"keys": keys, "node": node}).rowcount
 
 
 def mirror_and_forget(

@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 import torch
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from model import PassStats
@@ -64,6 +64,27 @@ from storage import ContentKey, GlobalKVStore, WindowPool
 __all__ = ["TurnEngine", "actual_counts"]
 
 log = structlog.get_logger(__name__)
+
+_SESSIONS, _TURNS = SessionRow.__table__, TurnRow.__table__
+
+
+class _FinishStatements:
+    """`TurnEngine._finish`'s statements, built once (every turn runs them; building one costs several
+    times what running it from the compiled cache does)."""
+
+    session = (
+        select(_SESSIONS.c.status, _SESSIONS.c.turn_count, _SESSIONS.c.history_tokens)
+        .where(_SESSIONS.c.id == bindparam("sid"), _SESSIONS.c.tenant_id == bindparam("tid"))
+        .with_for_update()
+    )
+    add_turn = insert(_TURNS)
+    close_turn = update(_TURNS).where(
+        _TURNS.c.id == bindparam("turn_id"), _TURNS.c.status == bindparam("running")
+    )
+    advance = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid"))
+
+
+_FINISH = _FinishStatements()
 
 
 def actual_counts(
@@ -453,7 +474,6 @@ class TurnEngine:
         Raises:
             PreconditionError: the session was deleted, closed or advanced during the turn.
         """
-        sessions, turns = SessionRow.__table__, TurnRow.__table__
         plan = f.plan
         claimed = list(outcome.audit) if outcome is not None else []
         values = dict(
@@ -466,11 +486,8 @@ class TurnEngine:
         )
 
         def work(s):
-            row = s.execute(
-                select(sessions.c.status, sessions.c.turn_count, sessions.c.history_tokens)
-                .where(sessions.c.id == f.session_id, sessions.c.tenant_id == f.tenant_id)
-                .with_for_update()
-            ).one_or_none()
+            conn = s.connection()
+            row = conn.execute(_FINISH.session, {"sid": f.session_id, "tid": f.tenant_id}).one_or_none()
             if row is None:
                 raise PreconditionError(f"session {f.session_id} was deleted during its turn")
             if turn_id is None:
@@ -480,23 +497,21 @@ class TurnEngine:
                     raise PreconditionError(
                         f"session {f.session_id} advanced to turn {row.turn_count} meanwhile"
                     )
-                s.execute(insert(turns).values(index=f.turn_count, **_turn_row(f), **values))
+                conn.execute(_FINISH.add_turn, {"index": f.turn_count, **_turn_row(f), **values})
             else:
-                done = s.execute(
-                    update(turns)
-                    .where(turns.c.id == turn_id, turns.c.status == TurnStatus.RUNNING)
-                    .values(**values)
+                done = conn.execute(
+                    _FINISH.close_turn, {"turn_id": turn_id, "running": TurnStatus.RUNNING, **values}
                 )
                 if done.rowcount != 1:
                     raise PreconditionError(f"session {f.session_id} was deleted during its turn")
-            s.execute(
-                update(sessions)
-                .where(sessions.c.id == f.session_id)
-                .values(
-                    turn_count=f.turn_count + 1,
-                    history_tokens=row.history_tokens + len(f.new_tokens) + len(output),
-                    model=plan.model,
-                )
+            conn.execute(
+                _FINISH.advance,
+                {
+                    "sid": f.session_id,
+                    "turn_count": f.turn_count + 1,
+                    "history_tokens": row.history_tokens + len(f.new_tokens) + len(output),
+                    "model": plan.model,
+                },
             )
             if outcome is not None and outcome.persisted:
                 link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)

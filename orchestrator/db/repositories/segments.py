@@ -11,12 +11,50 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy import bindparam, delete, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
 
 __all__ = ["SegmentRepository", "DurableSegment", "SegmentTotals"]
+
+_CS, _SS = CacheSegment.__table__, SessionSegment.__table__
+
+
+class _LinkStatements:
+    """`link_current`'s statements, built once: building a statement costs several times what running a
+    cached one does, and these run on every turn."""
+
+    known = select(_CS.c.id, _CS.c.store_key, _CS.c.tenant_id, _CS.c.expires_at).where(
+        _CS.c.store_key.in_(bindparam("keys", expanding=True))
+    )
+    add = insert(_CS).returning(_CS.c.id, _CS.c.store_key)
+    extend = (
+        update(_CS)
+        .where(_CS.c.id.in_(bindparam("ids", expanding=True)), _CS.c.expires_at < bindparam("until"))
+        .values(expires_at=bindparam("until"))
+    )
+    linked = (
+        select(_SS.c.segment_id, _CS.c.fingerprint)
+        .join(_CS, _SS.c.segment_id == _CS.c.id)
+        .where(_SS.c.session_id == bindparam("sid"))
+    )
+    link = insert(_SS)
+    unlink = delete(_SS).where(
+        _SS.c.session_id == bindparam("sid"), _SS.c.segment_id.in_(bindparam("ids", expanding=True))
+    )
+    drop_unlinked = delete(_CS).where(
+        _CS.c.id.in_(bindparam("ids", expanding=True)), ~exists().where(_SS.c.segment_id == _CS.c.id)
+    )
+
+
+_LINK = _LinkStatements()
+
+# `within_retention`: each key's row and whether it is inside its retention at `live_at`.
+_RETAINED_ANY = select(_CS.c.store_key, _CS.c.expires_at > bindparam("live_at")).where(
+    _CS.c.store_key.in_(bindparam("keys", expanding=True))
+)
+_RETAINED = _RETAINED_ANY.where(_CS.c.tenant_id == bindparam("tenant"), _CS.c.fingerprint == bindparam("fp"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,21 +132,17 @@ class SegmentRepository:
         extend the expiry of known ones, link them, unlink the session's other chunks of that
         fingerprint (a superseded shorter tail) and delete rows no session links any more.
 
-        SQLAlchemy Core, one statement per step whatever the number of segments (the per-turn path).
+        SQLAlchemy Core statements built once (`_LINK`), run on the transaction's connection, one per
+        step whatever the number of segments (the per-turn path).
 
         Raises:
             ValueError: a store key already recorded for another tenant.
         """
-        cs, ss = CacheSegment.__table__, SessionSegment.__table__
-        s = self._s
+        conn = self._s.connection()
         keys = [seg.store_key for seg in segments]
         known: dict[bytes, tuple[int, str, dt.datetime]] = {}
         if keys:
-            rows = s.execute(
-                select(cs.c.id, cs.c.store_key, cs.c.tenant_id, cs.c.expires_at).where(
-                    cs.c.store_key.in_(keys)
-                )
-            )
+            rows = conn.execute(_LINK.known, {"keys": keys})
             known = {r.store_key: (r.id, r.tenant_id, r.expires_at) for r in rows}
         ids: dict[bytes, int] = {}
         fresh: list[dict[str, object]] = []
@@ -144,28 +178,21 @@ class SegmentRepository:
             if expires < seg.expires_at:
                 extend.setdefault(seg.expires_at, []).append(seg_id)
         if fresh:
-            inserted = s.execute(insert(cs).returning(cs.c.id, cs.c.store_key), fresh)
+            inserted = conn.execute(_LINK.add, fresh)
             ids.update({r.store_key: r.id for r in inserted})
         for expires, seg_ids in extend.items():
-            s.execute(
-                update(cs).where(cs.c.id.in_(seg_ids), cs.c.expires_at < expires).values(expires_at=expires)
-            )
+            conn.execute(_LINK.extend, {"ids": seg_ids, "until": expires})
         keep = set(ids.values())
-        linked = s.execute(
-            select(ss.c.segment_id, cs.c.fingerprint)
-            .join(cs, ss.c.segment_id == cs.c.id)
-            .where(ss.c.session_id == session_id)
-        ).all()
+        linked = conn.execute(_LINK.linked, {"sid": session_id}).all()
         have = {r.segment_id for r in linked}
         missing = [{"session_id": session_id, "segment_id": i} for i in sorted(keep - have)]
         if missing:
-            s.execute(insert(ss), missing)
+            conn.execute(_LINK.link, missing)
         stale = [r.segment_id for r in linked if r.fingerprint == fingerprint and r.segment_id not in keep]
         if not stale:
             return
-        s.execute(delete(ss).where(ss.c.session_id == session_id, ss.c.segment_id.in_(stale)))
-        still = exists().where(ss.c.segment_id == cs.c.id)
-        s.execute(delete(cs).where(cs.c.id.in_(stale), ~still))
+        conn.execute(_LINK.unlink, {"sid": session_id, "ids": stale})
+        conn.execute(_LINK.drop_unlinked, {"ids": stale})
 
     def for_session(self, session_id: str, *, model: str | None = None) -> list[CacheSegment]:
         stmt = (
@@ -241,16 +268,22 @@ class SegmentRepository:
         if not keys:
             return {}
         live_at = dt.datetime.fromtimestamp(now, dt.UTC)
-        stmt = select(CacheSegment.store_key, CacheSegment.expires_at > live_at).where(
-            CacheSegment.store_key.in_(list(keys))
-        )
+        params: dict[str, object] = {"keys": list(keys), "live_at": live_at}
+        if tenant_id is not None and fingerprint is not None and node is None:
+            # the read path's filters on every turn: the statement built once
+            params.update(tenant=tenant_id, fp=fingerprint)
+            return {key: bool(live) for key, live in self._s.connection().execute(_RETAINED, params)}
+        stmt = _RETAINED_ANY
         if tenant_id is not None:
-            stmt = stmt.where(CacheSegment.tenant_id == tenant_id)
+            stmt = stmt.where(_CS.c.tenant_id == bindparam("tenant"))
+            params["tenant"] = tenant_id
         if fingerprint is not None:
-            stmt = stmt.where(CacheSegment.fingerprint == fingerprint)
+            stmt = stmt.where(_CS.c.fingerprint == bindparam("fp"))
+            params["fp"] = fingerprint
         if node is not None:
-            stmt = stmt.where(CacheSegment.node == node)
-        return {key: bool(live) for key, live in self._s.execute(stmt)}
+            stmt = stmt.where(_CS.c.node == bindparam("node"))
+            params["node"] = node
+        return {key: bool(live) for key, live in self._s.connection().execute(stmt, params)}
 
     def keys_on_node(self, node: str) -> set[bytes]:
         return set(self._s.scalars(select(CacheSegment.store_key).where(CacheSegment.node == node)))
