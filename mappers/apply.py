@@ -24,7 +24,15 @@ from mappers.artifact import KVMapper, PartMap
 from mappers.errors import MapperMismatch
 from mappers.geometry import add_rope, entry_rotations, rope_spec, strip_rope
 from mappers.mlp import build_features, mlp_predict
-from model import ModelConfig, ModelState, SourceCache, Transformer, export_global, import_global
+from model import (
+    CacheFormatError,
+    ModelConfig,
+    ModelState,
+    SourceCache,
+    Transformer,
+    export_global,
+    import_global_chunks,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,14 +273,18 @@ def _globals_only_state(
 def _read_blobs(
     cfg: ModelConfig, blobs: Sequence[bytes], fingerprint: bytes, device: torch.device | str
 ) -> tuple[ModelState, list[tuple[int, int]]]:
+    """The sender's chunks as one globals-only state (imported in one linear-time call) and their bounds.
+
+    Raises:
+        CacheFormatError: the first chunk `import_global` would refuse (none is mapped then).
+    """
     state = _globals_only_state(_empty_sources(cfg, device), 0, device)
-    bounds, end = [], 0
-    for blob in blobs:
-        start = end
-        end = import_global(state, blob, fingerprint=fingerprint)
-        bounds.append((start, end))
-    state.tokens = torch.zeros(1, end, dtype=torch.int64, device=device)
-    return state, bounds
+    done = import_global_chunks(state, list(blobs), fingerprint=fingerprint)
+    if done.failure is not None:
+        raise CacheFormatError(f"sender chunk {done.imported}: {done.failure}")
+    starts = (0, *done.ends[:-1]) if done.ends else ()
+    state.tokens = torch.zeros(1, done.end or 0, dtype=torch.int64, device=device)
+    return state, list(zip(starts, done.ends, strict=True))
 
 
 def _chunk_bounds(n_tokens: int, chunk_tokens: int | None) -> list[tuple[int, int]]:

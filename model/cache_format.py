@@ -175,11 +175,13 @@ class ChunkImport:
         imported: how many of the chunks, from the first, were appended.
         failure: why chunk number `imported` was refused (what `import_global` would raise for it), or
             None when every chunk was appended.
+        ends: the end position of each appended chunk, in order (each starts where the one before ends).
     """
 
     end: int | None
     imported: int
     failure: str | None = None
+    ends: tuple[int, ...] = ()
 
 
 def _entry_width(src: SourceCache) -> tuple[int, int, int, int]:
@@ -238,7 +240,7 @@ def import_global_chunks(state: ModelState, blobs: list[bytes], *, fingerprint: 
     sources = state.sources
     entries = {layer: src.n_entries for layer, src in sources.items()}
     parts: dict[int, list[memoryview]] = {layer: [] for layer in sources}
-    end, imported, failure = None, 0, None
+    end, imported, failure, ends = None, 0, None, []
     for blob in blobs:
         try:
             chunk_end, slices = _chunk_slices(sources, entries, blob, fingerprint)
@@ -249,6 +251,7 @@ def import_global_chunks(state: ModelState, blobs: list[bytes], *, fingerprint: 
             parts[layer].append(piece)
             entries[layer] = chunk_end // sources[layer].ratio
         end, imported = chunk_end, imported + 1
+        ends.append(chunk_end)
     if imported == 0:
         return ChunkImport(end=end, imported=0, failure=failure)
     updates = {}
@@ -282,7 +285,7 @@ def import_global_chunks(state: ModelState, blobs: list[bytes], *, fingerprint: 
             index_scales=append(src.index_scales, ix_s),
         )
     sources.update(updates)
-    return ChunkImport(end=end, imported=imported, failure=failure)
+    return ChunkImport(end=end, imported=imported, failure=failure, ends=tuple(ends))
 
 
 def state_from_global(

@@ -21,6 +21,7 @@ from mappers import (
 )
 from model import (
     HEADER_BYTES,
+    CacheFormatError,
     Transformer,
     apply_rope,
     export_global,
@@ -225,3 +226,22 @@ def test_apply_mapper_on_cuda_matches_cpu(pair: tuple[Transformer, Transformer])
     # fp32 rotations and matmuls may round differently on the GPU: a code flips only at a rounding tie
     same = sum(a == b for x, y in zip(on_gpu, on_cpu, strict=True) for a, b in zip(x, y, strict=True))
     assert same >= 0.99 * sum(len(x) for x in on_cpu)
+
+
+@torch.inference_mode()
+def test_apply_mapper_refuses_a_damaged_sender_chunk_by_number(pair: tuple[Transformer, Transformer]) -> None:
+    """The sender's chunks are imported in one linear-time call (model.import_global_chunks); a chunk it
+    refuses fails the whole map with CacheFormatError naming the chunk, and no chunks map to nothing."""
+    sender, receiver = pair
+    fp_s, fp_r = model_fingerprint(sender), model_fingerprint(receiver)
+    state = prefill(sender, _tokens(64, 3)).state
+    blobs = [export_global(state, a, b, fingerprint=fp_s) for a, b in [(0, 32), (32, 64)]]
+    mapper = identity_mapper(sender.cfg, receiver.cfg, sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+    damaged = bytearray(blobs[1])
+    damaged[-1] ^= 0xFF
+    with pytest.raises(CacheFormatError, match="sender chunk 1"):
+        apply_mapper(mapper, [blobs[0], bytes(damaged)], sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+    with pytest.raises(CacheFormatError, match="sender chunk 0"):
+        apply_mapper(mapper, [blobs[1]], sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+    empty = apply_mapper(mapper, [], sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+    assert empty.n_tokens == 0 and empty.bounds == () and empty.blobs == ()
