@@ -191,9 +191,13 @@ def _entry_width(src: SourceCache) -> tuple[int, int, int, int]:
 
 
 def _chunk_slices(
-    sources: dict[int, SourceCache], entries: dict[int, int], blob: bytes, fingerprint: bytes
+    layout: list[tuple[int, int, int]], entries: dict[int, int], blob: bytes, fingerprint: bytes
 ) -> tuple[int, dict[int, memoryview]]:
     """Validate one chunk against the entries each source holds so far (the checks of `import_global`).
+
+    Args:
+        layout: (layer, ratio, entry bytes) of every source in layer order, computed once per import
+            (per chunk it cost a fifth of a 64K-token import).
 
     Returns:
         the chunk's end position and, per source, its entry bytes ([n, width] row-major).
@@ -206,13 +210,12 @@ def _chunk_slices(
         raise CacheFormatError(f"chunk ends at {end}, before its start {start}")
     offset = 0
     slices = {}
-    for layer in sorted(sources):
-        m = sources[layer].ratio
+    for layer, m, width in layout:
         if start % m or entries[layer] != start // m:
             raise CacheFormatError(
                 f"chunk starts at {start} but layer {layer} holds {entries[layer]} entries of ratio {m}"
             )
-        size = (end // m - start // m) * sum(_entry_width(sources[layer]))
+        size = (end // m - start // m) * width
         if offset + size > len(payload):
             raise CacheFormatError(f"chunk payload too short for layer {layer}")
         slices[layer] = payload[offset : offset + size]
@@ -240,16 +243,17 @@ def import_global_chunks(state: ModelState, blobs: list[bytes], *, fingerprint: 
     sources = state.sources
     entries = {layer: src.n_entries for layer, src in sources.items()}
     parts: dict[int, list[memoryview]] = {layer: [] for layer in sources}
+    layout = [(layer, sources[layer].ratio, sum(_entry_width(sources[layer]))) for layer in sorted(sources)]
     end, imported, failure, ends = None, 0, None, []
     for blob in blobs:
         try:
-            chunk_end, slices = _chunk_slices(sources, entries, blob, fingerprint)
+            chunk_end, slices = _chunk_slices(layout, entries, blob, fingerprint)
         except CacheFormatError as exc:
             failure = str(exc)
             break
-        for layer, piece in slices.items():
-            parts[layer].append(piece)
-            entries[layer] = chunk_end // sources[layer].ratio
+        for layer, m, _ in layout:
+            parts[layer].append(slices[layer])
+            entries[layer] = chunk_end // m
         end, imported = chunk_end, imported + 1
         ends.append(chunk_end)
     if imported == 0:
