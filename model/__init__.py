@@ -40,6 +40,7 @@ from model.kv_bytes import (
 )
 from model.linear import set_linear_math
 from model.numerics import (
+    MATH_MODES,
     NumericsProfile,
     configure_torch,
     torch_cpu_problems,
@@ -75,6 +76,7 @@ __all__ = [
     "init_random",
     "load_model",
     "set_linear_math",
+    "MATH_MODES",
     "LOGITS_REL_TOL",
     "ModelState",
     "PassOutput",

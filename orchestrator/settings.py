@@ -95,6 +95,11 @@ class Settings:
     # Kernels of the served models: "torch" (reference ops) or "triton" (CUDA kernels); the two give
     # caches that are not bit-for-bit interchangeable, so it is part of the numerics fingerprint too.
     model_kernel_backend: str = "torch"
+    # The served models' quantized-linear math: "exact" (the reference's block-scaled GEMMs, bit for bit
+    # the conformance vectors) or "fast" (scales folded into cached weights, one GEMM per linear: faster,
+    # not bitwise the reference; drift measured in model/README.md). Part of the caches' numerics
+    # fingerprint, so a cache written under one is a miss under the other.
+    model_math: str = "exact"
     # How turns share a served model: "batching" (one scheduler per model runs every session's decode
     # token in one batch-invariant pass per step, plus prefill chunks under `step_token_budget`) or
     # "serial" (each forward pass alone, one at a time: the baseline). Both give identical tokens and bytes.
@@ -175,6 +180,9 @@ class Settings:
         # model.numerics.CPU_PATHS, spelled out for the same reason.
         if self.model_numerics not in ("portable", "native"):
             raise ValueError(f"model_numerics={self.model_numerics!r} must be 'portable' or 'native'")
+        # model.numerics.MATH_MODES, spelled out for the same reason.
+        if self.model_math not in ("exact", "fast"):
+            raise ValueError(f"model_math={self.model_math!r} must be 'exact' or 'fast'")
         if self.scheduler not in ("batching", "serial"):
             raise ValueError(f"scheduler={self.scheduler!r} must be 'batching' or 'serial'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

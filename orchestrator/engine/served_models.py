@@ -17,6 +17,7 @@ import torch
 
 from model import (
     KERNEL_BACKENDS,
+    MATH_MODES,
     ModelConfig,
     NumericsProfile,
     Transformer,
@@ -24,6 +25,7 @@ from model import (
     load_model,
     load_preset,
     model_fingerprint,
+    set_linear_math,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
 from orchestrator.numerics_env import CPU_PATHS, in_force_problems, native_host_id
@@ -162,7 +164,12 @@ class ServedModel:
 
 
 def load_served(
-    spec: ServedModelSpec, *, device: str = "cpu", kernel_backend: str = "torch", cpu_path: str = "portable"
+    spec: ServedModelSpec,
+    *,
+    device: str = "cpu",
+    kernel_backend: str = "torch",
+    cpu_path: str = "portable",
+    linear_math: str = "exact",
 ) -> ServedModel:
     """Load weights (or init the stand-in), fingerprint them under the numerics profile, and pick the
     tokenizer.
@@ -173,12 +180,16 @@ def load_served(
         cpu_path: the CPU code path ("portable" or "native"), which must be in force in this process: a
             fingerprint that named a profile the process does not compute with would let caches of
             another arithmetic hit.
+        linear_math: the quantized linears' math, "exact" or "fast" (`model.set_linear_math`); named in the
+            numerics profile, so the fingerprint (and every cache) of a fast model differs from exact.
 
     Raises:
         FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
-        ValueError: an unknown kernel_backend or cpu path, or a portable path that is not in force
+        ValueError: an unknown kernel_backend, cpu path or math, or a portable path that is not in force
             (naming what differs).
     """
+    if linear_math not in MATH_MODES:
+        raise ValueError(f"model {spec.name}: linear_math must be one of {MATH_MODES}, got {linear_math!r}")
     problems = in_force_problems(cpu_path)
     if problems:
         raise ValueError(
@@ -199,10 +210,12 @@ def load_served(
         model = init_random(model, seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
     model.eval()
+    set_linear_math(model, linear_math)
     numerics = NumericsProfile.for_device(
         device,
         kernel_backend=model.kernel_backend,
         cpu_path=cpu_path,
+        math=linear_math,
         native_host=native_host_id() if cpu_path == "native" else "",
     )
     with torch.inference_mode():
@@ -226,6 +239,7 @@ class ModelRegistry:
         device: str = "cpu",
         kernel_backend: str = "torch",
         cpu_path: str = "portable",
+        linear_math: str = "exact",
     ) -> None:
         for name, spec in specs.items():
             if name != spec.name:
@@ -236,8 +250,11 @@ class ModelRegistry:
         self._device = device
         if cpu_path not in CPU_PATHS:
             raise ValueError(f"numerics cpu path must be one of {CPU_PATHS}, got {cpu_path!r}")
+        if linear_math not in MATH_MODES:
+            raise ValueError(f"linear_math must be one of {MATH_MODES}, got {linear_math!r}")
         self._kernel_backend = kernel_backend
         self._cpu_path = cpu_path
+        self._linear_math = linear_math
         self._loaded: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
@@ -249,6 +266,7 @@ class ModelRegistry:
         device: str = "cpu",
         kernel_backend: str = "torch",
         cpu_path: str = "portable",
+        linear_math: str = "exact",
     ) -> ModelRegistry:
         """From settings' name -> source strings; empty: `default_model_specs()`."""
         specs = (
@@ -256,7 +274,9 @@ class ModelRegistry:
             if not sources
             else {n: ServedModelSpec.parse(n, s) for n, s in sources.items()}
         )
-        return cls(specs, device=device, kernel_backend=kernel_backend, cpu_path=cpu_path)
+        return cls(
+            specs, device=device, kernel_backend=kernel_backend, cpu_path=cpu_path, linear_math=linear_math
+        )
 
     @property
     def kernel_backend(self) -> str:
@@ -265,6 +285,10 @@ class ModelRegistry:
     @property
     def cpu_path(self) -> str:
         return self._cpu_path
+
+    @property
+    def linear_math(self) -> str:
+        return self._linear_math
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -282,7 +306,11 @@ class ModelRegistry:
             served = self._loaded.get(name)
             if served is None:
                 served = load_served(
-                    spec, device=self._device, kernel_backend=self._kernel_backend, cpu_path=self._cpu_path
+                    spec,
+                    device=self._device,
+                    kernel_backend=self._kernel_backend,
+                    cpu_path=self._cpu_path,
+                    linear_math=self._linear_math,
                 )
                 self._loaded[name] = served
             return served

@@ -253,6 +253,7 @@ def build_node(
             device=settings.model_device,
             kernel_backend=settings.model_kernel_backend,
             cpu_path=settings.model_numerics,
+            linear_math=settings.model_math,
         )
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)

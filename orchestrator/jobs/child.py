@@ -173,6 +173,7 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
         side: load_served(
             ServedModelSpec.parse(spec[side]["name"], spec[side]["source"]),
             device=spec["device"], kernel_backend=spec["kernel_backend"], cpu_path=cpu_path,
+            linear_math=spec.get("linear_math", "exact"),
         )
         for side in ("sender", "receiver")
     }

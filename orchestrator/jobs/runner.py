@@ -362,6 +362,8 @@ class FitJobService:
             "device": s.model_device,
             "kernel_backend": s.model_kernel_backend,
             "cpu_path": s.model_numerics,
+            # the served math, so the artifact records the fingerprints the node serves under
+            "linear_math": s.model_math,
             "threads": s.fit_threads,
             "data_dir": str(s.data_dir.resolve()),
             "out_dir": str((job_dir / "artifact").resolve()),

@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import NumericsProfile, load_preset, model_fingerprint, weights_fingerprint
+from model import (
+    CacheFormatError,
+    NumericsProfile,
+    export_global,
+    load_preset,
+    model_fingerprint,
+    prefill,
+    state_from_global,
+    weights_fingerprint,
+)
+from model.linear import Linear
 from orchestrator.engine import (
     DEFAULT_SIBLINGS,
     ByteCodec,
@@ -118,3 +128,26 @@ def test_build_node_serves_the_configured_kernel_backend(tmp_path: Path) -> None
         assert node.registry.get("x").fingerprint == expected.fingerprint
     finally:
         node.close()
+
+
+def test_fast_linear_math_is_served_under_its_own_fingerprint() -> None:
+    """`model_math = "fast"` (issue 16's fast profile): the served model's quantized linears run the
+    folded-scale GEMM, the numerics label says math=fast, and its caches carry another fingerprint, so a
+    cache of one math is refused by a model of the other (a miss, never a hit)."""
+    spec = ServedModelSpec(name="x", config="v41-tiny", seed=3)
+    exact, fast = load_served(spec), load_served(spec, linear_math="fast")
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear) and m.quantized]
+    assert linears and all(m.math == "fast" for m in linears)
+    assert fast.numerics.math == "fast" and "math=fast" in fast.numerics.label
+    assert fast.fingerprint != exact.fingerprint
+    with torch.inference_mode():
+        state = prefill(fast.model, torch.arange(1, 33).view(1, 32)).state
+        blob = export_global(state, 0, 32, fingerprint=fast.fingerprint)
+        with pytest.raises(CacheFormatError, match="fingerprint"):
+            state_from_global(exact.model, state.tokens, [blob], fingerprint=exact.fingerprint)
+    reg = ModelRegistry.from_sources({"x": "random:v41-tiny@3"}, linear_math="fast")
+    assert reg.linear_math == "fast" and reg.get("x").fingerprint == fast.fingerprint
+    with pytest.raises(ValueError, match="linear_math"):
+        load_served(spec, linear_math="folded")
+    with pytest.raises(ValueError, match="model_math"):
+        Settings(model_math="folded")
