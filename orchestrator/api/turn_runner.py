@@ -49,13 +49,17 @@ def owned_session(s: Any, session_id: str, tenant_id: str) -> SessionRow:
         InvalidRequestError: no session id, or one past the name limit.
         NotFoundError: no such session of this tenant.
     """
-    if not session_id:
-        raise InvalidRequestError("session_id is required", field="session_id")
-    check_name_length("session_id", session_id)
+    _check_session_id(session_id)
     row = SessionRepository(s).get(session_id, tenant_id=tenant_id)
     if row is None:
         raise NotFoundError(f"session {session_id} not found")
     return row
+
+
+def _check_session_id(session_id: str) -> None:
+    if not session_id:
+        raise InvalidRequestError("session_id is required", field="session_id")
+    check_name_length("session_id", session_id)
 
 
 def create_session(
@@ -154,10 +158,14 @@ def run_turn(
         PreconditionError: the session is closed (SESSION_CLOSED) or runs a turn (TURN_RUNNING).
         CancelledError: cancelled before the plan went out.
     """
+    _check_session_id(turn.session_id)
+    # The columns as a Core row (what `owned_session` checks, without an ORM object): every turn pays it.
     with ctx.sessions() as s:
-        row = owned_session(s, turn.session_id, turn.tenant_id)
-        if row.status != SessionStatus.OPEN:
-            raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
+        row = SessionRepository(s).facts(turn.session_id, tenant_id=turn.tenant_id)
+    if row is None:
+        raise NotFoundError(f"session {turn.session_id} not found")
+    if row.status != SessionStatus.OPEN:
+        raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
     handler = ctx.turn_handler
     if handler is None:
         raise NotImplementedError("this server has no turn engine configured")

@@ -171,8 +171,10 @@ class TurnPreparation:
         """
         ctx = self._ctx
         settings = ctx.settings
+        # One read transaction, Core rows (no ORM objects): the session, its history, the tenant's
+        # policy and the session's segments.
         with ctx.sessions() as s:
-            row = SessionRepository(s).get(turn.session_id, tenant_id=turn.tenant_id)
+            row = SessionRepository(s).facts(turn.session_id, tenant_id=turn.tenant_id)
             if row is None:
                 raise NotFoundError(f"session {turn.session_id} not found")
             if row.status != SessionStatus.OPEN:
@@ -204,7 +206,7 @@ class TurnPreparation:
             # Chunks of this model computed under another fingerprint: other weights, or another
             # numerics profile (another node's CPU path or kernels); either way a miss here.
             foreign: set[str] = set()
-            for seg in SegmentRepository(s).for_session(row.id):
+            for seg in SegmentRepository(s).spans_of(row.id):
                 if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
                     own_stored = seg.end_pos
                 elif seg.model == name and seg.fingerprint != served.fingerprint_hex:

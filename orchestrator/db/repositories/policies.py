@@ -6,11 +6,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import Policy, utcnow
 
 __all__ = ["PolicyRepository", "EffectivePolicy"]
+
+_POLICIES = Policy.__table__
+# Every turn reads its tenant's policy: the statement built once, the row read without an ORM object.
+_EFFECTIVE = select(
+    _POLICIES.c.retention_floor_s, _POLICIES.c.retention_ceiling_s, _POLICIES.c.allowed_regions
+).where(_POLICIES.c.tenant_id == bindparam("tid"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +60,7 @@ class PolicyRepository:
     def effective(
         self, tenant_id: str, *, default_floor_s: float, default_ceiling_s: float
     ) -> EffectivePolicy:
-        row = self.get(tenant_id)
+        row = self._s.execute(_EFFECTIVE, {"tid": tenant_id}).one_or_none()
         if row is None:
             return EffectivePolicy(
                 tenant_id=tenant_id,

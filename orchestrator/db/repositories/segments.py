@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import bindparam, delete, exists, func, insert, select, update
+from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
@@ -50,6 +51,12 @@ class _LinkStatements:
 
 _LINK = _LinkStatements()
 
+_SPANS = (
+    select(_CS.c.fingerprint, _CS.c.model, _CS.c.numerics, _CS.c.start_pos, _CS.c.end_pos)
+    .join(_SS, _SS.c.segment_id == _CS.c.id)
+    .where(_SS.c.session_id == bindparam("sid"))
+    .order_by(_CS.c.start_pos)
+)
 # `within_retention`: each key's row and whether it is inside its retention at `live_at`.
 _RETAINED_ANY = select(_CS.c.store_key, _CS.c.expires_at > bindparam("live_at")).where(
     _CS.c.store_key.in_(bindparam("keys", expanding=True))
@@ -193,6 +200,11 @@ class SegmentRepository:
             return
         conn.execute(_LINK.unlink, {"sid": session_id, "ids": stale})
         conn.execute(_LINK.drop_unlinked, {"ids": stale})
+
+    def spans_of(self, session_id: str) -> list[Row]:
+        """The session's linked segments as Core rows (fingerprint, model, numerics, start_pos, end_pos)
+        ordered by start_pos: what a turn's preparation reads, without loading ORM objects."""
+        return self._s.execute(_SPANS, {"sid": session_id}).all()
 
     def for_session(self, session_id: str, *, model: str | None = None) -> list[CacheSegment]:
         stmt = (

@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import bindparam, func, select, tuple_
+from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import (
@@ -19,6 +20,24 @@ from orchestrator.db.models import (
 )
 
 __all__ = ["SessionRepository"]
+
+_SESSIONS, _TURNS = SessionRow.__table__, TurnRow.__table__
+# The per-turn reads, built once (building a statement costs several times what running a cached one does).
+_FACTS = select(
+    _SESSIONS.c.id,
+    _SESSIONS.c.tenant_id,
+    _SESSIONS.c.status,
+    _SESSIONS.c.model,
+    _SESSIONS.c.turn_count,
+    _SESSIONS.c.history_tokens,
+    _SESSIONS.c.retention_s,
+).where(_SESSIONS.c.id == bindparam("sid"))
+_HISTORY = (
+    select(_TURNS.c.input_tokens, _TURNS.c.output_tokens)
+    .where(_TURNS.c.session_id == bindparam("sid"), _TURNS.c.status == TurnStatus.DONE)
+    .order_by(_TURNS.c.index)
+)
+_HISTORY_UPTO = _HISTORY.where(_TURNS.c.index < bindparam("upto"))
 
 
 class SessionRepository:
@@ -59,6 +78,14 @@ class SessionRepository:
     def get(self, session_id: str, *, tenant_id: str | None) -> SessionRow | None:
         """The session, or None when absent or owned by another tenant (`tenant_id=None`: admin, any)."""
         row = self._s.get(SessionRow, session_id)
+        if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
+            return None
+        return row
+
+    def facts(self, session_id: str, *, tenant_id: str | None) -> Row | None:
+        """The session's columns a turn reads (id, tenant_id, status, model, turn_count, history_tokens,
+        retention_s) as a Core row, without loading an ORM object; None as `get` gives None."""
+        row = self._s.execute(_FACTS, {"sid": session_id}).one_or_none()
         if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
             return None
         return row
@@ -106,14 +133,15 @@ class SessionRepository:
         Args:
             upto_turn: include turns with index < upto_turn only (None: all).
         """
-        stmt = select(TurnRow).where(TurnRow.session_id == session_id, TurnRow.status == TurnStatus.DONE)
+        params: dict[str, object] = {"sid": session_id}
+        stmt = _HISTORY
         if upto_turn is not None:
-            stmt = stmt.where(TurnRow.index < upto_turn)
-        tokens: list[int] = []
-        for turn in self._s.scalars(stmt.order_by(TurnRow.index)):
-            tokens += blob_to_tokens(turn.input_tokens)
-            tokens += blob_to_tokens(turn.output_tokens)
-        return tokens
+            stmt = _HISTORY_UPTO
+            params["upto"] = upto_turn
+        # Core rows of the two blobs: every turn reads its session's history, and ORM objects of every
+        # turn row cost many times the read itself.
+        blob = b"".join(b for row in self._s.execute(stmt, params) for b in row)
+        return blob_to_tokens(blob)
 
     def fork(self, parent: SessionRow, *, at_turn: int, session_id: str | None = None) -> SessionRow:
         """A new session of the same tenant and model whose history is the parent's turns [0, at_turn).
