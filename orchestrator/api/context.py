@@ -6,7 +6,7 @@ Built once per server by `build_context`; knows nothing of gRPC's server object.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
@@ -17,6 +17,7 @@ from orchestrator.api.convert import Converter
 from orchestrator.api.metrics import ServiceMetrics, StorageCounts
 from orchestrator.api.model_catalog import ModelCatalog
 from orchestrator.api.running_turns import RunningTurns
+from orchestrator.api.session_owners import SessionOwners
 from orchestrator.api.stubs import Stubs, load_stubs
 from orchestrator.api.turn_types import TurnHandler
 from orchestrator.db import (
@@ -73,6 +74,8 @@ class ServiceContext:
     node: str
     turn_handler: TurnHandler | None = None
     pool_stats: Callable[[], PoolStats] | None = None
+    # Owners the registry named, so that a turn's ownership check before it runs reads no SQL again.
+    owners: SessionOwners = field(default_factory=SessionOwners)
     # Called inside a policy change's transaction, before it commits: raises ValueError for a policy
     # the store would refuse, so that SQL never holds one (the store's validation, no write).
     check_policy: Callable[[EffectivePolicy], None] | None = None

@@ -182,6 +182,7 @@ class SessionsServicer:
         outcome = self._ctx.purger.purge_session(
             request.session_id, tenant_id=caller.tenant_id, actor=caller.actor, reason="tenant_request"
         )
+        self._ctx.owners.forget(request.session_id)
         if outcome is None:
             raise NotFoundError(f"session {request.session_id} not found")
         return self._pb.DeleteSessionResponse(

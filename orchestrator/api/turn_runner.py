@@ -78,7 +78,7 @@ def create_session(
     """
     settings = ctx.settings
 
-    def work(s: Any) -> tuple[T, float]:
+    def work(s: Any) -> tuple[T, float, str]:
         tenant = TenantRepository(s).ensure(tenant_id)
         repo = SessionRepository(s)
         if repo.count(tenant_id=tenant.id) >= settings.max_sessions_per_tenant:
@@ -101,9 +101,11 @@ def create_session(
             node=ctx.node,
             region=settings.region,
         )
-        return convert(row), granted
+        return convert(row), granted, row.id
 
-    return run_serializable(ctx.serializable, work)
+    converted, granted, session_id = run_serializable(ctx.serializable, work)
+    ctx.owners.remember(session_id, tenant_id)
+    return converted, granted
 
 
 def generation_spec(
@@ -159,13 +161,16 @@ def run_turn(
         CancelledError: cancelled before the plan went out.
     """
     _check_session_id(turn.session_id)
-    # The columns as a Core row (what `owned_session` checks, without an ORM object): every turn pays it.
-    with ctx.sessions() as s:
-        row = SessionRepository(s).facts(turn.session_id, tenant_id=turn.tenant_id)
-    if row is None:
-        raise NotFoundError(f"session {turn.session_id} not found")
-    if row.status != SessionStatus.OPEN:
-        raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
+    if not ctx.owners.owned_by(turn.session_id, turn.tenant_id):
+        # A Core row (what `owned_session` checks, without an ORM object). Once the owner is known the
+        # check reads nothing: the engine's own read of the session checks existence and status again.
+        with ctx.sessions() as s:
+            row = SessionRepository(s).facts(turn.session_id, tenant_id=turn.tenant_id)
+        if row is None:
+            raise NotFoundError(f"session {turn.session_id} not found")
+        if row.status != SessionStatus.OPEN:
+            raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
+        ctx.owners.remember(row.id, row.tenant_id)
     handler = ctx.turn_handler
     if handler is None:
         raise NotImplementedError("this server has no turn engine configured")

@@ -72,16 +72,27 @@ class _FinishStatements:
     """`TurnEngine._finish`'s statements, built once (every turn runs them; building one costs several
     times what running it from the compiled cache does)."""
 
-    session = (
-        select(_SESSIONS.c.status, _SESSIONS.c.turn_count, _SESSIONS.c.history_tokens)
+    session = select(_SESSIONS.c.status, _SESSIONS.c.turn_count).where(
+        _SESSIONS.c.id == bindparam("sid"), _SESSIONS.c.tenant_id == bindparam("tid")
+    )
+    # A reserved turn (PostgreSQL) was checked at its reservation: the session must still exist.
+    advance = (
+        update(_SESSIONS)
         .where(_SESSIONS.c.id == bindparam("sid"), _SESSIONS.c.tenant_id == bindparam("tid"))
-        .with_for_update()
+        .values(
+            turn_count=bindparam("next"),
+            history_tokens=_SESSIONS.c.history_tokens + bindparam("grown"),
+            model=bindparam("new_model"),
+        )
+    )
+    # Without a reservation (SQLite): still open and still at this turn's index.
+    advance_open_at = advance.where(
+        _SESSIONS.c.status == bindparam("open"), _SESSIONS.c.turn_count == bindparam("at")
     )
     add_turn = insert(_TURNS)
     close_turn = update(_TURNS).where(
         _TURNS.c.id == bindparam("turn_id"), _TURNS.c.status == bindparam("running")
     )
-    advance = update(_SESSIONS).where(_SESSIONS.c.id == bindparam("sid"))
 
 
 _FINISH = _FinishStatements()
@@ -462,6 +473,16 @@ class TurnEngine:
                 self._abandon(f, turn_id, TurnStatus.FAILED)
             raise
 
+    @staticmethod
+    def _why_not_advanced(conn: Any, f: TurnFacts) -> None:
+        """Raise the reason the turn's guarded session update matched no row."""
+        row = conn.execute(_FINISH.session, {"sid": f.session_id, "tid": f.tenant_id}).one_or_none()
+        if row is None:
+            raise PreconditionError(f"session {f.session_id} was deleted during its turn")
+        if row.status != SessionStatus.OPEN:
+            raise PreconditionError(f"session {f.session_id} is closed", reason="SESSION_CLOSED")
+        raise PreconditionError(f"session {f.session_id} advanced to turn {row.turn_count} meanwhile")
+
     def _finish(
         self, f: TurnFacts, turn_id: int | None, output: list[int], persisted: bool, outcome, **t: float
     ) -> None:
@@ -487,16 +508,24 @@ class TurnEngine:
 
         def work(s):
             conn = s.connection()
-            row = conn.execute(_FINISH.session, {"sid": f.session_id, "tid": f.tenant_id}).one_or_none()
-            if row is None:
-                raise PreconditionError(f"session {f.session_id} was deleted during its turn")
+            # The session moves on in one guarded statement (no read first); when it matches nothing, a
+            # read says why (the rare path).
+            advance = {
+                "sid": f.session_id,
+                "tid": f.tenant_id,
+                "next": f.turn_count + 1,
+                "grown": len(f.new_tokens) + len(output),
+                "new_model": plan.model,
+            }
             if turn_id is None:
-                if row.status != SessionStatus.OPEN:
-                    raise PreconditionError(f"session {f.session_id} is closed", reason="SESSION_CLOSED")
-                if row.turn_count != f.turn_count:
-                    raise PreconditionError(
-                        f"session {f.session_id} advanced to turn {row.turn_count} meanwhile"
-                    )
+                moved = conn.execute(
+                    _FINISH.advance_open_at, {**advance, "open": SessionStatus.OPEN, "at": f.turn_count}
+                )
+            else:
+                moved = conn.execute(_FINISH.advance, advance)
+            if moved.rowcount != 1:
+                self._why_not_advanced(conn, f)
+            if turn_id is None:
                 conn.execute(_FINISH.add_turn, {"index": f.turn_count, **_turn_row(f), **values})
             else:
                 done = conn.execute(
@@ -504,15 +533,6 @@ class TurnEngine:
                 )
                 if done.rowcount != 1:
                     raise PreconditionError(f"session {f.session_id} was deleted during its turn")
-            conn.execute(
-                _FINISH.advance,
-                {
-                    "sid": f.session_id,
-                    "turn_count": f.turn_count + 1,
-                    "history_tokens": row.history_tokens + len(f.new_tokens) + len(output),
-                    "model": plan.model,
-                },
-            )
             if outcome is not None and outcome.persisted:
                 link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
             if claimed:
