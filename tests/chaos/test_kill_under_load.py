@@ -314,3 +314,16 @@ def test_fifteen_kills_under_concurrent_sessions_of_the_trained_sibling(tmp_path
     figures = _run(tmp_path, n_sessions=8, kills=15, load_s=8.0, source=f"checkpoint:{SIBLING}")
     chaos_report.record("kill_under_load_sib_s_15", **figures)
     assert figures["kills"] >= 15 and figures["sessions_unable_to_continue"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (SIBLING / "model.safetensors").is_file(), reason="the trained v41-sib-s is not shipped"
+)
+def test_kills_during_the_64_session_load_of_the_trained_sibling(tmp_path: Path, chaos_report) -> None:
+    # Issue 11's target: a kill -9 during the 64-session load (the batching scheduler's shape: every
+    # session decoding in shared steps) leaves nothing pointing at missing or invalid data, and every
+    # session continues after the restart, checked turn by turn against the offline twin.
+    figures = _run(tmp_path, n_sessions=64, kills=2, load_s=20.0, source=f"checkpoint:{SIBLING}")
+    chaos_report.record("kill_under_load_sib_s_64", **figures)
+    assert figures["sessions_unable_to_continue"] == 0
