@@ -148,6 +148,8 @@ class SessionsServicer:
 
         # Ownership first: another tenant naming this id gets NOT_FOUND and must not cancel its turn.
         self._check_owned(request.session_id, caller.tenant_id)
+        # The next turn's ownership check reads the registry again (and finds the session closed).
+        self._ctx.owners.forget(request.session_id)
         self._ctx.running.abort(request.session_id, "session closed")
         return run_serializable(self._ctx.serializable, work)
 

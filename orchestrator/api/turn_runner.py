@@ -157,7 +157,9 @@ def run_turn(
 
     Raises:
         NotFoundError, InvalidRequestError: the session is not the tenant's.
-        PreconditionError: the session is closed (SESSION_CLOSED) or runs a turn (TURN_RUNNING).
+        PreconditionError: the session is closed (SESSION_CLOSED) or runs a turn (TURN_RUNNING). A
+            session whose owner is remembered (`SessionOwners`) and that was closed or deleted by another
+            node is refused by the handler's own read of it, after the turn registered.
         CancelledError: cancelled before the plan went out.
     """
     _check_session_id(turn.session_id)
