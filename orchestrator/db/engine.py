@@ -17,6 +17,8 @@ __all__ = ["make_engine", "make_session_factory"]
 
 # SQLite waits this long for a writer lock instead of failing at once with "database is locked".
 _SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Connections a SQLite engine keeps open (and as many more at peaks): the default gRPC workers' number.
+_SQLITE_POOL_SIZE = 64
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
@@ -30,7 +32,16 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, echo=echo, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = create_engine(
+            url,
+            echo=echo,
+            connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_MS / 1000},
+            # Every running turn reads and writes through a pooled connection: SQLAlchemy's default of
+            # 5 + 10 had 64 concurrent turns queueing for connections (most of their waiting in the
+            # no-op service benchmark). A SQLite connection is a file handle; keep enough of them.
+            pool_size=_SQLITE_POOL_SIZE,
+            max_overflow=_SQLITE_POOL_SIZE,
+        )
         event.listen(engine, "connect", _sqlite_on_connect)
         # pysqlite's own BEGIN handling is disabled; `WriterQueue.on_begin` emits BEGIN IMMEDIATE for
         # writers (`serializable_factory`), so that a read-then-write transaction cannot deadlock
