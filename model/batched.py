@@ -2,21 +2,25 @@
 `inference.decode` that a serving scheduler runs over every session decoding in a step.
 
 Knows nothing of sessions or scheduling. Every row-wise op (embedding, mHC mixes, norms, the attention
-projections, MoE, the head) runs once over the stacked rows of all sequences; the per-sequence parts (the
-window ring, global KV writes, top-k selection, sparse attention) run per sequence on that sequence's
-own state. The result is batch-invariant: each sequence's logits and state are bit-identical to a lone
-`decode` of it (`tests/model/test_batched.py` compares them on fresh random states of unequal lengths),
-because the row-wise kernels used are row-invariant (`model/invariant.py`).
+projections, MoE, the head) runs once over the stacked rows of all sequences, and so does the attention
+stage (window ring, global KV writes, top-k selection, sparse attention: `model/batched_attention.py`) for
+every sequence it can take; the rest (an empty state, windows dropped and not replayed) and, on request,
+every sequence run that stage alone (`Attention.attend` on its own state: the slow twin). The result is
+batch-invariant: each sequence's logits and state are bit-identical to a lone `decode` of it
+(`tests/model/test_batched.py` compares them on fresh random states of unequal lengths), because the
+kernels used are row-invariant (`model/invariant.py`, `model/batched_attention.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from model.append_buffer import append_rows
 from model.attention import AttnIO, ProjectedRows
+from model.batched_attention import Selection, attend_rows, batchable
 from model.invariant import rowwise_linear
 from model.mhc import collapse, expand, identity_pre
 from model.state import ModelState
@@ -25,14 +29,48 @@ from model.transformer import PassOutput, PassStats, Transformer
 __all__ = ["decode_many"]
 
 
-def _row(rows: ProjectedRows, i: int) -> ProjectedRows:
-    return ProjectedRows(
-        qr=rows.qr[i : i + 1],
-        q=rows.q[i : i + 1],
-        kv=rows.kv[i : i + 1],
-        codes=rows.codes[i : i + 1],
-        scales=rows.scales[i : i + 1],
+def _rows(rows: ProjectedRows, idx: torch.Tensor | slice) -> ProjectedRows:
+    return ProjectedRows(qr=rows.qr[idx], q=rows.q[idx], kv=rows.kv[idx], codes=rows.codes[idx],
+                         scales=rows.scales[idx])  # fmt: skip
+
+
+def _attend_alone(
+    model: Transformer,
+    layer: int,
+    x: torch.Tensor,
+    rows: ProjectedRows,
+    state: ModelState,
+    shared: dict,
+    start: int,
+    table: torch.Tensor,
+) -> torch.Tensor:
+    """The slow twin for one sequence: `Attention.attend` on its own state (x [1, 1, dim]) -> [1, 1, H, D]."""
+    cfg = model.cfg
+    src_layer = cfg.kv_source_of(layer)
+    io = AttnIO(
+        start=start,
+        floor=0,
+        window=state.windows[layer],
+        window_codes=state.window_codes[layer],
+        window_scales=state.window_scales[layer],
+        window_from=state.window_from[layer],
+        source=state.sources[src_layer] if src_layer is not None else None,
+        shared=shared,
+        tie_break="deterministic",
+        backend=model.kernel_backend,
     )
+    out = model.layers[layer].attn.attend(x, rows, io, table)
+    model.keep_layer_io(layer, io, state)
+    return out
+
+
+@dataclass
+class _Half:
+    """What the layers of one half (encoder or decoder) share in a step: the batched sequences'
+    published selections, and the lone pass's `shared` dict of each sequence run alone."""
+
+    selection: Selection = field(default_factory=Selection)
+    shared: dict[int, dict] = field(default_factory=dict)
 
 
 def _attend_layer(
@@ -40,37 +78,34 @@ def _attend_layer(
     layer: int,
     x: torch.Tensor,
     states: Sequence[ModelState],
-    shared: list[dict],
+    half: _Half,
     starts: Sequence[int],
+    batched: list[int],
 ) -> torch.Tensor:
     """Layer `layer`'s attention over one new row per sequence: x [N, 1, dim] normed inputs -> [N, 1, dim].
 
-    Updates each state's window ring and (for kv sources) its global KV, as `Transformer._run_layer`.
+    The sequences in `batched` take the batched stage together, the others `Attention.attend` alone; both
+    update each state's window ring and (for kv sources) its global KV, as `Transformer._run_layer`.
     """
-    cfg = model.cfg
     attn = model.layers[layer].attn
+    n = len(states)
     table = model.rope_for(layer, max(starts) + 1, x.device)
     positions = torch.tensor(list(starts), device=x.device)
     freqs = table[positions].unsqueeze(1)  # [N, 1, rope/2]: each sequence at its own position
     rows = attn.project(x, freqs, backend=model.kernel_backend)
-    src_layer = cfg.kv_source_of(layer)
-    outs = []
-    for i, state in enumerate(states):
-        io = AttnIO(
-            start=starts[i],
-            floor=0,
-            window=state.windows[layer],
-            window_codes=state.window_codes[layer],
-            window_scales=state.window_scales[layer],
-            window_from=state.window_from[layer],
-            source=state.sources[src_layer] if src_layer is not None else None,
-            shared=shared[i],
-            tie_break="deterministic",
-            backend=model.kernel_backend,
-        )
-        outs.append(attn.attend(x[i : i + 1], _row(rows, i), io, table))
-        model.keep_layer_io(layer, io, state)
-    return attn.project_out(torch.cat(outs, dim=0), freqs)
+    if len(batched) == n:
+        o = attend_rows(model, layer, x, rows, freqs, states, list(starts), half.selection)
+        return attn.project_out(o, freqs)
+    o = x.new_empty(n, 1, attn.n_heads, attn.head_dim)
+    if batched:
+        g = torch.tensor(batched, device=x.device)
+        o[g] = attend_rows(model, layer, x[g], _rows(rows, g), freqs[g], [states[i] for i in batched],
+                           [starts[i] for i in batched], half.selection)  # fmt: skip
+    for i in sorted(set(range(n)) - set(batched)):
+        one = slice(i, i + 1)
+        shared = half.shared.setdefault(i, {})
+        o[one] = _attend_alone(model, layer, x[one], _rows(rows, one), states[i], shared, starts[i], table)
+    return attn.project_out(o, freqs)
 
 
 def _layer(
@@ -79,15 +114,16 @@ def _layer(
     h: torch.Tensor,
     pre: torch.Tensor,
     states: Sequence[ModelState],
-    shared: list[dict],
+    half: _Half,
     starts: Sequence[int],
+    batched: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Block.forward` over the stacked rows, with the attention's per-sequence stage in the middle."""
     block = model.layers[layer]
     attn_pre, attn_post, attn_comb = block._mixes(
         h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, linear=rowwise_linear, rowwise=True
     )
-    y = _attend_layer(model, layer, block.attn_input(h, pre), states, shared, starts)
+    y = _attend_layer(model, layer, block.attn_input(h, pre), states, half, starts, batched)
     h = expand(y, h, attn_post, attn_comb)
     ffn_pre, ffn_post, ffn_comb = block._mixes(
         h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, linear=rowwise_linear, rowwise=True
@@ -96,7 +132,13 @@ def _layer(
     return expand(y, h, ffn_post, ffn_comb), ffn_pre
 
 
-def decode_many(model: Transformer, tokens: Sequence[int], states: Sequence[ModelState]) -> list[PassOutput]:
+def decode_many(
+    model: Transformer,
+    tokens: Sequence[int],
+    states: Sequence[ModelState],
+    *,
+    batched_attention: bool = True,
+) -> list[PassOutput]:
     """One decode step of N sequences: `tokens[i]` at position `states[i].n_tokens` of each.
 
     Equals `[decode(model, tensor([tokens[i]]), states[i]) for i]` bit for bit (tie_break
@@ -105,6 +147,8 @@ def decode_many(model: Transformer, tokens: Sequence[int], states: Sequence[Mode
     Args:
         tokens: one token id per sequence.
         states: batch-1 states, distinct objects (each is updated in place and returned in its output).
+        batched_attention: False runs every sequence's attention stage alone (the slow twin of the
+            batched stage; the row-wise ops stay batched).
 
     Returns:
         One PassOutput per sequence, logits [1, vocab] fp32.
@@ -134,15 +178,17 @@ def decode_many(model: Transformer, tokens: Sequence[int], states: Sequence[Mode
     h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [N, 1, hc, d]
     pre = identity_pre(n, 1, cfg.hc_mult, device)
     split = model.split if model.split is not None else cfg.n_layers
-    shared: list[dict] = [{} for _ in states]
+    # decided before any state changes: a state's layout is what it was when the step began
+    batched = [i for i, s in enumerate(states) if batched_attention and batchable(model, s)]
+    half = _Half()
     for layer in range(split):
-        h, pre = _layer(model, layer, h, pre, states, shared, starts)
+        h, pre = _layer(model, layer, h, pre, states, half, starts, batched)
     if model.split is not None:
         for i, s in enumerate(states):
             model._save_encoder_rows(s, h[i : i + 1], pre[i : i + 1], starts[i])
-        shared = [{} for _ in states]
+        half = _Half()
         for layer in range(split, cfg.n_layers):
-            h, pre = _layer(model, layer, h, pre, states, shared, starts)
+            h, pre = _layer(model, layer, h, pre, states, half, starts, batched)
     x = model.norm(collapse(h, pre))  # [N, 1, d]
     logits = rowwise_linear(x[:, -1].float(), model.head.weight)  # [N, vocab]
     # as Transformer.run reports them: the encoder's kv sources, and the split layer's (CED)

@@ -44,6 +44,7 @@ def sparse_attn(
     softmax_scale: float,
     *,
     backend: str = "torch",
+    rowwise: bool = False,
 ) -> torch.Tensor:
     """One softmax per (query, head) over the indexed KV rows plus a sink that only adds to the denominator.
 
@@ -55,6 +56,9 @@ def sparse_attn(
             Order inside a row only matters for bitwise parity (blocks of 64, running-max rounding).
         softmax_scale: factor on q·k, usually D^-0.5.
         backend: "torch" (reference, any device) or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+        rowwise: every batch row bit-identical to the same call on that row alone (B independent
+            sequences stacked by a batched decode). The Triton kernel is row-wise by construction (one
+            program per query row and head); the torch reference keeps its exponentials row-apart.
 
     Returns:
         o: [B, T, H, D] bf16; zeros where a row has no valid index.
@@ -66,7 +70,7 @@ def sparse_attn(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_inputs(q, kv, attn_sink, topk_idxs)
     if backend == "torch":
-        return sparse_attn_reference(q, kv, attn_sink, topk_idxs, softmax_scale)
+        return sparse_attn_reference(q, kv, attn_sink, topk_idxs, softmax_scale, rowwise=rowwise)
     # imported here so that importing kernels never imports triton (the interpreter flag must be set first)
     from kernels.sparse_attn.triton import sparse_attn_triton
 

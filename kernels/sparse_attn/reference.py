@@ -21,6 +21,34 @@ SPARSE_ATTN_BLOCK = 64
 # exp(-inf - (-1e30)) = 0 instead of NaN.
 RUNNING_MAX_INIT = -1e30
 
+# torch splits an elementwise op across threads only from this many elements on (at::internal::GRAIN_SIZE)
+_TORCH_GRAIN = 32768
+
+
+def exp_alone(x: torch.Tensor) -> torch.Tensor:
+    """exp of x [B, ...] with every batch row computed exactly as a lone [1, ...] call computes it.
+
+    torch's CPU loop runs whole SIMD blocks vectorized and the rest of a contiguous run with the scalar
+    function, and for transcendental ops the two may disagree in the last bit; which elements fall in the
+    tail depends on where the run starts and ends. A lone row is one run; here each row is kept apart in
+    memory (its own run), and calls stay below the size from which torch splits a run between threads,
+    unless one row alone is that large (then it splits as the lone call does).
+    """
+    b = x.size(0)
+    if b == 1:
+        return torch.exp(x)
+    flat = x.reshape(b, -1)
+    n = flat.size(1)
+    buf = flat.new_empty(b, n + 1)
+    buf[:, :n] = flat
+    rows = buf[:, :n]
+    per_call = max(1, (_TORCH_GRAIN - 1) // max(n, 1))
+    if b <= per_call:
+        out = torch.exp(rows)
+    else:
+        out = torch.cat([torch.exp(rows[i : i + per_call]) for i in range(0, b, per_call)])
+    return out.reshape(x.shape)
+
 
 def sparse_attn_reference(
     q: torch.Tensor,
@@ -28,6 +56,8 @@ def sparse_attn_reference(
     attn_sink: torch.Tensor,
     topk_idxs: torch.Tensor,
     softmax_scale: float,
+    *,
+    rowwise: bool = False,
 ) -> torch.Tensor:
     """o[b,t,h] = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) + exp(sink_h - M)), s_j = scale * q·kv_j.
 
@@ -37,6 +67,10 @@ def sparse_attn_reference(
         attn_sink: [H] fp32 raw sink logit per head (not scaled).
         topk_idxs: [B, T, K] int32 or int64 row ids into kv's N axis; -1 means no entry.
         softmax_scale: multiplies q·k (the head_dim^-0.5 of the model).
+        rowwise: compute each batch row b exactly as the call on row b alone would (`exp_alone`), so
+            that stacking independent sequences (a batched decode) cannot change a bit of any of them.
+            The products are per-row batched matmuls and the other elementwise ops are exactly rounded,
+            so only the exponentials need it. For B = 1 both settings are the same computation.
 
     Returns:
         [B, T, H, D] bf16. A row whose indices are all -1 (or K = 0) is all zeros.
@@ -50,6 +84,7 @@ def sparse_attn_reference(
     sum_exp = torch.zeros(b, t, h, dtype=torch.float32, device=device)
     running_max = torch.full((b, t, h), RUNNING_MAX_INIT, dtype=torch.float32, device=device)
     batch = torch.arange(b, device=device).view(b, 1, 1)
+    exp = exp_alone if rowwise else torch.exp
     for start in range(0, k, SPARSE_ATTN_BLOCK):
         idxs = topk_idxs[:, :, start : start + SPARSE_ATTN_BLOCK].long()
         valid = idxs != -1
@@ -61,10 +96,10 @@ def sparse_attn_reference(
         scores = torch.where(valid.unsqueeze(2), scores, -torch.inf) * scale
         prev_max = running_max
         running_max = torch.maximum(prev_max, scores.amax(dim=-1))
-        rescale = torch.exp(prev_max - running_max)
-        p = torch.exp(scores - running_max.unsqueeze(-1))
+        rescale = exp(prev_max - running_max)
+        p = exp(scores - running_max.unsqueeze(-1))
         sum_exp = sum_exp * rescale + p.sum(dim=-1)
         p_bf16 = p.to(torch.bfloat16)
         acc_o = acc_o * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p_bf16.float(), kv_blk)
-    sum_exp = sum_exp + torch.exp(attn_sink.float() - running_max)
+    sum_exp = sum_exp + exp(attn_sink.float() - running_max)
     return (acc_o / sum_exp.unsqueeze(-1)).to(torch.bfloat16)

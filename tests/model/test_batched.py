@@ -1,7 +1,10 @@
 """`decode_many` (one step over the stacked rows of many sequences) equals decoding each sequence alone,
 bit for bit: logits, every state tensor and the exported cache bytes, on fresh random states of unequal
-lengths that straddle window and compression-group boundaries. Also the row-invariance of the products
-the batched step relies on."""
+lengths that straddle window and compression-group boundaries, with histories shorter than the indexer's
+top-k (so a step holds sequences of several selection widths), groups that close at the step and not,
+and states the batched attention stage does not take (empty, windows dropped), at 1 and 2 threads. The
+batched attention stage is compared with its slow twin (each sequence's `Attention.attend` alone) too.
+Also the row-invariance of the products the batched step relies on."""
 
 from __future__ import annotations
 
@@ -11,7 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import Transformer, decode, decode_many, export_global, init_random, load_preset, prefill
+from model import (
+    Transformer,
+    decode,
+    decode_many,
+    export_global,
+    export_windows,
+    init_random,
+    load_preset,
+    prefill,
+)
+from model.batched_attention import batchable
 from model.invariant import rowwise_linear
 
 
@@ -51,22 +64,30 @@ def test_rowwise_linear_equals_one_row_products() -> None:
         assert torch.equal(rowwise_linear(x[:1], w), F.linear(x[:1], w))
 
 
-@torch.inference_mode()
-def test_decode_many_equals_each_sequence_decoded_alone(model: Transformer) -> None:
-    rng = random.Random()
-    seed = rng.randrange(1 << 30)
-    rng.seed(seed)
+def _new_states(model: Transformer, rng: random.Random, lengths: list[int]) -> list:
+    """ced prefills of random prompts; length 0 is an empty state, a negative length -n a prefill of n
+    tokens whose decoder windows were then dropped (neither takes the batched attention stage)."""
     cfg = model.cfg
-    w = cfg.window_size
-    # lengths around the window and the compression groups, plus a fresh 1-token state
-    lengths = [1, 3, w - 1, w, w + 1, 2 * w + 3] + [rng.randrange(2, 4 * w) for _ in range(14)]
     states = []
     for n in lengths:
-        prompt = torch.tensor([[rng.randrange(16, cfg.vocab_size) for _ in range(n)]])
-        states.append(prefill(model, prompt, mode="ced").state)
+        if n == 0:
+            states.append(model.new_state(1))
+            continue
+        prompt = torch.tensor([[rng.randrange(16, cfg.vocab_size) for _ in range(abs(n))]])
+        state = prefill(model, prompt, mode="ced").state
+        if n < 0:
+            state.drop_windows(cfg.decoder_layers)
+        states.append(state)
+    return states
+
+
+def _step_and_compare(model: Transformer, rng: random.Random, states: list, steps: int, *, twin: bool,
+                      seed: int) -> None:  # fmt: skip
+    cfg = model.cfg
     alone = [s.clone() for s in states]
     together = [s.clone() for s in states]
-    for step in range(6):  # crosses group boundaries of every ratio at some lengths
+    slow = [s.clone() for s in states] if twin else []
+    for step in range(steps):  # crosses group boundaries of every ratio at some lengths
         tokens = [rng.randrange(16, cfg.vocab_size) for _ in states]
         ref = [decode(model, torch.tensor([t]), s) for t, s in zip(tokens, alone, strict=True)]
         # a different subset and order each step: who shares the batch must not matter
@@ -74,18 +95,62 @@ def test_decode_many_equals_each_sequence_decoded_alone(model: Transformer) -> N
         rng.shuffle(order)
         order = order[: rng.randrange(1, len(order) + 1)] if step % 2 else order
         got = decode_many(model, [tokens[i] for i in order], [together[i] for i in order])
+        if twin:
+            got_slow = decode_many(model, [tokens[i] for i in order], [slow[i] for i in order],
+                                   batched_attention=False)  # fmt: skip
         for j, i in enumerate(order):
             assert torch.equal(got[j].logits, ref[i].logits), f"seed {seed} step {step} seq {i}"
             assert got[j].stats == ref[i].stats
+            if twin:
+                assert torch.equal(got_slow[j].logits, ref[i].logits), f"twin: seed {seed} step {step}"
         # the sequences left out of this step are decoded alone, to stay in lockstep with the reference
         for i in set(range(len(states))) - set(order):
             decode(model, torch.tensor([tokens[i]]), together[i])
+            if twin:
+                decode(model, torch.tensor([tokens[i]]), slow[i])
         for i in range(len(states)):
             _assert_same_state(alone[i], together[i])
+            if twin:
+                _assert_same_state(alone[i], slow[i])
+    f = b"f" * 32
     for a, b in zip(alone, together, strict=True):
-        assert export_global(a, 0, a.n_tokens, fingerprint=b"f" * 32) == export_global(
-            b, 0, b.n_tokens, fingerprint=b"f" * 32
-        )
+        n = a.n_tokens
+        assert export_global(a, 0, n, fingerprint=f) == export_global(b, 0, n, fingerprint=f)
+        assert export_windows(model, a, fingerprint=f) == export_windows(model, b, fingerprint=f)
+
+
+@torch.inference_mode()
+def test_decode_many_equals_each_sequence_decoded_alone(model: Transformer) -> None:
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    w, topk = model.cfg.window_size, model.cfg.index_topk
+    # lengths around the window and the compression groups, histories with fewer visible entries than
+    # top-k (ratio 2: below 2 * topk), a fresh 1-token state, an empty one and one with dropped windows
+    lengths = [1, 3, topk - 1, 2 * topk - 2, w - 1, w, w + 1, 2 * w + 3, 0, -(w + 5)]
+    lengths += [rng.randrange(2, 4 * w) for _ in range(10)]
+    states = _new_states(model, rng, lengths)
+    assert not batchable(model, states[8]) and not batchable(model, states[9])
+    assert all(batchable(model, s) for s in states[1:8])
+    _step_and_compare(model, rng, states, 6, twin=False, seed=seed)
+
+
+@torch.inference_mode()
+def test_batched_attention_equals_its_slow_twin_at_one_thread(model: Transformer) -> None:
+    """The same at 1 thread (the suite runs at the machine's cores), and the batched attention stage
+    against `decode_many(batched_attention=False)`, which runs each sequence's attention alone."""
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        topk = model.cfg.index_topk
+        lengths = [2, topk - 3, 2 * topk + 1, 0]
+        lengths += [rng.randrange(2, 4 * model.cfg.window_size) for _ in range(4)]
+        _step_and_compare(model, rng, _new_states(model, rng, lengths), 3, twin=True, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_many_refuses_bad_batches(model: Transformer) -> None:

@@ -1,0 +1,127 @@
+"""One decode step of many sessions on a served model: `decode_many` over the stacked rows vs each sequence
+decoded alone (`decode`), on the same states, in the same process.
+
+Run: `python -m benchmarks.bench_decode_step [--checkpoint checkpoints/v41-sib-s] [--sequences 64]
+[--threads 1] [--steps 8] [--json PATH|-]`. The states are fresh `ced` prefills of unequal lengths (a first
+turn of 64 tokens plus 0-6 turns of 16-32, as the service's model-load run builds them), so the step mixes
+sequences whose compression groups close and not, and histories below and above the indexer's top-k.
+Before timing it checks, on a copy of the states, that every batched step's logits equal the lone
+decodes' bit for bit, and refuses to report otherwise.
+
+Reported: median wall time of a step (ms) and tokens/s, batched and one by one, and their ratio; also the
+step with only the row-wise ops batched (`decode_many(batched_attention=False)`: each sequence's attention
+stage alone, what decode_many did before the batched attention stage). FLOP
+model: none (the step of a small model is dominated by per-op overhead, which is what batching removes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "v41-sib-s"
+
+
+def _states(model, n: int, seed: int) -> list:
+    import torch
+
+    from model import prefill
+
+    rng = random.Random(seed)
+    vocab = model.cfg.vocab_size
+    states = []
+    for _ in range(n):
+        length = 64 + sum(rng.randrange(16, 33) + 4 for _ in range(rng.randrange(0, 7)))
+        prompt = torch.tensor([[rng.randrange(16, vocab) for _ in range(length)]])
+        states.append(prefill(model, prompt, mode="ced").state)
+    return states
+
+
+def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
+    import torch
+
+    from model import decode, decode_many, load_model
+
+    model = load_model(checkpoint).eval()
+    rng = random.Random(seed + 1)
+    with torch.inference_mode():
+        base = _states(model, sequences, seed)
+        tokens = [[rng.randrange(16, model.cfg.vocab_size) for _ in base] for _ in range(steps)]
+        check_a, check_b = [s.clone() for s in base], [s.clone() for s in base]
+        for step in tokens[:2]:
+            got = decode_many(model, step, check_a)
+            for j, (t, s) in enumerate(zip(step, check_b, strict=True)):
+                if not torch.equal(decode(model, torch.tensor([t]), s).logits, got[j].logits):
+                    raise SystemExit(f"decode_many differs from decode at sequence {j}: not timing")
+        batched, twin, alone = [s.clone() for s in base], [s.clone() for s in base], [s.clone() for s in base]
+        t_batched, t_twin, t_alone = [], [], []
+        # interleaved, so load changes hit all sides alike
+        for step in tokens:
+            t0 = time.perf_counter()
+            decode_many(model, step, batched)
+            t_batched.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            decode_many(model, step, twin, batched_attention=False)
+            t_twin.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for t, s in zip(step, alone, strict=True):
+                decode(model, torch.tensor([t]), s)
+            t_alone.append(time.perf_counter() - t0)
+    mb, mt, ma = statistics.median(t_batched), statistics.median(t_twin), statistics.median(t_alone)
+    lengths = [s.n_tokens for s in base]
+    return {
+        "checkpoint": str(checkpoint),
+        "sequences": sequences,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+        "history_min": min(lengths),
+        "history_max": max(lengths),
+        "step_ms_batched": mb * 1e3,
+        "step_ms_attention_alone": mt * 1e3,
+        "step_ms_alone": ma * 1e3,
+        "tokens_per_s_batched": sequences / mb,
+        "tokens_per_s_alone": sequences / ma,
+        "batched_vs_alone": ma / mb,
+        "batched_vs_attention_alone": mt / mb,
+        "cpu": cpu_model(),
+        "numerics": numerics_record(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--numerics", choices=("portable", "native"), default="portable")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    enter_numerics(args.numerics, "benchmarks.bench_decode_step", argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out = table_stream(args.json)
+    doc = run(args.checkpoint, args.sequences, args.steps, args.seed)
+    print(f"bench_decode_step: {doc['sequences']} sequences, histories {doc['history_min']}-"
+          f"{doc['history_max']}, {doc['threads']} thread(s), {doc['cpu']}", file=out)
+    print(f"  batched {doc['step_ms_batched']:.1f} ms/step ({doc['tokens_per_s_batched']:.0f} tok/s), "
+          f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
+          f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
+          f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
+    print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}), file=sys.stderr if args.json == "-"
+          else out)
+    write_json(doc, args.json)
+
+
+if __name__ == "__main__":
+    main()
