@@ -16,7 +16,9 @@ with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`No
 model arithmetic: it tracks positions, emulates the `ced` row bookkeeping (so counts match the plan), and
 emits global-KV chunks and pool entries of the real model's byte sizes, so every store write, fdatasync,
 registry row and pool put is real. Overhead = client-observed wall time of a whole turn (request to the
-stats event), excluding each session's first turn (the cold prefill). Reported as p50/p99 ms.
+stats event), excluding each session's first turn (the cold prefill). Reported as p50/p99 ms, with
+the process's CPU time per turn of the sweep (`cpu_ms_per_turn`: server, the in-process clients and
+gRPC's threads together, cold turns included) and the registry's and store's work per turn.
 (2) Real seeded random-init model (v41-tiny stand-in of the sibling family, torch CPU, 1 thread): a
 first prompt of 400 tokens, then tool results and user turns of 30-90 tokens, 4 generated tokens per
 turn, and an idle gap (pool TTL passes) before one turn. kvresume TTFT = the engine's time from turn
@@ -230,7 +232,10 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
             with lock:
                 errors.append(f"{exc.code().name}: {exc.details()}")
 
+    cpu0 = time.process_time()
     wall = run_clients(session, concurrency)
+    # the whole process (server, in-process clients, gRPC threads), per turn of the sweep
+    cpu_ms = (time.process_time() - cpu0) / (concurrency * (turns + 1)) * 1e3
     per_turn = counts.per_turn(concurrency * (turns + 1))
     client.channel.close()
     server.stop(grace_s=None)
@@ -244,6 +249,7 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
         "p50_ms": statistics.median(samples) * 1e3,
         "p99_ms": q[98] * 1e3,
         "turns_per_s": len(samples) / wall,
+        "cpu_ms_per_turn": cpu_ms,
         **per_turn,
         "paths": paths,
         "chunk_bytes_per_token": per_token,
@@ -281,6 +287,8 @@ class _Counters:
         return {
             "sql_commits_per_turn": self.commits / n_turns,
             "sql_transactions_per_turn": self.begins / n_turns,
+            # transactions that did not commit: the reads (nothing fails in this benchmark)
+            "sql_read_transactions_per_turn": (self.begins - self.commits) / n_turns,
             "store_batches_per_turn": batches / n_turns,
             "wal_syncs_per_turn": synced / n_turns,
         }
@@ -435,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             str(s["concurrency"]): {
                 k: s[k]
                 for k in (
+                    "cpu_ms_per_turn",
                     "sql_commits_per_turn",
                     "sql_transactions_per_turn",
+                    "sql_read_transactions_per_turn",
                     "store_batches_per_turn",
                     "wal_syncs_per_turn",
                 )
@@ -458,14 +468,14 @@ def main(argv: list[str] | None = None) -> int:
     print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
           file=out)
     print(
-        f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} "
+        f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} {'cpu ms':>7s} "
         f"{'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
         file=out,
     )
     for s in sweeps:
         print(
             f"{s['concurrency']:>8d} {s['turns_measured']:>6d} {s['p50_ms']:>9.1f} {s['p99_ms']:>9.1f} "
-            f"{s['turns_per_s']:>8.1f} {s['sql_commits_per_turn']:>8.2f} "
+            f"{s['turns_per_s']:>8.1f} {s['cpu_ms_per_turn']:>7.1f} {s['sql_commits_per_turn']:>8.2f} "
             f"{s['sql_transactions_per_turn']:>6.2f} "
             f"{s['store_batches_per_turn']:>8.2f} {s['wal_syncs_per_turn']:>6.2f}",
             file=out,
