@@ -237,7 +237,8 @@ class Attention(nn.Module):
 
         freqs_table: [>= end, rope/2] complex64 rotations of this layer (compress or base theta).
         The three stages are separate so that a batched decode (model/batched.py) can run the row-wise
-        ones over many sequences at once and `attend` per sequence; this is their one composition.
+        ones over many sequences at once, and `attend` per sequence where its batched twin
+        (model/batched_attention.py) does not apply; this is their one composition.
         """
         freqs = freqs_table[io.start : io.start + x.size(1)]
         rows = self.project(x, freqs, backend=io.backend)

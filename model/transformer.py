@@ -211,7 +211,7 @@ class Transformer(nn.Module):
 
     def keep_layer_io(self, i: int, io: AttnIO, state: ModelState) -> None:
         """Store what layer i's attention wrote in a pass (its ring, its global KV, a published index-key
-        slot) into `state` (also used per sequence by the batched decode, model/batched.py)."""
+        slot) into `state` (also used by the batched decode's per-sequence slow twin, model/batched.py)."""
         state.windows[i] = io.new_window
         state.window_codes[i] = io.new_window_codes
         state.window_scales[i] = io.new_window_scales
