@@ -12,7 +12,7 @@ audit record each.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -156,11 +156,18 @@ def _gone_keys(records: Iterable[AuditRecord]) -> list[bytes]:
     return keys
 
 
-def forget_gone_chunks(session: Session, *, node: str, records: Iterable[AuditRecord]) -> int:
+def forget_gone_chunks(
+    session: Session, *, node: str, records: Iterable[AuditRecord], deleted: Collection[bytes] = ()
+) -> int:
     """Inside `session`'s transaction: delete this node's segment rows of the chunks that `records`
     (store records) say were expired, evicted, found corrupt or purged; returns rows deleted. Rows of
-    other nodes name other stores' copies and stay."""
-    keys = _gone_keys(records)
+    other nodes name other stores' copies and stay.
+
+    Args:
+        deleted: store keys whose rows this transaction already deleted (store keys are unique, so
+            no row of them is left): skipped, and no statement runs when nothing else is gone.
+    """
+    keys = [k for k in _gone_keys(records) if k not in deleted]
     if not keys:
         return 0
     # Core, built once (`_FORGET`): this runs in the transaction of every turn whose write replaced a

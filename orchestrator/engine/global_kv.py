@@ -283,8 +283,10 @@ def persist_chunks(
     )
 
 
-def link_segments(s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
+def link_segments(
+    s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
+) -> list[bytes]:
     """Link the session to its current chunks of `fingerprint` and unlink the ones the store superseded
     (a shorter tail), deleting rows no session links any more (a few Core statements, whatever the
-    number of segments)."""
-    SegmentRepository(s).link_current(session_id, fingerprint, segments)
+    number of segments). Returns the store keys of the rows deleted."""
+    return SegmentRepository(s).link_current(session_id, fingerprint, segments)

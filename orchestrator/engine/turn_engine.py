@@ -35,6 +35,7 @@ from orchestrator.api import (
     TurnStatsEvent,
 )
 from orchestrator.db import (
+    GroupCommit,
     SessionRepository,
     TurnRepository,
     TurnTimings,
@@ -179,6 +180,9 @@ class TurnEngine:
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
         self._ctx = ctx
+        # Turn finishes waiting for SQLite's writer share one transaction and one COMMIT (a savepoint
+        # each); on PostgreSQL each keeps its own transaction.
+        self.finishes = GroupCommit(ctx.serializable)
         self.registry = registry
         self.store = store
         self.pool = pool
@@ -489,8 +493,10 @@ class TurnEngine:
         """The turn's one registry transaction: the finished turn row (inserted, or the reserved row
         closed), the session's new length and model, the segment links of what the store holds durably,
         and the store's audit records of this turn's write, mirrored into the tenant's chain. Core
-        statements. The audit records are acknowledged to the store after the commit, or handed back to
-        it when the transaction fails.
+        statements. On SQLite the transaction may be shared with other turns' finishes waiting for the
+        writer (`GroupCommit`: a savepoint each, one COMMIT, nobody answered before it). The audit
+        records are acknowledged to the store after the commit, or handed back to it when the
+        transaction fails.
 
         Raises:
             PreconditionError: the session was deleted, closed or advanced during the turn.
@@ -533,15 +539,18 @@ class TurnEngine:
                 )
                 if done.rowcount != 1:
                     raise PreconditionError(f"session {f.session_id} was deleted during its turn")
+            dropped: list[bytes] = []
             if outcome is not None and outcome.persisted:
-                link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
+                dropped = link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
             if claimed:
                 self._ctx.audit.mirror_in(s, claimed)
-                # An eviction this put made names chunks other rows point at: they go with it.
-                forget_gone_chunks(s, node=self._ctx.node, records=claimed)
+                # An eviction this put made names chunks other rows point at: they go with it. The
+                # superseded tail's rows link_segments just deleted are not looked for again.
+                forget_gone_chunks(s, node=self._ctx.node, records=claimed, deleted=dropped)
 
         try:
-            run_serializable(self._ctx.serializable, work)
+            # Returns after the COMMIT that holds this turn's rows (maybe shared with other turns').
+            self.finishes.run(work)
         except BaseException:
             self.store.release_audit(claimed)
             raise

@@ -44,8 +44,12 @@ class _LinkStatements:
     unlink = delete(_SS).where(
         _SS.c.session_id == bindparam("sid"), _SS.c.segment_id.in_(bindparam("ids", expanding=True))
     )
-    drop_unlinked = delete(_CS).where(
-        _CS.c.id.in_(bindparam("ids", expanding=True)), ~exists().where(_SS.c.segment_id == _CS.c.id)
+    # RETURNING the keys: the turn's transaction then skips them in `forget_gone_chunks` (the store's
+    # records of the superseded tail name the chunks this very statement deleted).
+    drop_unlinked = (
+        delete(_CS)
+        .where(_CS.c.id.in_(bindparam("ids", expanding=True)), ~exists().where(_SS.c.segment_id == _CS.c.id))
+        .returning(_CS.c.store_key)
     )
 
 
@@ -134,10 +138,13 @@ class SegmentRepository:
             self._s.flush()
         return row
 
-    def link_current(self, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]) -> None:
+    def link_current(
+        self, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
+    ) -> list[bytes]:
         """Make `segments` the session's chunks of `fingerprint`: record new ones (once per store key),
         extend the expiry of known ones, link them, unlink the session's other chunks of that
-        fingerprint (a superseded shorter tail) and delete rows no session links any more.
+        fingerprint (a superseded shorter tail) and delete rows no session links any more. Returns the
+        store keys of the rows it deleted.
 
         SQLAlchemy Core statements built once (`_LINK`), run on the transaction's connection, one per
         step whatever the number of segments (the per-turn path).
@@ -197,9 +204,9 @@ class SegmentRepository:
             conn.execute(_LINK.link, missing)
         stale = [r.segment_id for r in linked if r.fingerprint == fingerprint and r.segment_id not in keep]
         if not stale:
-            return
+            return []
         conn.execute(_LINK.unlink, {"sid": session_id, "ids": stale})
-        conn.execute(_LINK.drop_unlinked, {"ids": stale})
+        return [r.store_key for r in conn.execute(_LINK.drop_unlinked, {"ids": stale})]
 
     def spans_of(self, session_id: str) -> list[Row]:
         """The session's linked segments as Core rows (fingerprint, model, numerics, start_pos, end_pos)
