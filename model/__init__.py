@@ -4,6 +4,7 @@ Knows nothing of storage, SQL or gRPC; returns statistics instead of logging.
 """
 
 from model.batched import decode_many
+from model.batched_prefill import prefill_many
 from model.cache_format import (
     CACHE_FORMAT_VERSION,
     HEADER_BYTES,
@@ -72,6 +73,7 @@ __all__ = [
     "decode",
     "decode_batch",
     "decode_many",
+    "prefill_many",
     "greedy",
     "init_random",
     "load_model",

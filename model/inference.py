@@ -16,6 +16,7 @@ REPLAY_NOTES §7):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -66,9 +67,56 @@ def prefill(
         raise ValueError(f"mode must be one of {PREFILL_MODES}, got {mode!r}")
     if tokens.dim() != 2 or tokens.size(1) == 0:
         raise ValueError(f"tokens must be [B, T] with T >= 1, got {tuple(tokens.shape)}")
-    cfg = model.cfg
     if state is None:
         state = model.new_state(tokens.size(0), device=tokens.device)
+    plan = plan_prefill(model, tokens, state, mode=mode, prompt_end=prompt_end)
+    plan.mark(state)
+    return model.run(
+        plan.tokens, state, start=plan.start, enc_floor=plan.enc_floor, dec_from=plan.dec_from,
+        dec_floor=plan.dec_floor, tie_break=tie_break, reference_slots=reference_slots, all_logits=all_logits,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillPlan:
+    """Which rows one prefill pass runs (`Transformer.run`'s arguments), decided before the state changes.
+
+    Attributes:
+        tokens: [B, T'] the rows the encoder runs: the new tokens, after the stored tokens [start, n_cached)
+            on an encoder bounded replay.
+        start, enc_floor, dec_from, dec_floor: as `Transformer.run` takes them.
+        decoder_floor: the chunked-prefill decoder floor the state records (None: removed).
+    """
+
+    tokens: torch.Tensor
+    start: int
+    enc_floor: int
+    dec_from: int
+    dec_floor: int
+    decoder_floor: int | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens.size(1)
+
+    def mark(self, state: ModelState) -> None:
+        """Record the decoder floor in the state (the one change `prefill` makes before its pass)."""
+        if self.decoder_floor is None:
+            state.extra.pop("decoder_floor", None)
+        else:
+            state.extra["decoder_floor"] = self.decoder_floor
+
+
+def plan_prefill(
+    model: Transformer, tokens: torch.Tensor, state: ModelState, *, mode: str, prompt_end: int | None
+) -> PrefillPlan:
+    """The pass `prefill` runs for new tokens [B, T] (T >= 1) onto `state` (not changed here); shared with
+    the batched prefill (model/batched_prefill.py) so that both decide the same rows.
+
+    Raises:
+        ValueError: a prompt_end before the chunk's end.
+    """
+    cfg = model.cfg
     n_cached = state.n_tokens
     end = n_cached + tokens.size(1)
     prompt_end = end if prompt_end is None else prompt_end
@@ -83,18 +131,13 @@ def prefill(
         start = enc_floor = _replay_start(model, n_cached)
         run_tokens = torch.cat([state.tokens[:, start:n_cached], tokens], dim=1)
     if mode == "reference" or model.split is None:
-        dec_from, dec_floor = start, enc_floor
-        state.extra.pop("decoder_floor", None)
-    else:
-        continuing = state.extra.get("decoder_floor") == floor and start == n_cached
-        dec_from = max(floor, start) if continuing else floor
-        dec_from = min(dec_from, end)
-        dec_floor = floor
-        state.extra["decoder_floor"] = floor
-    return model.run(
-        run_tokens, state, start=start, enc_floor=enc_floor, dec_from=dec_from, dec_floor=dec_floor,
-        tie_break=tie_break, reference_slots=reference_slots, all_logits=all_logits,
-    )
+        return PrefillPlan(tokens=run_tokens, start=start, enc_floor=enc_floor, dec_from=start,
+                           dec_floor=enc_floor, decoder_floor=None)  # fmt: skip
+    continuing = state.extra.get("decoder_floor") == floor and start == n_cached
+    dec_from = max(floor, start) if continuing else floor
+    dec_from = min(dec_from, end)
+    return PrefillPlan(tokens=run_tokens, start=start, enc_floor=enc_floor, dec_from=dec_from,
+                       dec_floor=floor, decoder_floor=floor)  # fmt: skip
 
 
 def decode(

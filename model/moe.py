@@ -128,6 +128,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, rowwise=rowwise)
+        return self.experts_out(x, weights, indices).view(shape)
+
+    def experts_out(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The routed and shared experts over routed rows: x [N, dim] bf16, weights / indices [N, topk] as
+        the gate made them -> [N, dim] bf16. Row-invariant, so a batched prefill routes each sequence's
+        rows alone (its gate's products depend on the rows in the call) and runs the experts once."""
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in range(self.n_routed):
             rows, slot = torch.where(indices == e)
@@ -137,4 +143,4 @@ class MoE(nn.Module):
             # index_add in expert order: each token meets an expert at most once, so this is y[rows] += out
             y = y.index_add(0, rows, out.float())
         y = y + self.shared_experts(x)
-        return y.type_as(x).view(shape)
+        return y.type_as(x)

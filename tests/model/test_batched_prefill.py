@@ -1,0 +1,144 @@
+"""`prefill_many` (one pass over the stacked rows of many sequences' prefill chunks) equals prefilling each
+sequence alone, bit for bit: logits, stats, every state tensor and the exported cache bytes, on random
+ragged chunks of fresh random states: fresh prompts, extends, chunked prompts (chunks ending before and
+inside the decoder's tail, continuing a chunked prompt), states whose windows were dropped (the encoder
+replays stored tokens), at 1 and 2 threads."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import Transformer, export_global, export_windows, init_random, load_preset, prefill
+from model.batched_prefill import prefill_many
+from tests.model.test_batched import _assert_same_state
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(1)
+    return init_random(Transformer(load_preset("v41-tiny")), seed=int(torch.randint(0, 10_000, ()))).eval()
+
+
+def _prompt(model: Transformer, rng: random.Random, n: int) -> torch.Tensor:
+    return torch.tensor([[rng.randrange(16, model.cfg.vocab_size) for _ in range(n)]])
+
+
+def _cases(model: Transformer, rng: random.Random, reps: int) -> list[tuple]:
+    """(state or None, prompt_end offset past the chunk, kind) of each sequence's first round."""
+    cfg = model.cfg
+    w = cfg.window_size
+    out: list[tuple] = []
+    for kind in ["fresh", "fresh_chunked", "extend", "extend_chunked", "replay", "extend"] * reps:
+        if kind.startswith("fresh"):
+            state = None
+        else:
+            state = prefill(model, _prompt(model, rng, rng.randrange(1, 3 * w)), mode="ced").state
+            if kind == "replay":
+                state.drop_windows(range(cfg.n_layers))
+                state.drop_encoder_rows()
+        more = rng.choice([rng.randrange(1, w), rng.randrange(w, 3 * w)]) if "chunked" in kind else 0
+        out.append((state, more, kind))
+    return out
+
+
+def _compare(model: Transformer, seed: int, reps: int = 1) -> None:
+    rng = random.Random(seed)
+    cases = _cases(model, rng, reps)
+    alone = [s.clone() if s is not None else None for s, _, _ in cases]
+    together = [s.clone() if s is not None else None for s, _, _ in cases]
+    ends = []
+    for rnd in range(2):  # the second round continues the chunked prompts of the first
+        chunks, prompt_ends = [], []
+        for i, (_, more, _) in enumerate(cases):
+            n0 = alone[i].n_tokens if alone[i] is not None else 0
+            t = rng.choice([1, rng.randrange(2, 8), rng.randrange(8, 40)])
+            if rnd == 1 and more:
+                t = min(t, ends[i] - n0) or 1
+            chunks.append(_prompt(model, rng, t))
+            end = ends[i] if rnd == 1 and more and ends[i] >= n0 + t else n0 + t + (more if rnd == 0 else 0)
+            prompt_ends.append(end)
+        ends = prompt_ends
+        ref = [prefill(model, c, s, mode="ced", prompt_end=e)
+               for c, s, e in zip(chunks, alone, ends, strict=True)]  # fmt: skip
+        order = list(range(len(cases)))
+        rng.shuffle(order)  # who shares the pass and where must not matter
+        got = prefill_many(model, [chunks[i] for i in order], [together[i] for i in order],
+                           prompt_ends=[ends[i] for i in order])  # fmt: skip
+        for j, i in enumerate(order):
+            a, b = ref[i], got[j]
+            where = f"seed {seed} round {rnd} seq {i} ({cases[i][2]}, T={chunks[i].size(1)})"
+            assert (a.logits is None) == (b.logits is None), where
+            if a.logits is not None:
+                assert torch.equal(a.logits, b.logits), where
+            assert a.stats == b.stats, where
+            alone[i], together[i] = a.state, b.state
+            _assert_same_state(a.state, b.state)
+            assert a.state.extra.get("decoder_floor") == b.state.extra.get("decoder_floor"), where
+    f = b"f" * 32
+    for a, b in zip(alone, together, strict=True):
+        n = a.n_tokens
+        assert export_global(a, 0, n, fingerprint=f) == export_global(b, 0, n, fingerprint=f)
+        assert export_windows(model, a, fingerprint=f) == export_windows(model, b, fingerprint=f)
+
+
+@torch.inference_mode()
+def test_prefill_many_equals_each_sequence_prefilled_alone(model: Transformer) -> None:
+    """At 1 thread: the suite's default of the machine's cores spins OpenMP workers on a loaded machine
+    (200+ s here); 2 threads run in their own process below."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare(model, random.randrange(1 << 30))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_prefill_many_many_sequences(model: Transformer) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare(model, random.randrange(1 << 30), reps=3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_prefill_many_at_two_threads() -> None:
+    """The same comparison in a process of 2 intra-op threads (OMP_WAIT_POLICY=PASSIVE: spinning OpenMP
+    workers make a loaded machine ten times slower)."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", OMP_WAIT_POLICY="PASSIVE")
+    code = (
+        "import random, torch; from tests.model.test_batched_prefill import _compare, _model; "
+        "torch.set_num_threads(2); m = _model()\n"
+        "with torch.inference_mode(): _compare(m, random.randrange(1 << 30), reps=2)"
+    )
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+
+
+def _model() -> Transformer:
+    torch.manual_seed(1)
+    return init_random(Transformer(load_preset("v41-tiny")), seed=int(torch.randint(0, 10_000, ()))).eval()
+
+
+def test_prefill_many_refuses_bad_batches(model: Transformer) -> None:
+    state = model.new_state(1)
+    one = torch.tensor([[20]])
+    with pytest.raises(ValueError, match="one chunk, state and prompt_end"):
+        prefill_many(model, [one, one], [state])
+    with pytest.raises(ValueError, match="same state twice"):
+        prefill_many(model, [one, one], [state, state])
+    with pytest.raises(ValueError, match="must lie in"):
+        prefill_many(model, [torch.tensor([[model.cfg.vocab_size]])], [state])
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        prefill_many(model, [torch.zeros(1, 0, dtype=torch.int64)], [state])
+    with pytest.raises(ValueError, match="before the end"):
+        prefill_many(model, [one, torch.tensor([[21, 22]])], [None, state], prompt_ends=[1, 1])
+    assert state.n_tokens == 0 and "decoder_floor" not in state.extra  # refused before any change
