@@ -22,6 +22,7 @@ from model import (
     import_global_chunks,
     import_windows,
     prefill,
+    prefill_many,
 )
 from orchestrator.engine.served_models import ServedModel
 
@@ -63,6 +64,14 @@ class ModelCompute(Protocol):
         self, served: ServedModel, tokens: Sequence[int], states: Sequence[Any]
     ) -> list[PassOutput]:
         """One decode step of many sessions; each output equals its `decode` bit for bit."""
+        ...
+
+    def prefill_many(
+        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
+        prompt_ends: Sequence[int],
+    ) -> list[PassOutput]:
+        """The prefill chunks of many sessions in one pass; each output equals its `prefill` bit for bit.
+        Optional: a scheduler runs `prefill` one chunk at a time when a compute lacks it."""
         ...
 
 
@@ -135,3 +144,12 @@ class TorchCompute:
     ) -> list[PassOutput]:
         with served.lock, torch.inference_mode():
             return decode_many(served.model, tokens, states)
+
+    def prefill_many(
+        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
+        prompt_ends: Sequence[int],
+    ) -> list[PassOutput]:
+        device = served.model.head.weight.device
+        toks = [torch.tensor([list(c)], dtype=torch.int64, device=device) for c in chunks]
+        with served.lock, torch.inference_mode():
+            return prefill_many(served.model, toks, states, prompt_ends=prompt_ends, mode="ced")

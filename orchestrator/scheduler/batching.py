@@ -3,14 +3,15 @@ as continuous-batching engines do (vLLM v1's scheduler beside its model runner, 
 
 Each step takes every waiting decode token (up to `max_batch_sequences`, in fair order) into one
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
-budget is used (chunked prefill interleaved with decode: a long prompt costs everyone one bounded chunk
-per step, not its whole length). Turns wait in their own threads on a future per pass; the loop thread
-alone runs the model. Cancellation, deadlines and disconnects are checked by the turn between passes, so
-they take effect at the next step, and a step is bounded by the budget.
+budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
+decode: a long prompt costs everyone one bounded chunk per step, not its whole length). Turns wait in
+their own threads on a future per pass; the loop thread alone runs the model. Cancellation, deadlines and
+disconnects are checked by the turn between passes, so they take effect at the next step, and a step is
+bounded by the budget.
 
-Exactness: `decode_many` equals each sequence's lone `decode` bit for bit and chunked prefill equals
-one-shot prefill, so what a session gets does not depend on who shares its steps (tests compare a
-session alone and among others).
+Exactness: `decode_many` / `prefill_many` equal each sequence's lone `decode` / `prefill` bit for bit and
+chunked prefill equals one-shot prefill, so what a session gets does not depend on who shares its steps
+(tests compare a session alone and among others).
 """
 
 from __future__ import annotations
@@ -106,18 +107,38 @@ class _ModelLoop:
                 obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
             if decodes:
                 self._decode(decodes)
-            for r in prefills:
-                try:
-                    out = self._s.compute.prefill(r.served, r.tokens, r.state, prompt_end=r.prompt_end)
-                except BaseException as exc:  # noqa: BLE001 - the turn that asked gets its own error
-                    r.future.set_exception(exc)
-                else:
-                    r.future.set_result(out)
+            if prefills:
+                self._prefill(prefills)
             tokens = len(decodes) + sum(r.rows for r in prefills)
             obs.step(
                 self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started
             )
             obs.gauges(self.model, running=self._s.running(self.model), waiting=self.waiting())
+
+    def _prefill(self, prefills: list[PassRequest]) -> None:
+        """The step's prefill chunks in one `prefill_many` pass when the compute has one (bit-identical to
+        one `prefill` each); one at a time otherwise, or when the batched pass fails."""
+        many = getattr(self._s.compute, "prefill_many", None)
+        if many is not None and len(prefills) > 1:
+            try:
+                outs = many(prefills[0].served, [r.tokens for r in prefills], [r.state for r in prefills],
+                            [r.prompt_end for r in prefills])  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - isolate the failing chunk, below
+                # prefill_many validates before it touches any state, so no state was half-updated
+                log.warning(
+                    "batched_prefill_failed", model=self.model, sequences=len(prefills), error=str(exc)
+                )
+            else:
+                for r, out in zip(prefills, outs, strict=True):
+                    r.future.set_result(out)
+                return
+        for r in prefills:
+            try:
+                out = self._s.compute.prefill(r.served, r.tokens, r.state, prompt_end=r.prompt_end)
+            except BaseException as exc:  # noqa: BLE001 - the turn that asked gets its own error
+                r.future.set_exception(exc)
+            else:
+                r.future.set_result(out)
 
     def _decode(self, decodes: list[PassRequest]) -> None:
         served = decodes[0].served

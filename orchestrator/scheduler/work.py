@@ -32,6 +32,9 @@ class StepCompute(Protocol):
         """One step for many sequences; each output equals that sequence's `decode` bit for bit."""
         ...
 
+    # Optional (a compute without it gets one `prefill` per chunk):
+    # prefill_many(served, chunks, states, prompt_ends) -> list, each equal to that chunk's `prefill`.
+
 
 @dataclass(kw_only=True, eq=False)
 class PassRequest:

@@ -181,3 +181,50 @@ def test_finished_turns_leave_the_fair_order() -> None:
         assert len(sched._loops["m"]._order) == 0
     finally:
         sched.close()
+
+
+@dataclass
+class ManyRecorder(Recorder):
+    """A recorder with a batched prefill; a chunk holding `fail_token` fails it (and its lone prefill)."""
+
+    def prefill(self, served, tokens: Sequence[int], state, *, prompt_end: int):
+        if self.fail_token in tokens:
+            raise ValueError(f"bad chunk {list(tokens)}")
+        return super().prefill(served, tokens, state, prompt_end=prompt_end)
+
+    def prefill_many(self, served, chunks, states, prompt_ends):
+        self.gate.wait()
+        if any(self.fail_token in c for c in chunks):
+            raise ValueError(f"bad token {self.fail_token}")
+        self.steps.append(("prefill_many", [list(c) for c in chunks]))
+        return [("prefilled", list(c)) for c in chunks]
+
+
+@pytest.mark.parametrize("fail", [None, 7])
+def test_a_steps_prefill_chunks_share_one_prefill_many_and_a_failure_runs_each_alone(fail) -> None:
+    rec = ManyRecorder(fail_token=fail)
+    sched = BatchingScheduler(rec, max_batch_sequences=8, step_token_budget=16)
+    try:
+        rec.gate.clear()
+        first, _ = _in_threads([lambda: _blocker(sched)])
+        time.sleep(0.2)
+        chunks = [[5] * 3, [6] * 4, [7] * 2]
+        calls = [
+            (lambda c=c, i=i: sched.prefill(Served(), c, None, prompt_end=len(c), owner=_owner(str(i), "p")))
+            for i, c in enumerate(chunks)
+        ]
+        threads, results = _in_threads(calls)
+        time.sleep(0.3)
+        rec.gate.set()
+        for th in first + threads:
+            th.join(timeout=10)
+        if fail is None:
+            assert results == [("prefilled", c) for c in chunks]
+            assert rec.steps[1][0] == "prefill_many" and sorted(rec.steps[1][1]) == sorted(chunks)
+        else:
+            # the failing chunk gets its own error; the others their lone prefill's result
+            assert results[:2] == [("prefilled", c) for c in chunks[:2]]
+            assert isinstance(results[2], ValueError) and "7" in str(results[2])
+            assert [k for k, _ in rec.steps[1:]] == ["prefill", "prefill"]
+    finally:
+        sched.close()
