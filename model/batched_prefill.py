@@ -9,8 +9,9 @@ all sequences are stacked along one axis (ragged: [1, S, ...], S = sum of the ro
   the head, whose results per row do not depend on the other rows in the call (bf16 and block-scaled
   linears, elementwise ops without transcendental functions, `rowwise_linear` for the head);
 - run per sequence, on its own contiguous rows: the mHC mixes (an fp32 product of M = T_i rows, whose
-  sums depend on M, then sigmoid / exp, whose SIMD body and scalar tail differ in the last bit), the MoE
-  gate (fp32 product and softplus, the same reasons) and the attention stage (`Attention.attend`).
+  sums depend on M, then sigmoid / exp, whose SIMD body and scalar tail differ in the last bit; sequences
+  of equal T_i together as [G, T] blocks, `model.invariant.blocks_apart`), the MoE gate (fp32 product and
+  softplus, the same reasons) and the attention stage (`Attention.attend`).
 So each sequence's logits, state and exported bytes are bit-identical to its lone prefill under
 tie_break "deterministic" (tests/model/test_batched_prefill.py compares them on fresh random chunks).
 """
@@ -25,8 +26,8 @@ import torch
 from model.append_buffer import append_rows
 from model.attention import AttnIO, ProjectedRows
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
-from model.invariant import rowwise_linear
-from model.mhc import collapse, expand, identity_pre
+from model.invariant import blocks_apart, blockwise_linear, rowwise_linear
+from model.mhc import collapse, expand, identity_pre, split_sinkhorn
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
 
@@ -63,9 +64,26 @@ def _rows(rows: ProjectedRows, span: slice) -> ProjectedRows:
 
 
 def _mixes(block, h: torch.Tensor, seqs: list[_Rows], which: str) -> tuple[torch.Tensor, ...]:
-    """The mHC mixes of each sequence's rows alone (as its lone pass computes them), stacked again."""
+    """The mHC mixes of each sequence's rows as its lone pass computes them, stacked again: sequences of
+    equal T_i as one [G, T, ...] block (a T-row product per block, each block's elementwise runs apart),
+    a sequence of its own length by `Block._mixes` itself."""
     fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
-    parts = [block._mixes(h[:, s.span], fn, scale, base) for s in seqs]
+    parts: list = [None] * len(seqs)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(s.t, []).append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            parts[members[0]] = block._mixes(h[:, seqs[members[0]].span], fn, scale, base)
+            continue
+        flat = torch.cat([h[:, seqs[i].span] for i in members]).flatten(2).float()  # [G, T, hc*d]
+        # Block._mixes op for op, with each block's T-row runs as a lone pass has them
+        rsqrt = torch.rsqrt(blocks_apart(flat.square().mean(-1, keepdim=True) + block.norm_eps))
+        raw = blockwise_linear(flat, fn) * rsqrt
+        mixed = split_sinkhorn(raw, scale, base, block.hc, block.sinkhorn_iters, block.hc_eps,
+                               apart=blocks_apart)  # fmt: skip
+        for k, i in enumerate(members):
+            parts[i] = tuple(m[k : k + 1] for m in mixed)
     return tuple(torch.cat([p[k] for p in parts], dim=1) for k in range(3))
 
 

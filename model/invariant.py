@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rowwise_linear", "rows_apart"]
+__all__ = ["rowwise_linear", "rows_apart", "blocks_apart", "blockwise_linear"]
 
 
 def rows_apart(x: torch.Tensor) -> torch.Tensor:
@@ -37,3 +37,24 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
     return out.view(*lead, weight.size(0))
+
+
+def blocks_apart(x: torch.Tensor) -> torch.Tensor:
+    """x [G, ...] as a view whose G blocks (all of x[g]) each lie contiguous and apart from the others, so
+    that an elementwise op computes each block exactly as it would the lone tensor x[g:g+1].
+
+    The `rows_apart` of a batched prefill: a lone pass of T rows runs its elementwise op over one
+    contiguous run of T * k values (SIMD body, then the scalar tail); G sequences of T rows stacked
+    contiguous would shift where the body ends. With the blocks apart, each block is its own run.
+    """
+    g, shape = x.size(0), x.shape[1:]
+    n = x[0].numel()
+    buf = x.new_empty(g, n + 1)
+    buf[:, :n] = x.reshape(g, n)
+    return buf[:, :n].view(g, *shape)
+
+
+def blockwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [G, T, K] @ weight[N, K]^T with each block x[g] computed as its own T-row product -> [G, T, N]
+    (what a lone pass of T rows computes; `rowwise_linear` is the T = 1 case)."""
+    return torch.bmm(x, weight.t().unsqueeze(0).expand(x.size(0), -1, -1))

@@ -25,6 +25,7 @@ def split_sinkhorn(
     eps: float,
     *,
     rowwise: bool = False,
+    apart=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split raw mixes into pre, post and a Sinkhorn-normalized comb, all fp32.
 
@@ -33,6 +34,8 @@ def split_sinkhorn(
         scale: [3] fp32 (pre, post, comb); base: [(2 + hc) * hc] fp32.
         rowwise: compute each row's transcendental ops as a lone row would (a batched decode of many
             sequences; see `model.invariant.rows_apart`).
+        apart: the layout function applied before each transcendental op instead (a batched prefill
+            passes `model.invariant.blocks_apart` for [G, T, ...] blocks of G sequences of T rows).
 
     Returns:
         pre [..., hc], post [..., hc], comb [..., hc, hc] (rows: input lane i, columns: output lane j).
@@ -40,7 +43,8 @@ def split_sinkhorn(
     m = mixes.float()
     scale = scale.float()
     base = base.float()
-    apart = rows_apart if rowwise else _same
+    if apart is None:
+        apart = rows_apart if rowwise else _same
     pre = torch.sigmoid(apart(m[..., :hc] * scale[0] + base[:hc])) + eps
     post = 2 * torch.sigmoid(apart(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc]))
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))

@@ -57,7 +57,8 @@ def _compare(model: Transformer, seed: int, reps: int = 1) -> None:
         chunks, prompt_ends = [], []
         for i, (_, more, _) in enumerate(cases):
             n0 = alone[i].n_tokens if alone[i] is not None else 0
-            t = rng.choice([1, rng.randrange(2, 8), rng.randrange(8, 40)])
+            # repeated lengths: sequences of equal T share the blocked mHC mixes
+            t = rng.choice([1, 5, 5, 24, 24, rng.randrange(2, 8), rng.randrange(8, 40)])
             if rnd == 1 and more:
                 t = min(t, ends[i] - n0) or 1
             chunks.append(_prompt(model, rng, t))
