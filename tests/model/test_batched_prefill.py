@@ -13,9 +13,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import Transformer, export_global, export_windows, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
+from model.invariant import blocks_apart, blockwise_linear
+from model.mhc import split_sinkhorn
 from tests.model.test_batched import _assert_same_state
 
 
@@ -38,7 +41,7 @@ def _cases(model: Transformer, rng: random.Random, reps: int) -> list[tuple]:
         if kind.startswith("fresh"):
             state = None
         else:
-            state = prefill(model, _prompt(model, rng, rng.randrange(1, 3 * w)), mode="ced").state
+            state = prefill(model, _prompt(model, rng, rng.randrange(1, 2 * w + 8)), mode="ced").state
             if kind == "replay":
                 state.drop_windows(range(cfg.n_layers))
                 state.drop_encoder_rows()
@@ -143,3 +146,24 @@ def test_prefill_many_refuses_bad_batches(model: Transformer) -> None:
     with pytest.raises(ValueError, match="before the end"):
         prefill_many(model, [one, torch.tensor([[21, 22]])], [None, state], prompt_ends=[1, 1])
     assert state.n_tokens == 0 and "decoder_floor" not in state.extra  # refused before any change
+
+
+def test_blocked_mixes_equal_each_block_alone() -> None:
+    """The fast path of equal-length sequences (a [G, T] block) against each block's lone ops, on fresh
+    random inputs whose run lengths straddle the SIMD width (T * hc and T * hc * hc not multiples of 16)."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    hc, k = 4, 384
+    for g, t in ((3, 1), (5, 7), (4, 24), (2, 33)):
+        x = torch.randn(g, t, k, generator=gen)
+        w = torch.randn((2 + hc) * hc, k, generator=gen)
+        scale, base = torch.randn(3, generator=gen), torch.randn((2 + hc) * hc, generator=gen)
+        raw = blockwise_linear(x, w)
+        ms = blocks_apart(x.square().mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(ms, x.square().mean(-1, keepdim=True) + 1e-6)
+        got = split_sinkhorn(raw, scale, base, hc, 20, 1e-6, apart=blocks_apart)
+        for b in range(g):
+            lone = F.linear(x[b : b + 1], w)
+            assert torch.equal(raw[b : b + 1], lone), (g, t, b)
+            want = split_sinkhorn(lone, scale, base, hc, 20, 1e-6)
+            for m, n in zip(got, want, strict=True):
+                assert torch.equal(m[b : b + 1], n), (g, t, b)
