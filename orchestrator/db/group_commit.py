@@ -13,6 +13,11 @@ PostgreSQL, where each turn keeps its own SERIALIZABLE transaction (replicas rac
 reruns one turn, not a group). The units run in queue order on the leader's thread: like
 `run_serializable`'s work they must touch nothing outside their Session, since a retryable failure of
 the batch reruns them all.
+
+Status: not wired into the turn finish. In alternating no-op runs (bench_service, load ~6) it cut
+commits per turn at 64 sessions from 1.20 to 0.23 but gained no turns/s there (23.9 and 19.0 vs 19.6
+and 19.8) and lost about half at 8 sessions (13.5 and 14.0 vs 25.2 and 22.7 turns/s). Suspected, not
+measured: `notify_all` wakes every waiter per batch, and each woken thread waits for the GIL.
 """
 
 from __future__ import annotations
