@@ -44,6 +44,15 @@ def _state_tensors(state) -> list[torch.Tensor]:
     return out
 
 
+def _assert_same_exports(model, alone, together) -> None:
+    """Each pair of states exports the same global and window bytes (what the store would keep)."""
+    f = b"f" * 32
+    for a, b in zip(alone, together, strict=True):
+        n = a.n_tokens
+        assert export_global(a, 0, n, fingerprint=f) == export_global(b, 0, n, fingerprint=f)
+        assert export_windows(model, a, fingerprint=f) == export_windows(model, b, fingerprint=f)
+
+
 def _assert_same_state(a, b) -> None:
     assert a.window_from == b.window_from and a.enc_from == b.enc_from
     assert a.extra.get("index_k_slot") == b.extra.get("index_k_slot")
@@ -112,11 +121,7 @@ def _step_and_compare(model: Transformer, rng: random.Random, states: list, step
             _assert_same_state(alone[i], together[i])
             if twin:
                 _assert_same_state(alone[i], slow[i])
-    f = b"f" * 32
-    for a, b in zip(alone, together, strict=True):
-        n = a.n_tokens
-        assert export_global(a, 0, n, fingerprint=f) == export_global(b, 0, n, fingerprint=f)
-        assert export_windows(model, a, fingerprint=f) == export_windows(model, b, fingerprint=f)
+    _assert_same_exports(model, alone, together)
 
 
 @torch.inference_mode()

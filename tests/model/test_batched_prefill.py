@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import Transformer, export_global, export_windows, init_random, load_preset, prefill
+from model import Transformer, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
 from model.invariant import blocks_apart, blockwise_linear
 from model.mhc import split_sinkhorn
-from tests.model.test_batched import _assert_same_state
+from tests.model.test_batched import _assert_same_exports, _assert_same_state
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +84,7 @@ def _compare(model: Transformer, seed: int, reps: int = 1) -> None:
             alone[i], together[i] = a.state, b.state
             _assert_same_state(a.state, b.state)
             assert a.state.extra.get("decoder_floor") == b.state.extra.get("decoder_floor"), where
-    f = b"f" * 32
-    for a, b in zip(alone, together, strict=True):
-        n = a.n_tokens
-        assert export_global(a, 0, n, fingerprint=f) == export_global(b, 0, n, fingerprint=f)
-        assert export_windows(model, a, fingerprint=f) == export_windows(model, b, fingerprint=f)
+    _assert_same_exports(model, alone, together)
 
 
 @torch.inference_mode()

@@ -6,11 +6,9 @@ nobody is answered before the shared COMMIT; PostgreSQL runs each unit alone."""
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,23 +21,9 @@ from orchestrator.db import (
     make_engine,
     run_serializable,
     serializable_factory,
-    upgrade,
 )
 from orchestrator.db.models import AuditHead, AuditRow
 from storage import AuditAction, AuditEvent
-
-
-@pytest.fixture(scope="module")
-def migrated(tmp_path_factory) -> Path:
-    """One migrated registry file, copied for each database below (a migration takes a second or two)."""
-    path = tmp_path_factory.mktemp("group_commit") / "template.sqlite3"
-    upgrade(f"sqlite:///{path}")
-    return path
-
-
-def _copy(template: Path, to: Path) -> str:
-    shutil.copy(template, to)
-    return f"sqlite:///{to}"
 
 
 class Refused(Exception):
@@ -106,9 +90,9 @@ def _run_grouped(
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_group_leaves_the_rows_of_its_slow_twin_and_failures_roll_back_alone(
-    tmp_path, migrated, seed
+    registry_copy, seed
 ) -> None:
-    engines = [make_engine(_copy(migrated, tmp_path / f"{name}.sqlite3")) for name in ("group", "twin")]
+    engines = [make_engine(registry_copy(name)) for name in ("group", "twin")]
     group_engine, twin_engine = engines
     try:
         n = 12
@@ -148,8 +132,8 @@ def test_group_leaves_the_rows_of_its_slow_twin_and_failures_roll_back_alone(
             e.dispose()
 
 
-def test_no_unit_is_answered_before_the_shared_commit(tmp_path, migrated) -> None:
-    engine = make_engine(_copy(migrated, tmp_path / "r.sqlite3"))
+def test_no_unit_is_answered_before_the_shared_commit(registry_copy) -> None:
+    engine = make_engine(registry_copy("r"))
     try:
         sink = SqlAuditSink(engine)
         gc = GroupCommit(serializable_factory(engine))
@@ -178,8 +162,8 @@ def test_no_unit_is_answered_before_the_shared_commit(tmp_path, migrated) -> Non
         engine.dispose()
 
 
-def test_a_failed_commit_fails_every_unit_of_the_batch(tmp_path, migrated) -> None:
-    engine = make_engine(_copy(migrated, tmp_path / "r.sqlite3"))
+def test_a_failed_commit_fails_every_unit_of_the_batch(registry_copy) -> None:
+    engine = make_engine(registry_copy("r"))
     try:
         sink = SqlAuditSink(engine)
         gc = GroupCommit(serializable_factory(engine))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import datetime as dt
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -21,25 +19,11 @@ from orchestrator.db import (
     make_engine,
     run_serializable,
     serializable_factory,
-    upgrade,
 )
 from orchestrator.db.models import CacheSegment, SessionSegment
 from storage import AuditAction, AuditRecord
 
 LATER = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
-
-
-@pytest.fixture(scope="module")
-def migrated(tmp_path_factory) -> Path:
-    """One migrated registry file, copied for each database below (a migration takes a second or two)."""
-    path = tmp_path_factory.mktemp("link_current") / "template.sqlite3"
-    upgrade(f"sqlite:///{path}")
-    return path
-
-
-def _copy(template: Path, to: Path) -> str:
-    shutil.copy(template, to)
-    return f"sqlite:///{to}"
 
 
 def _seg(key: bytes, start: int, end: int, node: str = "n1") -> DurableSegment:
@@ -128,9 +112,9 @@ def _scenario(seed: int, url: str, *, skip: bool) -> tuple[list[tuple], list[tup
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_skipping_the_rows_link_current_deleted_leaves_the_slow_twins_rows(tmp_path, migrated, seed) -> None:
-    fast = _scenario(seed, _copy(migrated, tmp_path / "fast.sqlite3"), skip=True)
-    twin = _scenario(seed, _copy(migrated, tmp_path / "twin.sqlite3"), skip=False)
+def test_skipping_the_rows_link_current_deleted_leaves_the_slow_twins_rows(registry_copy, seed) -> None:
+    fast = _scenario(seed, registry_copy("fast"), skip=True)
+    twin = _scenario(seed, registry_copy("twin"), skip=False)
     assert fast[:2] == twin[:2]
     # The twin's DELETE of a superseded tail found nothing (link_current had deleted it): same counts.
     assert fast[2] == twin[2]
@@ -138,8 +122,8 @@ def test_skipping_the_rows_link_current_deleted_leaves_the_slow_twins_rows(tmp_p
     assert len([key for key, *_ in fast[0] if key[0] == 2]) == 1
 
 
-def test_link_current_returns_the_keys_it_deleted(tmp_path, migrated) -> None:
-    engine = make_engine(_copy(migrated, tmp_path / "r.sqlite3"))
+def test_link_current_returns_the_keys_it_deleted(registry_copy) -> None:
+    engine = make_engine(registry_copy("r"))
     try:
         factory = serializable_factory(engine)
 
