@@ -6,7 +6,6 @@ Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per c
 from orchestrator.db.audit_check import STORE_CHAIN_PREFIX, AuditChecker, AuditReport
 from orchestrator.db.audit_sink import NODE_CHAIN, ChainVerdict, SqlAuditSink, heads_digest
 from orchestrator.db.engine import make_engine, make_session_factory
-from orchestrator.db.group_commit import GroupCommit
 from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
@@ -38,7 +37,6 @@ from orchestrator.db.repositories import (
 from orchestrator.db.transactions import run_serializable, serializable_factory
 
 __all__ = [
-    "GroupCommit",
     "NODE_CHAIN",
     "ORPHAN_REASON",
     "OrphanSweeper",

@@ -543,8 +543,9 @@ class TurnEngine:
                 forget_gone_chunks(s, node=self._ctx.node, records=claimed, deleted=dropped)
 
         try:
-            # Not through orchestrator.db.GroupCommit (yet): in alternating runs it cut commits per turn
-            # to 0.23 at 64 sessions but gained no turns/s there and lost about half at 8 sessions.
+            # One transaction per finish. A SQLite group commit (savepoint per finish, one COMMIT; commit
+            # 1c82e3a, then removed) cut commits per turn to 0.23 at 64 sessions but
+            # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
             run_serializable(self._ctx.serializable, work)
         except BaseException:
             self.store.release_audit(claimed)
