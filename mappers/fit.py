@@ -57,6 +57,10 @@ class FitSpec:
             its R²) by how much the receiver's own attention reads that entry (`model.attention_mass`:
             summed over heads, queries and the layers reading the source, divided by its batch mean),
             plus `weight_floor` so no row counts for nothing. Task-free: no answer positions are used.
+        force_mlp: parts ("LAYER.kv" / "LAYER.index", receiver layers) that try the MLP fallback even when
+            their ridge passes the part gate: a part gate on R² can pass a part whose remaining error
+            still moves the receiver's next-token distribution (the per-part KL diagnosis of issue 12).
+            The MLP is still kept only when its held-out R² beats the ridge's. Needs fallback="mlp".
     """
 
     k: int | None = None
@@ -72,6 +76,7 @@ class FitSpec:
     mlp_other_ratio: bool = True
     attention_weighted: bool = False
     weight_floor: float = 0.1
+    force_mlp: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
@@ -89,6 +94,13 @@ class FitSpec:
             raise ValueError(f"part_gate_r2 must be finite and <= 1, got {self.part_gate_r2}")
         if not (math.isfinite(self.weight_floor) and self.weight_floor >= 0):
             raise ValueError(f"weight_floor must be finite and >= 0, got {self.weight_floor}")
+        object.__setattr__(self, "force_mlp", tuple(str(p) for p in self.force_mlp))
+        for name in self.force_mlp:
+            layer, dot, part = name.partition(".")
+            if not (dot and layer.isdigit() and part in _PARTS):
+                raise ValueError(f"force_mlp entries must be LAYER.kv or LAYER.index, got {name!r}")
+        if self.force_mlp and self.fallback != "mlp":
+            raise ValueError(f"force_mlp={list(self.force_mlp)} needs fallback='mlp', got {self.fallback!r}")
         if self.mlp_context < 0 or self.mlp_hidden < 1 or self.mlp_epochs < 1:
             raise ValueError(
                 f"mlp_context={self.mlp_context} must be >= 0, mlp_hidden={self.mlp_hidden} and "
@@ -325,6 +337,9 @@ def fit_mapper(
         raise ValueError("index_mode='best' compares on held-out rows: pass heldout_batches")
     if spec.fallback == "mlp" and not mlp_caps["heldout"]:
         raise ValueError("fallback='mlp' decides on held-out rows: pass heldout_batches")
+    known = {f"{src.layer}.{part}" for src in sources_of(r_cfg) for part in _PARTS}
+    if unknown := sorted(set(spec.force_mlp) - known):
+        raise ValueError(f"force_mlp names {unknown}, not parts of the receiver's kv sources {sorted(known)}")
 
     layers, arrays, pair_r2 = [], {}, {part: [] for part in _PARTS}
     for src in sources_of(r_cfg):
@@ -341,7 +356,10 @@ def fit_mapper(
                 raise FitError(f"receiver layer {r} {part}: the ridge solve is not finite")
             fits[part] = (fit, chosen)
             split = "held-out" if held.n else "in-sample"
-            if score >= spec.part_gate_r2:
+            forced = f"{r}.{part}" in spec.force_mlp
+            if forced:
+                reason = ""
+            elif score >= spec.part_gate_r2:
                 reason = f"ridge: {split} R² {score:.3f} >= part gate {spec.part_gate_r2:g}"
             elif spec.fallback == "none":
                 reason = f"ridge: {split} R² {score:.3f} < part gate {spec.part_gate_r2:g}, no fallback asked"
@@ -359,7 +377,10 @@ def fit_mapper(
                     mlp_caps["heldout"],
                 )
                 quality[f"r2_{part}_mlp_heldout"] = r2_mlp
-                why = f"ridge held-out R² {score:.3f} < part gate {spec.part_gate_r2:g}"
+                cmp = ">=" if score >= spec.part_gate_r2 else "<"
+                why = f"ridge held-out R² {score:.3f} {cmp} part gate {spec.part_gate_r2:g}"
+                if forced:
+                    why = f"forced ({r}.{part}); {why}"
                 if r2_mlp > score:
                     parts[part] = PartMap(
                         kind="mlp", sender_layers=tuple(chosen), alpha=fit.alpha_, features=feats,

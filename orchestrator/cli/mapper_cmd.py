@@ -293,7 +293,8 @@ def _run_fit(args: argparse.Namespace) -> int:
             )
     spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode, fallback=args.fallback,
                    part_gate_r2=args.part_gate_r2, mlp_epochs=args.mlp_epochs, mlp_hidden=args.mlp_hidden,
-                   mlp_context=args.mlp_context, attention_weighted=args.attention_weighted)
+                   mlp_context=args.mlp_context, attention_weighted=args.attention_weighted,
+                   force_mlp=tuple(args.force_mlp_part))
     with torch.inference_mode():
         mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
                             receiver_name=r_name, gate=_gate(args), calibration=_calibration(args))
@@ -461,6 +462,9 @@ def _fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--part-gate-r2", type=float, default=0.9, help="held-out R² a part's ridge must reach")
     fit.add_argument("--attention-weighted", action="store_true",
                      help="weight calibration rows by the receiver's own attention mass on each entry")
+    fit.add_argument("--force-mlp-part", action="append", default=[], metavar="LAYER.PART",
+                     help="try the MLP fallback on this receiver part (e.g. 6.kv) even when its ridge passes "
+                          "the part gate (repeatable; needs --fallback mlp)")
     fit.add_argument("--mlp-epochs", type=int, default=20, help="training epochs of an MLP part")
     fit.add_argument("--mlp-hidden", type=int, default=512, help="hidden width of an MLP part")
     fit.add_argument("--mlp-context", type=int, default=2, help="previous entries an MLP part reads")

@@ -134,6 +134,43 @@ def test_fit_tries_the_mlp_only_where_ridge_fails_and_says_why(fitted) -> None:
                for lm in plain.layers for p in ("kv", "index"))
 
 
+def test_force_mlp_tries_the_mlp_on_a_part_that_passes_the_part_gate(fitted) -> None:
+    sender, receiver, _ = fitted
+    layer = receiver.cfg.kv_source_layers[-1]
+    spec = FitSpec(alphas=(1e-2,), fallback="mlp", part_gate_r2=-1e9, mlp_epochs=2, mlp_hidden=32,
+                   force_mlp=(f"{layer}.kv",))
+    with torch.inference_mode():
+        mapper = fit_mapper(sender, receiver, _batches(2, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                            spec=spec)
+    for lm in mapper.layers:
+        for part in ("kv", "index"):
+            pm, q = lm.part(part), lm.quality
+            if (lm.receiver_layer, part) == (layer, "kv"):
+                # tried although ridge passed; kept only when better on held-out rows
+                assert f"forced ({layer}.kv)" in pm.reason and ">= part gate" in pm.reason
+                assert pm.kind == ("mlp" if q["r2_kv_mlp_heldout"] > q["r2_kv_heldout"] else "linear")
+            else:
+                assert pm.kind == "linear" and f"r2_{part}_mlp_heldout" not in q
+    assert mapper.calibration["fit_spec"]["force_mlp"] == (f"{layer}.kv",)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"force_mlp": ("6.kv",)}, "needs fallback='mlp'"), ({"fallback": "mlp", "force_mlp": ("kv6",)}, "kv6"),
+     ({"fallback": "mlp", "force_mlp": ("6.value",)}, "6.value")],
+)
+def test_force_mlp_refuses_bad_names(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FitSpec(**kwargs)
+
+
+def test_force_mlp_refuses_a_layer_that_is_not_a_receiver_source(fitted) -> None:
+    sender, receiver, _ = fitted
+    with pytest.raises(ValueError, match="99.kv"), torch.inference_mode():
+        fit_mapper(sender, receiver, _batches(1, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                   spec=FitSpec(alphas=(1e-2,), fallback="mlp", force_mlp=("99.kv",)))
+
+
 def test_mlp_artifact_round_trip_and_apply_through_chunks(fitted, tmp_path: Path) -> None:
     sender, receiver, mapper = fitted
     assert any(lm.part(p).kind == "mlp" for lm in mapper.layers for p in ("kv", "index")), "fixture needs mlp"
