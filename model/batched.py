@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.append_buffer import append_rows
+from model.append_buffer import append_rows_many
 from model.attention import AttnIO, ProjectedRows
 from model.batched_attention import Selection, attend_rows, batchable
 from model.invariant import rowwise_linear
@@ -65,6 +65,25 @@ def _attend_alone(
 
 
 @dataclass
+class _Step:
+    """What every layer of a step shares: each sequence's position, and its rotation from each rope table
+    (one lookup per table per step, not per layer)."""
+
+    starts: list[int]
+    positions: torch.Tensor  # [N] int64
+    freqs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def rotations(self, model: Transformer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s rope table and the rotations at each sequence's position, [N, 1, rope/2]."""
+        table = model.rope_for(layer, max(self.starts) + 1, self.positions.device)
+        cached = self.freqs.get(id(table))
+        if cached is None or cached[0] is not table:
+            cached = (table, table[self.positions].unsqueeze(1))
+            self.freqs[id(table)] = cached
+        return cached
+
+
+@dataclass
 class _Half:
     """What the layers of one half (encoder or decoder) share in a step: the batched sequences'
     published selections, and the lone pass's `shared` dict of each sequence run alone."""
@@ -79,7 +98,7 @@ def _attend_layer(
     x: torch.Tensor,
     states: Sequence[ModelState],
     half: _Half,
-    starts: Sequence[int],
+    step: _Step,
     batched: list[int],
 ) -> torch.Tensor:
     """Layer `layer`'s attention over one new row per sequence: x [N, 1, dim] normed inputs -> [N, 1, dim].
@@ -88,13 +107,11 @@ def _attend_layer(
     update each state's window ring and (for kv sources) its global KV, as `Transformer._run_layer`.
     """
     attn = model.layers[layer].attn
-    n = len(states)
-    table = model.rope_for(layer, max(starts) + 1, x.device)
-    positions = torch.tensor(list(starts), device=x.device)
-    freqs = table[positions].unsqueeze(1)  # [N, 1, rope/2]: each sequence at its own position
+    n, starts = len(states), step.starts
+    table, freqs = step.rotations(model, layer)  # freqs [N, 1, rope/2]: each sequence at its own position
     rows = attn.project(x, freqs, backend=model.kernel_backend)
     if len(batched) == n:
-        o = attend_rows(model, layer, x, rows, freqs, states, list(starts), half.selection)
+        o = attend_rows(model, layer, x, rows, freqs, states, starts, half.selection)
         return attn.project_out(o, freqs)
     o = x.new_empty(n, 1, attn.n_heads, attn.head_dim)
     if batched:
@@ -115,7 +132,7 @@ def _layer(
     pre: torch.Tensor,
     states: Sequence[ModelState],
     half: _Half,
-    starts: Sequence[int],
+    step: _Step,
     batched: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Block.forward` over the stacked rows, with the attention's per-sequence stage in the middle."""
@@ -123,13 +140,30 @@ def _layer(
     attn_pre, attn_post, attn_comb = block._mixes(
         h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, linear=rowwise_linear, rowwise=True
     )
-    y = _attend_layer(model, layer, block.attn_input(h, pre), states, half, starts, batched)
+    y = _attend_layer(model, layer, block.attn_input(h, pre), states, half, step, batched)
     h = expand(y, h, attn_post, attn_comb)
     ffn_pre, ffn_post, ffn_comb = block._mixes(
         h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, linear=rowwise_linear, rowwise=True
     )
     y = block.ffn(block.ffn_norm(collapse(h, attn_pre)), rowwise=True)
     return expand(y, h, ffn_post, ffn_comb), ffn_pre
+
+
+def _save_encoder_rows(model: Transformer, states: Sequence[ModelState], h: torch.Tensor, pre: torch.Tensor,
+                       step: _Step) -> None:  # fmt: skip
+    """`Transformer._save_encoder_rows` for one new row per sequence (h [N, 1, hc, d] bf16, pre [N, 1, hc]
+    fp32): each state's encoder-output rings with its row at slot start % W, written in one call, then
+    cut apart so that each state holds rings of its own (never a view pinning the whole step's)."""
+    w = model.cfg.window_size
+    every = torch.arange(len(states), device=h.device)
+    slots = step.positions % w
+    lanes = torch.cat([s.enc_lanes for s in states])  # [N, W, hc, d] (fresh: cat copies)
+    pres = torch.cat([s.enc_pre for s in states])  # [N, W, hc]
+    lanes[every, slots] = h[:, 0].detach()
+    pres[every, slots] = pre[:, 0].detach()
+    for s, start, lane, p in zip(states, step.starts, lanes.split(1), pres.split(1), strict=True):
+        s.enc_lanes, s.enc_pre = lane.clone(), p.clone()
+        s.enc_from = min(s.enc_from, start)
 
 
 def decode_many(
@@ -180,15 +214,15 @@ def decode_many(
     split = model.split if model.split is not None else cfg.n_layers
     # decided before any state changes: a state's layout is what it was when the step began
     batched = [i for i, s in enumerate(states) if batched_attention and batchable(model, s)]
+    step = _Step(starts=starts, positions=torch.tensor(starts, device=device))
     half = _Half()
     for layer in range(split):
-        h, pre = _layer(model, layer, h, pre, states, half, starts, batched)
+        h, pre = _layer(model, layer, h, pre, states, half, step, batched)
     if model.split is not None:
-        for i, s in enumerate(states):
-            model._save_encoder_rows(s, h[i : i + 1], pre[i : i + 1], starts[i])
+        _save_encoder_rows(model, states, h, pre, step)
         half = _Half()
         for layer in range(split, cfg.n_layers):
-            h, pre = _layer(model, layer, h, pre, states, half, starts, batched)
+            h, pre = _layer(model, layer, h, pre, states, half, step, batched)
     x = model.norm(collapse(h, pre))  # [N, 1, d]
     logits = rowwise_linear(x[:, -1].float(), model.head.weight)  # [N, vocab]
     # as Transformer.run reports them: the encoder's kv sources, and the split layer's (CED)
@@ -196,9 +230,10 @@ def decode_many(
     if model.split is not None:
         compressed[split] = 1
     outs = []
-    for i, s in enumerate(states):
-        kept = s.tokens if starts[i] == s.tokens.size(1) else s.tokens[:, : starts[i]]
-        s.tokens = append_rows(kept, ids[i : i + 1])
+    # starts[i] is each state's n_tokens, so every history is kept whole
+    histories = append_rows_many([s.tokens for s in states], ids)
+    for i, (s, tokens) in enumerate(zip(states, histories, strict=True)):
+        s.tokens = tokens
         stats = PassStats(
             start=starts[i],
             end=starts[i] + 1,

@@ -3,10 +3,11 @@ rows into spare capacity) and `gather_selected` (attending over only the selecte
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import sparse_attn
-from model.append_buffer import append_rows, append_rows_reference
+from model.append_buffer import append_rows, append_rows_many, append_rows_reference
 from model.attention import gather_selected
 
 
@@ -85,3 +86,74 @@ def test_gather_selected_attention_is_bitwise_the_full_source():
         assert torch.equal(fast, full), trial
         if t * k < n:
             assert picked.size(1) == t * k
+
+
+def _world(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """G histories of one random layout (the same seed gives the same layout): tips of their own
+    buffers, one tip held twice (two continuations of one snapshot), one tip's earlier view (not a tip),
+    a plain tensor and a tip near its capacity."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(n: int) -> torch.Tensor:
+        return (torch.randn(1, n, 3, 4, generator=g) * 8).to(dtype)
+
+    olds = []
+    for _ in range(int(torch.randint(3, 9, (1,), generator=g))):
+        t = append_rows(rows(int(torch.randint(1, 30, (1,), generator=g))), rows(1))
+        olds.append(t)
+    shared = append_rows(rows(4), rows(2))
+    earlier = append_rows(rows(3), rows(1))
+    later = append_rows(earlier, rows(1))
+    full = rows(5)
+    for _ in range(int(torch.randint(250, 262, (1,), generator=g))):
+        full = append_rows(full, rows(1))
+    olds += [shared, shared, earlier, later, rows(6), full]
+    order = torch.randperm(len(olds), generator=g).tolist()
+    return [olds[i] for i in order]
+
+
+def test_append_rows_many_equals_its_per_sequence_twin():
+    """Same values as cat, the same appends in place as `append_rows` one sequence after another, and no
+    earlier view changed, over many rounds (buffers fill and regrow), for each stored dtype."""
+    seed = int(torch.randint(0, 1 << 30, (1,)))
+    for dtype in (torch.bfloat16, torch.uint8, torch.int64, torch.float8_e4m3fn, torch.float32):
+        for mode in (False, True):
+            with torch.inference_mode(mode):
+                lone, many = _world(seed, dtype), _world(seed, dtype)
+                g = torch.Generator().manual_seed(seed + 1)
+                for step in range(40):
+                    k = int(torch.randint(0, 3, (1,), generator=g)) if step % 7 == 3 else 1
+                    new = (torch.randn(len(lone), k, 3, 4, generator=g) * 8).to(dtype)
+                    before = [t.clone() for t in many]
+                    want = [append_rows(t, new[i : i + 1]) for i, t in enumerate(lone)]
+                    got = append_rows_many(many, new)
+                    for i, (a, b, old) in enumerate(zip(want, got, many, strict=True)):
+                        ref = append_rows_reference(old, new[i : i + 1])
+                        assert b.dtype == dtype and b.shape == ref.shape, (seed, step, i)
+                        assert torch.equal(b.view(torch.uint8), ref.view(torch.uint8)), (seed, step, i)
+                        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (seed, step, i)
+                        in_place_a = a.data_ptr() == lone[i].data_ptr()
+                        assert in_place_a == (b.data_ptr() == old.data_ptr()), (seed, step, i)
+                    assert all(torch.equal(t.view(torch.uint8), c.view(torch.uint8))
+                               for t, c in zip(many, before, strict=True))  # fmt: skip
+                    lone, many = want, got
+
+
+def test_append_rows_many_two_continuations_and_refusals():
+    g = torch.Generator().manual_seed(6)
+    base = append_rows(_rows(g, 5), _rows(g, 1))
+    new = torch.randn(2, 2, 8, generator=g).bfloat16()
+    a, b = append_rows_many([base, base], new)
+    assert torch.equal(a, append_rows_reference(base, new[:1]))
+    assert torch.equal(b, append_rows_reference(base, new[1:]))
+    assert a.data_ptr() == base.data_ptr() and b.data_ptr() != a.data_ptr()
+    leaf = torch.randn(1, 3, 8, generator=g, requires_grad=True)
+    plain = torch.randn(1, 3, 8, generator=g)
+    rows = torch.randn(2, 1, 8, generator=g)
+    out = append_rows_many([leaf, plain], rows)
+    assert out[0].requires_grad and torch.equal(
+        out[0].detach(), append_rows_reference(leaf, rows[:1]).detach()
+    )
+    assert torch.equal(out[1], append_rows_reference(plain, rows[1:]))
+    with pytest.raises(ValueError, match="G=2"):
+        append_rows_many([base, base], new[:1])
