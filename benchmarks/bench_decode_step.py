@@ -15,7 +15,10 @@ model: none (the step of a small model is dominated by per-op overhead, which is
 
 `--prefill T` times a step's prefill chunks instead: every sequence extends its state by a chunk of T new
 tokens (the turn's whole prompt), `prefill_many` over all of them vs each `prefill` alone, after the same
-bitwise check (logits and stats).
+bitwise check (logits and stats); also `prefill_many(batched_attention=False)` (each sequence's attention
+stage alone, what prefill_many did before its batched attention stage). `--prefill-max T2` draws each
+chunk's length from [T, T2] instead (ragged chunks: fewer sequences share a chunk length, so fewer share
+the blocked mixes and the sparse attention's calls).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
     }
 
 
-def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: int) -> dict:
+def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: int, chunk_max: int) -> dict:
     import torch
 
     from model import load_model, prefill, prefill_many
@@ -110,8 +113,8 @@ def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: 
     vocab = model.cfg.vocab_size
     with torch.inference_mode():
         base = _states(model, sequences, seed)
-        chunks = [[torch.tensor([[rng.randrange(16, vocab) for _ in range(chunk)]]) for _ in base]
-                  for _ in range(steps)]  # fmt: skip
+        chunks = [[torch.tensor([[rng.randrange(16, vocab) for _ in range(rng.randint(chunk, chunk_max))]])
+                   for _ in base] for _ in range(steps)]  # fmt: skip
         check_a, check_b = [s.clone() for s in base], [s.clone() for s in base]
         for step in chunks[:2]:
             got = prefill_many(model, step, check_a)
@@ -119,31 +122,38 @@ def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: 
                 ref = prefill(model, c, s, mode="ced")
                 if not torch.equal(ref.logits, got[j].logits) or ref.stats != got[j].stats:
                     raise SystemExit(f"prefill_many differs from prefill at sequence {j}: not timing")
-        batched, alone = [s.clone() for s in base], [s.clone() for s in base]
-        t_batched, t_alone = [], []
-        for step in chunks:  # interleaved, so load changes hit both sides alike
+        batched, twin, alone = [s.clone() for s in base], [s.clone() for s in base], [s.clone() for s in base]
+        t_batched, t_twin, t_alone = [], [], []
+        for step in chunks:  # interleaved, so load changes hit all sides alike
             t0 = time.perf_counter()
             prefill_many(model, step, batched)
             t_batched.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
+            prefill_many(model, step, twin, batched_attention=False)
+            t_twin.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             for c, s in zip(step, alone, strict=True):
                 prefill(model, c, s, mode="ced")
             t_alone.append(time.perf_counter() - t0)
-    mb, ma = statistics.median(t_batched), statistics.median(t_alone)
+    mb, mt, ma = statistics.median(t_batched), statistics.median(t_twin), statistics.median(t_alone)
     lengths = [s.n_tokens for s in base]
+    tokens = statistics.mean(sum(c.size(1) for c in step) for step in chunks)
     return {
         "checkpoint": str(checkpoint),
         "sequences": sequences,
         "chunk_tokens": chunk,
+        "chunk_tokens_max": chunk_max,
         "steps": steps,
         "threads": torch.get_num_threads(),
         "history_min": min(lengths),
         "history_max": max(lengths),
         "step_ms_batched": mb * 1e3,
+        "step_ms_attention_alone": mt * 1e3,
         "step_ms_alone": ma * 1e3,
-        "tokens_per_s_batched": sequences * chunk / mb,
-        "tokens_per_s_alone": sequences * chunk / ma,
+        "tokens_per_s_batched": tokens / mb,
+        "tokens_per_s_alone": tokens / ma,
         "batched_vs_alone": ma / mb,
+        "batched_vs_attention_alone": mt / mb,
         "cpu": cpu_model(),
         "numerics": numerics_record(),
     }
@@ -158,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefill", type=int, default=0, metavar="T",
                         help="time prefill chunks of T tokens per sequence instead of a decode step")
+    parser.add_argument("--prefill-max", type=int, default=0, metavar="T2",
+                        help="with --prefill T: chunk lengths drawn from [T, T2] (ragged)")
     parser.add_argument("--numerics", choices=("portable", "native"), default="portable")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -167,14 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     out = table_stream(args.json)
     if args.prefill > 0:
-        doc = run_prefill(args.checkpoint, args.sequences, args.steps, args.seed, args.prefill)
-        print(f"bench_decode_step --prefill {args.prefill}: {doc['sequences']} sequences, histories "
-              f"{doc['history_min']}-{doc['history_max']}, {doc['threads']} thread(s), {doc['cpu']}",
-              file=out)
+        chunk_max = max(args.prefill, args.prefill_max)
+        doc = run_prefill(args.checkpoint, args.sequences, args.steps, args.seed, args.prefill, chunk_max)
+        print(f"bench_decode_step --prefill {args.prefill}-{chunk_max}: {doc['sequences']} sequences, "
+              f"histories {doc['history_min']}-{doc['history_max']}, {doc['threads']} thread(s), "
+              f"{doc['cpu']}", file=out)
         print(f"  prefill_many {doc['step_ms_batched']:.1f} ms/step "
               f"({doc['tokens_per_s_batched']:.0f} tok/s), "
               f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
-              f"{doc['batched_vs_alone']:.2f}x", file=out)
+              f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
+              f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
         print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}),
               file=sys.stderr if args.json == "-" else out)
         write_json(doc, args.json)

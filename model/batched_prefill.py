@@ -19,14 +19,20 @@ tie_break "deterministic" (tests/model/test_batched_prefill.py compares them on 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from model.append_buffer import append_rows
 from model.attention import AttnIO, ProjectedRows
+from model.batched_prefill_attention import (
+    ChunkRows,
+    ChunkSelection,
+    attend_chunks,
+    block_linear,
+    chunk_batchable,
+)
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
-from model.invariant import blocks_apart, blockwise_linear, rowwise_linear
+from model.invariant import blocks_apart, rowwise_linear
 from model.mhc import collapse, expand, identity_pre, split_sinkhorn
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
@@ -34,25 +40,7 @@ from model.transformer import PassOutput, PassStats, Transformer
 __all__ = ["prefill_many"]
 
 
-@dataclass
-class _Rows:
-    """One sequence's rows in a layer half: positions [start, start + t) at stack rows [at, at + t)."""
-
-    state: ModelState
-    start: int
-    t: int
-    floor: int
-    at: int = 0
-    compress_x: torch.Tensor | None = None
-    compress_start: int = 0
-    shared: dict = field(default_factory=dict)
-
-    @property
-    def span(self) -> slice:
-        return slice(self.at, self.at + self.t)
-
-
-def _place(seqs: list[_Rows]) -> None:
+def _place(seqs: list[ChunkRows]) -> None:
     at = 0
     for s in seqs:
         s.at, at = at, at + s.t
@@ -63,7 +51,7 @@ def _rows(rows: ProjectedRows, span: slice) -> ProjectedRows:
                          codes=rows.codes[:, span], scales=rows.scales[:, span])  # fmt: skip
 
 
-def _mixes(block, h: torch.Tensor, seqs: list[_Rows], which: str) -> tuple[torch.Tensor, ...]:
+def _mixes(block, h: torch.Tensor, seqs: list[ChunkRows], which: str) -> tuple[torch.Tensor, ...]:
     """The mHC mixes of each sequence's rows as its lone pass computes them, stacked again: sequences of
     equal T_i as one [G, T, ...] block (a T-row product per block, each block's elementwise runs apart),
     a sequence of its own length by `Block._mixes` itself."""
@@ -79,7 +67,7 @@ def _mixes(block, h: torch.Tensor, seqs: list[_Rows], which: str) -> tuple[torch
         flat = torch.cat([h[:, seqs[i].span] for i in members]).flatten(2).float()  # [G, T, hc*d]
         # Block._mixes op for op, with each block's T-row runs as a lone pass has them
         rsqrt = torch.rsqrt(blocks_apart(flat.square().mean(-1, keepdim=True) + block.norm_eps))
-        raw = blockwise_linear(flat, fn) * rsqrt
+        raw = block_linear(flat, fn) * rsqrt
         mixed = split_sinkhorn(raw, scale, base, block.hc, block.sinkhorn_iters, block.hc_eps,
                                apart=blocks_apart)  # fmt: skip
         for k, i in enumerate(members):
@@ -87,7 +75,7 @@ def _mixes(block, h: torch.Tensor, seqs: list[_Rows], which: str) -> tuple[torch
     return tuple(torch.cat([p[k] for p in parts], dim=1) for k in range(3))
 
 
-def _moe(moe, x: torch.Tensor, seqs: list[_Rows]) -> torch.Tensor:
+def _moe(moe, x: torch.Tensor, seqs: list[ChunkRows]) -> torch.Tensor:
     """MoE over the stack x [1, S, dim]: each sequence's rows routed alone, the experts once."""
     flat = x.view(-1, moe.dim)
     routes = [moe.gate(flat[s.span]) for s in seqs]
@@ -96,10 +84,13 @@ def _moe(moe, x: torch.Tensor, seqs: list[_Rows]) -> torch.Tensor:
     return moe.experts_out(flat, weights, indices).view(x.shape)
 
 
-def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, seqs: list[_Rows],
-           table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`Block.forward` over the stacked rows h [1, S, hc, d], pre [1, S, hc]; the attention stage and
-    the fp32 mixes per sequence. Updates each sequence's state as `Transformer._run_layer` does."""
+def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, seqs: list[ChunkRows],
+           table: torch.Tensor, batched: list[int],
+           sel: ChunkSelection) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`Block.forward` over the stacked rows h [1, S, hc, d], pre [1, S, hc]; the fp32 mixes per sequence
+    (or block), the attention stage batched for the sequences in `batched` (`attend_chunks`) and alone
+    for the others (`Attention.attend`, the slow twin). Updates each sequence's state as
+    `Transformer._run_layer` does."""
     block = model.layers[layer]
     attn = block.attn
     attn_pre, attn_post, attn_comb = _mixes(block, h, seqs, "attn")
@@ -107,8 +98,11 @@ def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, s
     freqs = torch.cat([table[s.start : s.start + s.t] for s in seqs])  # [S, rope/2]
     rows = attn.project(x, freqs, backend=model.kernel_backend)
     src_layer = model.cfg.kv_source_of(layer)
-    outs = []
-    for s in seqs:
+    o = x.new_empty(1, x.size(1), attn.n_heads, attn.head_dim)
+    if batched:
+        attend_chunks(model, layer, x, rows, freqs, [seqs[i] for i in batched], table, sel, o)
+    for i in sorted(set(range(len(seqs))) - set(batched)):
+        s = seqs[i]
         st = s.state
         io = AttnIO(
             start=s.start,
@@ -124,13 +118,21 @@ def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, s
             tie_break="deterministic",
             backend=model.kernel_backend,
         )
-        outs.append(attn.attend(x[:, s.span], _rows(rows, s.span), io, table))
+        o[:, s.span] = attn.attend(x[:, s.span], _rows(rows, s.span), io, table)
         model.keep_layer_io(layer, io, st)
-    y = attn.project_out(torch.cat(outs, dim=1), freqs)
+    y = attn.project_out(o, freqs)
     h = expand(y, h, attn_post, attn_comb)
     ffn_pre, ffn_post, ffn_comb = _mixes(block, h, seqs, "ffn")
     y = _moe(block.ffn, block.ffn_norm(collapse(h, attn_pre)), seqs)
     return expand(y, h, ffn_post, ffn_comb), ffn_pre
+
+
+def _half(model: Transformer, seqs: list[ChunkRows], layers: range, batched_attention: bool) -> list[int]:
+    """The sequences that take the batched attention stage in the half of `layers`: decided before any
+    layer of it runs (a layer changes only its own ring's valid-from)."""
+    if not batched_attention:
+        return []
+    return [i for i, s in enumerate(seqs) if chunk_batchable(model, s, layers)]
 
 
 def _check(model: Transformer, plan: PrefillPlan, state: ModelState) -> None:
@@ -152,12 +154,16 @@ def prefill_many(
     *,
     prompt_ends: Sequence[int | None] | None = None,
     mode: str = "ced",
+    batched_attention: bool = True,
 ) -> list[PassOutput]:
     """Prefill (or extend) N sequences in one pass: chunk `chunks[i]` ([1, T_i] int64, T_i >= 1) onto
     `states[i]` (None: a fresh state).
 
     Equals `[prefill(model, chunks[i], states[i], mode=mode, prompt_end=prompt_ends[i]) for i]` bit for
     bit (tie_break "deterministic", the serving rule): logits, states, stats.
+
+    batched_attention: False runs every sequence's attention stage alone (`Attention.attend`, the slow
+    twin of the batched stage; the row-wise ops and the mixes stay as they are).
 
     Raises:
         ValueError: no sequences, length mismatches, a chunk not [1, T >= 1], a state of batch != 1, one
@@ -196,17 +202,18 @@ def prefill_many(
     for plan, s in zip(plans, states, strict=True):
         plan.mark(s)
     split = model.split if model.split is not None else cfg.n_layers
-    enc = [_Rows(state=s, start=p.start, t=p.tokens.size(1), floor=p.enc_floor)
+    enc = [ChunkRows(state=s, start=p.start, t=p.tokens.size(1), floor=p.enc_floor)
            for p, s in zip(plans, states, strict=True)]  # fmt: skip
     _place(enc)
     ids = torch.cat([p.tokens for p in plans], dim=1)  # [1, S]
     h = model.embed(ids).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)  # [1, S, hc, d]
     pre = identity_pre(1, ids.size(1), cfg.hc_mult, device)
     last = max(p.end for p in plans)
+    batched, sel = _half(model, enc, range(split), batched_attention), ChunkSelection()
     for layer in range(split):
-        h, pre = _layer(model, layer, h, pre, enc, model.rope_for(layer, last, device))
+        h, pre = _layer(model, layer, h, pre, enc, model.rope_for(layer, last, device), batched, sel)
 
-    dec_of: dict[int, _Rows] = {}
+    dec_of: dict[int, ChunkRows] = {}
     if model.split is None:
         dec_of = dict(enumerate(enc))
     else:
@@ -228,15 +235,16 @@ def prefill_many(
                 continue
             hs.append(hd)
             pres.append(pd)
-            r = _Rows(state=s, start=p.dec_from, t=p.end - p.dec_from, floor=p.dec_floor, compress_x=cx,
+            r = ChunkRows(state=s, start=p.dec_from, t=p.end - p.dec_from, floor=p.dec_floor, compress_x=cx,
                       compress_start=p.start)  # fmt: skip
             dec.append(r)
             dec_of[i] = r
         if dec:
             _place(dec)
             h, pre = torch.cat(hs, dim=1), torch.cat(pres, dim=1)
+            batched, sel = _half(model, dec, range(split, cfg.n_layers), batched_attention), ChunkSelection()
             for layer in range(split, cfg.n_layers):
-                h, pre = _layer(model, layer, h, pre, dec, model.rope_for(layer, last, device))
+                h, pre = _layer(model, layer, h, pre, dec, model.rope_for(layer, last, device), batched, sel)
                 for r in dec:
                     r.compress_x = None  # only the split layer compresses the new rows' inputs
 

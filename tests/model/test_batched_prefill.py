@@ -2,7 +2,11 @@
 sequence alone, bit for bit: logits, stats, every state tensor and the exported cache bytes, on random
 ragged chunks of fresh random states: fresh prompts, extends, chunked prompts (chunks ending before and
 inside the decoder's tail, continuing a chunked prompt), states whose windows were dropped (the encoder
-replays stored tokens), at 1 and 2 threads."""
+replays stored tokens), compression groups that close inside a chunk and stay open, histories shorter
+than the indexer's top-k (several selection widths in one call), at 1 and 2 threads. The batched
+attention stage is compared with its slow twin (`prefill_many(batched_attention=False)`: each sequence's
+`Attention.attend` alone) too, and a continuing chunk of a state with one decoder ring dropped takes the
+twin inside a batched call."""
 
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.batched_prefill as batched_prefill
 from model import Transformer, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
+from model.batched_prefill_attention import block_linear
 from model.invariant import blocks_apart, blockwise_linear
 from model.mhc import split_sinkhorn
 from tests.model.test_batched import _assert_same_exports, _assert_same_state
@@ -37,7 +43,8 @@ def _cases(model: Transformer, rng: random.Random, reps: int) -> list[tuple]:
     cfg = model.cfg
     w = cfg.window_size
     out: list[tuple] = []
-    for kind in ["fresh", "fresh_chunked", "extend", "extend_chunked", "replay", "extend"] * reps:
+    kinds = ["fresh", "fresh_chunked", "extend", "extend_chunked", "replay", "extend", "drop_mid_chunked"]
+    for kind in kinds * reps:
         if kind.startswith("fresh"):
             state = None
         else:
@@ -46,17 +53,38 @@ def _cases(model: Transformer, rng: random.Random, reps: int) -> list[tuple]:
                 state.drop_windows(range(cfg.n_layers))
                 state.drop_encoder_rows()
         more = rng.choice([rng.randrange(1, w), rng.randrange(w, 3 * w)]) if "chunked" in kind else 0
+        if kind == "drop_mid_chunked":
+            more = rng.randrange(1, w)  # the next chunk continues inside the decoder's tail
         out.append((state, more, kind))
     return out
 
 
-def _compare(model: Transformer, seed: int, reps: int = 1) -> None:
+def _compare(model: Transformer, seed: int, reps: int = 1) -> int:
+    """Batched == lone == slow twin on fresh random cases; returns how many sequences took the batched
+    attention stage (so that a test can tell it ran)."""
     rng = random.Random(seed)
     cases = _cases(model, rng, reps)
     alone = [s.clone() if s is not None else None for s, _, _ in cases]
     together = [s.clone() if s is not None else None for s, _, _ in cases]
+    twin = [s.clone() if s is not None else None for s, _, _ in cases]
     ends = []
+    batched_rows = 0
+    seen = batched_prefill.attend_chunks
+
+    def counting(*args, **kwargs):
+        nonlocal batched_rows
+        batched_rows += len(args[5])
+        return seen(*args, **kwargs)
+
     for rnd in range(2):  # the second round continues the chunked prompts of the first
+        if rnd == 1:
+            # one decoder ring dropped before a continuing chunk: its layers disagree on using the ring,
+            # which the batched stage refuses (`chunk_batchable`); that sequence takes the twin
+            layer = model.cfg.ced_split + 2
+            for i, (_, _, kind) in enumerate(cases):
+                if kind == "drop_mid_chunked":
+                    for states in (alone, together, twin):
+                        states[i].drop_windows(range(layer, layer + 1))
         chunks, prompt_ends = [], []
         for i, (_, more, _) in enumerate(cases):
             n0 = alone[i].n_tokens if alone[i] is not None else 0
@@ -72,19 +100,28 @@ def _compare(model: Transformer, seed: int, reps: int = 1) -> None:
                for c, s, e in zip(chunks, alone, ends, strict=True)]  # fmt: skip
         order = list(range(len(cases)))
         rng.shuffle(order)  # who shares the pass and where must not matter
-        got = prefill_many(model, [chunks[i] for i in order], [together[i] for i in order],
-                           prompt_ends=[ends[i] for i in order])  # fmt: skip
+        batched_prefill.attend_chunks = counting
+        try:
+            got = prefill_many(model, [chunks[i] for i in order], [together[i] for i in order],
+                               prompt_ends=[ends[i] for i in order])  # fmt: skip
+        finally:
+            batched_prefill.attend_chunks = seen
+        slow = prefill_many(model, [chunks[i] for i in order], [twin[i] for i in order],
+                            prompt_ends=[ends[i] for i in order], batched_attention=False)  # fmt: skip
         for j, i in enumerate(order):
-            a, b = ref[i], got[j]
+            a = ref[i]
             where = f"seed {seed} round {rnd} seq {i} ({cases[i][2]}, T={chunks[i].size(1)})"
-            assert (a.logits is None) == (b.logits is None), where
-            if a.logits is not None:
-                assert torch.equal(a.logits, b.logits), where
-            assert a.stats == b.stats, where
-            alone[i], together[i] = a.state, b.state
-            _assert_same_state(a.state, b.state)
-            assert a.state.extra.get("decoder_floor") == b.state.extra.get("decoder_floor"), where
+            for b in (got[j], slow[j]):
+                assert (a.logits is None) == (b.logits is None), where
+                if a.logits is not None:
+                    assert torch.equal(a.logits, b.logits), where
+                assert a.stats == b.stats, where
+                _assert_same_state(a.state, b.state)
+                assert a.state.extra.get("decoder_floor") == b.state.extra.get("decoder_floor"), where
+            alone[i], together[i], twin[i] = a.state, got[j].state, slow[j].state
     _assert_same_exports(model, alone, together)
+    _assert_same_exports(model, alone, twin)
+    return batched_rows
 
 
 @torch.inference_mode()
@@ -94,7 +131,7 @@ def test_prefill_many_equals_each_sequence_prefilled_alone(model: Transformer) -
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _compare(model, random.randrange(1 << 30))
+        assert _compare(model, random.randrange(1 << 30)) > 0
     finally:
         torch.set_num_threads(threads)
 
@@ -120,7 +157,7 @@ def test_prefill_many_at_two_threads() -> None:
         "torch.set_num_threads(2); m = _model()\n"
         "with torch.inference_mode(): _compare(m, random.randrange(1 << 30), reps=2)"
     )
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=900)
 
 
 def _model() -> Transformer:
@@ -144,16 +181,31 @@ def test_prefill_many_refuses_bad_batches(model: Transformer) -> None:
     assert state.n_tokens == 0 and "decoder_floor" not in state.extra  # refused before any change
 
 
-def test_blocked_mixes_equal_each_block_alone() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_mixes_equal_each_block_alone(threads: int) -> None:
     """The fast path of equal-length sequences (a [G, T] block) against each block's lone ops, on fresh
-    random inputs whose run lengths straddle the SIMD width (T * hc and T * hc * hc not multiples of 16)."""
+    random inputs whose run lengths straddle the SIMD width (T * hc and T * hc * hc not multiples of 16),
+    at 1 and 2 threads (at 2, MKL splits a lone 24-row product of K = 1024 between the threads and the
+    one batched product does not: `block_linear` then runs each block's own product)."""
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    hc, k = 4, 384
+    hc = 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (384, 1024):
+            _check_blocked_mixes(gen, hc, k, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_blocked_mixes(gen: torch.Generator, hc: int, k: int, threads: int) -> None:
     for g, t in ((3, 1), (5, 7), (4, 24), (2, 33)):
         x = torch.randn(g, t, k, generator=gen)
         w = torch.randn((2 + hc) * hc, k, generator=gen)
         scale, base = torch.randn(3, generator=gen), torch.randn((2 + hc) * hc, generator=gen)
-        raw = blockwise_linear(x, w)
+        raw = block_linear(x, w)
+        if threads == 1:
+            assert torch.equal(raw, blockwise_linear(x, w))
         ms = blocks_apart(x.square().mean(-1, keepdim=True) + 1e-6)
         assert torch.equal(ms, x.square().mean(-1, keepdim=True) + 1e-6)
         got = split_sinkhorn(raw, scale, base, hc, 20, 1e-6, apart=blocks_apart)
