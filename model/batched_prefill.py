@@ -32,8 +32,9 @@ from model.batched_prefill_attention import (
     chunk_batchable,
 )
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
-from model.invariant import blocks_apart, rowwise_linear
-from model.mhc import collapse, expand, identity_pre, split_sinkhorn
+from model.invariant import rowwise_linear
+from model.mhc import collapse, expand, identity_pre
+from model.ragged_mixes import ragged_mixes
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
 
@@ -52,27 +53,10 @@ def _rows(rows: ProjectedRows, span: slice) -> ProjectedRows:
 
 
 def _mixes(block, h: torch.Tensor, seqs: list[ChunkRows], which: str) -> tuple[torch.Tensor, ...]:
-    """The mHC mixes of each sequence's rows as its lone pass computes them, stacked again: sequences of
-    equal T_i as one [G, T, ...] block (a T-row product per block, each block's elementwise runs apart),
-    a sequence of its own length by `Block._mixes` itself."""
-    fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
-    parts: list = [None] * len(seqs)
-    groups: dict[int, list[int]] = {}
-    for i, s in enumerate(seqs):
-        groups.setdefault(s.t, []).append(i)
-    for members in groups.values():
-        if len(members) == 1:
-            parts[members[0]] = block._mixes(h[:, seqs[members[0]].span], fn, scale, base)
-            continue
-        flat = torch.cat([h[:, seqs[i].span] for i in members]).flatten(2).float()  # [G, T, hc*d]
-        # Block._mixes op for op, with each block's T-row runs as a lone pass has them
-        rsqrt = torch.rsqrt(blocks_apart(flat.square().mean(-1, keepdim=True) + block.norm_eps))
-        raw = block_linear(flat, fn) * rsqrt
-        mixed = split_sinkhorn(raw, scale, base, block.hc, block.sinkhorn_iters, block.hc_eps,
-                               apart=blocks_apart)  # fmt: skip
-        for k, i in enumerate(members):
-            parts[i] = tuple(m[k : k + 1] for m in mixed)
-    return tuple(torch.cat([p[k] for p in parts], dim=1) for k in range(3))
+    """The mHC mixes of each sequence's rows as its lone pass computes them, over the whole stack
+    (`model.ragged_mixes`: the fp32 products per sequence or per block of equal T_i, the transcendental
+    ops as each sequence's lone run has them)."""
+    return ragged_mixes(block, h, [s.t for s in seqs], which, linear=block_linear)
 
 
 def _moe(moe, x: torch.Tensor, seqs: list[ChunkRows]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from model.batched_prefill import prefill_many
 from model.batched_prefill_attention import block_linear
 from model.invariant import blocks_apart, blockwise_linear
 from model.mhc import split_sinkhorn
+from model.ragged_mixes import lone_runs, ragged_mixes
 from tests.model.test_batched import _assert_same_exports, _assert_same_state
 
 
@@ -215,3 +216,44 @@ def _check_blocked_mixes(gen: torch.Generator, hc: int, k: int, threads: int) ->
             want = split_sinkhorn(lone, scale, base, hc, 20, 1e-6)
             for m, n in zip(got, want, strict=True):
                 assert torch.equal(m[b : b + 1], n), (g, t, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ragged_mixes_equal_each_sequence_alone(model: Transformer, threads: int) -> None:
+    """`ragged_mixes` (all sequences' mixes in one pass, each element of a transcendental op as its
+    sequence's lone run has it) against each sequence's `Block._mixes` on fresh random ragged rows, at 1
+    and 2 threads; and `lone_runs` against each run alone, where the plain op over the stack differs
+    (sigmoid's SIMD body and scalar tail disagree in the last bit on this project's VMs)."""
+    rng = random.Random(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = [rng.randrange(1, 40) for _ in range(150)]
+        x = torch.randn(sum(runs), 4, generator=gen) * 4
+        got, plain = lone_runs(torch.sigmoid, x, runs), torch.sigmoid(x)
+        at, plain_differs = 0, 0
+        for t in runs:
+            lone = torch.sigmoid(x[at : at + t].contiguous())
+            assert torch.equal(got[at : at + t], lone), (t, at)
+            plain_differs += not torch.equal(plain[at : at + t], lone)
+            at += t
+        assert plain_differs, "the plain op over the stack equals every lone run: this test has no teeth"
+        dim = model.cfg.dim
+        with torch.inference_mode():
+            for _ in range(3):
+                lens = [rng.choice([1, 5, 5, 24, rng.randrange(2, 40)]) for _ in range(9)]
+                h = torch.randn(1, sum(lens), model.cfg.hc_mult, dim, generator=gen).to(torch.bfloat16)
+                for layer in (0, model.cfg.n_layers - 1):
+                    block = model.layers[layer]
+                    for which in ("attn", "ffn"):
+                        mixed = ragged_mixes(block, h, lens, which, linear=block_linear)
+                        coeffs = [getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base")]
+                        at = 0
+                        for t in lens:
+                            want = block._mixes(h[:, at : at + t], *coeffs)
+                            for a, b in zip(mixed, want, strict=True):
+                                assert torch.equal(a[:, at : at + t], b), (layer, which, t)
+                            at += t
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,120 @@
+"""The mHC mixes of a batched prefill's ragged stack (N sequences of T_i rows each, consecutive along one
+axis) in one pass over all rows, each sequence's coefficients bit for bit those of its lone `Block._mixes`.
+
+Knows nothing of attention or states. Three kinds of op are in the mixes:
+- row-wise exact ops (the mean square, products and divisions, the Sinkhorn sums over 4 lanes) give the
+  same bits whatever the other rows: they run over the stack as they are;
+- the fp32 product of the raw mixes reduces differently for different numbers of rows M: it runs per
+  sequence, or as one [G, T] block of sequences with as many rows (`block_linear`);
+- the transcendental ops (sigmoid, exp; rsqrt too, for safety) run in torch's CPU elementwise loop, which
+  computes whole SIMD steps of a contiguous run vectorized and the rest of the run with the scalar
+  function, and the two differ in the last bit (measured: sigmoid on this project's VMs). `lone_runs`
+  computes each element as its sequence's lone run has it: vectorized when it lies in a whole step of
+  that run, else scalar.
+tests/model/test_batched_prefill.py compares them with each sequence's lone ops on fresh random ragged
+rows, at 1 and 2 threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from model.invariant import rows_apart
+
+__all__ = ["SIMD_STEP", "lone_runs", "ragged_mixes"]
+
+# floats per vectorized step of torch's CPU elementwise loop under the portable profile (AVX2: 2 x 8)
+SIMD_STEP = 16
+# from this many elements on, torch splits an elementwise op between threads (at::internal::GRAIN_SIZE),
+# and each thread's part gets a scalar tail of its own
+_GRAIN = 32768
+
+
+def lone_runs(
+    op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, runs: Sequence[int]
+) -> torch.Tensor:
+    """op(x) for x [S, ...] whose rows are N sequences' rows one after another (sequence i: runs[i] rows),
+    every element as `op` computes it in the lone contiguous run of its sequence's rows.
+
+    In a lone run of L elements, those before L - L % SIMD_STEP are vectorized and the rest scalar. Here
+    every element is computed vectorized (one contiguous buffer padded to whole steps, in calls too short
+    to be split between threads), and the scalar ones are computed again apart (runs of one element).
+    A sequence whose lone run is long enough that torch would split it between threads makes the whole
+    call run each sequence's op on its own rows instead (that is its lone call).
+    """
+    per_row = x[0].numel() if x.size(0) else 0
+    if sum(runs) != x.size(0):
+        raise ValueError(f"runs {list(runs)} must add up to the {x.size(0)} rows of x")
+    if torch.get_num_threads() > 1 and any(t * per_row >= _GRAIN for t in runs):
+        at, parts = 0, []
+        for t in runs:
+            parts.append(op(x[at : at + t].contiguous()))
+            at += t
+        return torch.cat(parts)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    buf = flat.new_zeros(-(-n // SIMD_STEP) * SIMD_STEP)
+    buf[:n] = flat
+    piece = (_GRAIN - 1) // SIMD_STEP * SIMD_STEP
+    out = torch.cat([op(buf[i : i + piece]) for i in range(0, buf.numel(), piece)])[:n]
+    tails: list[int] = []
+    at = 0
+    for t in runs:
+        length = t * per_row
+        tails += range(at + length - length % SIMD_STEP, at + length)
+        at += length
+    tail = torch.tensor(tails, dtype=torch.int64, device=x.device)
+    if tail.numel():
+        out[tail] = op(rows_apart(flat[tail].view(-1, 1))).view(-1)
+    return out.view(x.shape)
+
+
+def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int], linear) -> torch.Tensor:
+    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row product (sequences of
+    equal T_i as one block through `linear`, a [G, T, K] x [N, K] blocked product) -> [S, N] fp32."""
+    starts = [0]
+    for t in runs:
+        starts.append(starts[-1] + t)
+    out = flat.new_empty(flat.size(0), fn.size(0))
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(runs):
+        groups.setdefault(t, []).append(i)
+    for members in groups.values():
+        if len(members) == 1:
+            i = members[0]
+            out[starts[i] : starts[i + 1]] = F.linear(flat[starts[i] : starts[i + 1]].unsqueeze(0), fn)[0]
+            continue
+        rows = torch.stack([flat[starts[i] : starts[i + 1]] for i in members])  # [G, T, K]
+        prod = linear(rows, fn)  # [G, T, N]
+        for k, i in enumerate(members):
+            out[starts[i] : starts[i + 1]] = prod[k]
+    return out
+
+
+def ragged_mixes(
+    block, h: torch.Tensor, runs: Sequence[int], which: str, *, linear
+) -> tuple[torch.Tensor, ...]:
+    """`Block._mixes` of every sequence of the stack h [1, S, hc, d] (sequence i: runs[i] rows in order)
+    -> pre [1, S, hc], post [1, S, hc], comb [1, S, hc, hc] fp32, each sequence's rows bit for bit its
+    lone call's. which: "attn" or "ffn" (the block's coefficients); linear: the blocked fp32 product of
+    sequences of equal length (`batched_prefill_attention.block_linear`)."""
+    fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
+    hc, eps, iters = block.hc, block.hc_eps, block.sinkhorn_iters
+    flat = h[0].flatten(1).float()  # [S, hc*d]
+    rsqrt = lone_runs(torch.rsqrt, flat.square().mean(-1, keepdim=True) + block.norm_eps, runs)
+    m = _products(flat, fn, runs, linear) * rsqrt  # [S, (2 + hc) * hc]
+    # `mhc.split_sinkhorn` op for op, its transcendental ops as each sequence's lone run has them
+    scale, base = scale.float(), base.float()
+    pre = lone_runs(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc], runs) + eps
+    post = 2 * lone_runs(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc], runs)
+    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = lone_runs(torch.exp, comb - comb.amax(dim=-1, keepdim=True), runs)
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0)
