@@ -49,6 +49,7 @@ from kernels import (
 from model.append_buffer import append_rows
 from model.attention import Attention, ProjectedRows
 from model.invariant import blockwise_linear
+from model.ragged_attention import ragged_sparse_attn
 from model.rope import apply_rope
 from model.state import ModelState, SourceCache
 
@@ -404,6 +405,13 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
         assert sel.entries is not None and sel.widths is not None
         widths = sel.widths
         srcs = [r.state.sources[src_layer] for r in seqs]
+    if backend == "torch":
+        for k, members in _by_key(widths).items():
+            _attend_ragged(attn, rows, [seqs[i] for i in members], win_ids[members], old[members],
+                           sel.entries[members] if k else None, k, [srcs[i] for i in members] if k else [],
+                           out)  # fmt: skip
+        return
+    # the Triton kernel is row-wise by construction; the groups keep the reference's shapes all the same
     for (t, k), members in _by_key([(r.t, k) for r, k in zip(seqs, widths, strict=True)]).items():
         g = torch.tensor(members, device=dev)
         idx = index[g, :t]  # [G, t] stack rows
@@ -428,3 +436,43 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
         o = sparse_attn(rows.q[0, idx], kv_all, attn.attn_sink, ids.int(), attn.softmax_scale,
                         backend=backend, rowwise=True)  # fmt: skip
         out[0, idx] = o
+
+
+def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRows], win_ids: torch.Tensor,
+                   old: torch.Tensor, entries: torch.Tensor | None, k: int, srcs: Sequence[SourceCache],
+                   out: torch.Tensor) -> None:  # fmt: skip
+    """The sparse attention of sequences of one selection width k in one `ragged_sparse_attn` call: one
+    buffer [ring ; new rows ; selected global rows] per sequence, laid end to end, and every index row
+    pointing at the vector its lone pass reads, in the same column."""
+    w, dev = attn.window_size, rows.kv.device
+    parts, id_rows, stack_rows, runs = [], [], [], []
+    base = 0
+    for i, r in enumerate(seqs):
+        t = r.t
+        wi = win_ids[i, :t]  # [t, W] into [ring ; rows]
+        parts += [old[i], rows.kv[0, r.span]]
+        ids = torch.where(wi >= 0, wi + base, -1)
+        length = w + t
+        if k:
+            assert entries is not None
+            ent = entries[i, :t, :k]  # [t, k]
+            n_vis = r.end // attn.ratio
+            if t * k < n_vis:
+                # few selections against a long history: only the rows they name, once per (row, slot)
+                parts.append(srcs[i].kv[0, ent.reshape(-1).clamp_min(0)])
+                picked = torch.arange(t * k, device=dev).view(t, k)
+                length_sel = t * k
+            else:
+                parts.append(srcs[i].kv[0, :n_vis])
+                picked, length_sel = ent, n_vis
+            ids = torch.cat([ids, torch.where(ent >= 0, base + length + picked, -1)], dim=-1)
+            length += length_sel
+        id_rows.append(ids)
+        stack_rows += range(r.at, r.at + t)
+        runs.append(t)
+        base += length
+    kv_all = torch.cat(parts).unsqueeze(0)  # [1, sum of buffers, D]
+    idx = torch.tensor(stack_rows, device=dev)
+    o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink,
+                           torch.cat(id_rows).unsqueeze(0).int(), attn.softmax_scale, runs)  # fmt: skip
+    out[0, idx] = o[0]

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 
 import model.batched_prefill as batched_prefill
+from kernels import sparse_attn
 from model import Transformer, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
 from model.batched_prefill_attention import block_linear
 from model.invariant import blocks_apart, blockwise_linear
 from model.mhc import split_sinkhorn
+from model.ragged_attention import ragged_sparse_attn
 from model.ragged_mixes import lone_runs, ragged_mixes
 from tests.model.test_batched import _assert_same_exports, _assert_same_state
 
@@ -255,5 +257,41 @@ def test_ragged_mixes_equal_each_sequence_alone(model: Transformer, threads: int
                             for a, b in zip(mixed, want, strict=True):
                                 assert torch.equal(a[:, at : at + t], b), (layer, which, t)
                             at += t
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ragged_sparse_attn_equals_each_sequence_alone(threads: int) -> None:
+    """`ragged_sparse_attn` over sequences of unequal lengths stacked along T against each sequence's lone
+    `sparse_attn` (torch), on fresh random inputs: widths of one and several 64-wide blocks, -1 slots,
+    rows with no index, a buffer per sequence laid end to end."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    rng = random.Random(random.randrange(1 << 30))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for h, d, k in ((4, 128, 48), (2, 64, 32), (3, 64, 150)):
+            runs = [rng.choice([1, 3, 24, rng.randrange(2, 40)]) for _ in range(7)]
+            sink = torch.randn(h, generator=gen)
+            qs, bufs, ids = [], [], []
+            for t in runs:
+                n = rng.randrange(1, 200)
+                qs.append(torch.randn(1, t, h, d, generator=gen).to(torch.bfloat16))
+                bufs.append(torch.randn(1, n, d, generator=gen).to(torch.bfloat16))
+                i = torch.randint(-1, n, (1, t, k), generator=gen)
+                i[:, 0] = -1  # a row with no index at all
+                ids.append(i)
+            offsets = [0]
+            for b in bufs:
+                offsets.append(offsets[-1] + b.size(1))
+            pairs = zip(ids, offsets[:-1], strict=True)
+            shifted = torch.cat([torch.where(i >= 0, i + o, -1) for i, o in pairs], 1)
+            got = ragged_sparse_attn(torch.cat(qs, 1), torch.cat(bufs, 1), sink, shifted.int(), d**-0.5, runs)
+            at = 0
+            for q, b, i, t in zip(qs, bufs, ids, runs, strict=True):
+                want = sparse_attn(q, b, sink, i.int(), d**-0.5)
+                assert torch.equal(got[:, at : at + t], want), (h, d, k, t)
+                at += t
     finally:
         torch.set_num_threads(before)
