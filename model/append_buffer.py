@@ -56,8 +56,8 @@ class _Buffer:
         return view
 
     def rows(self, start: int, count: int) -> torch.Tensor:
-        """`data[0, start : start + count]`, where an append writes."""
-        return self.data.as_strided((count, *self.key[2]), self.strides[1:], start * self.strides[1])
+        """`data[:, start : start + count]`, where an append writes."""
+        return self.data.as_strided((1, count, *self.key[2]), self.strides, start * self.strides[1])
 
 
 def append_rows_reference(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ def append_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     buf = _claim(old, k, torch.is_inference_mode_enabled()) if tip is not None else None
     if buf is None:
         return _regrown(old, new)
-    buf.rows(n, k).copy_(new[0])
+    buf.rows(n, k).copy_(new)
     return buf.tip()
 
 
@@ -153,7 +153,7 @@ def append_rows_many(olds: Sequence[torch.Tensor], new: torch.Tensor) -> list[to
     key = (new.dtype, new.device, tuple(new.shape[2:]))
     inference = torch.is_inference_mode_enabled()
     fast = k > 0 and not new.requires_grad
-    rows = new.unbind(0)  # [k, ...] each
+    rows = new.split(1)  # [1, k, ...] each
     out: list[torch.Tensor] = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []

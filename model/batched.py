@@ -161,8 +161,10 @@ def _save_encoder_rows(model: Transformer, states: Sequence[ModelState], h: torc
     pres = torch.cat([s.enc_pre for s in states])  # [N, W, hc]
     lanes[every, slots] = h[:, 0].detach()
     pres[every, slots] = pre[:, 0].detach()
-    for s, start, lane, p in zip(states, step.starts, lanes.split(1), pres.split(1), strict=True):
-        s.enc_lanes, s.enc_pre = lane.clone(), p.clone()
+    # split_copy: N tensors [1, ...] with storage of their own, made in one call
+    for s, start, lane, p in zip(states, step.starts, torch.split_copy(lanes, 1), torch.split_copy(pres, 1),
+                                 strict=True):  # fmt: skip
+        s.enc_lanes, s.enc_pre = lane, p
         s.enc_from = min(s.enc_from, start)
 
 
@@ -232,7 +234,7 @@ def decode_many(
     outs = []
     # starts[i] is each state's n_tokens, so every history is kept whole
     histories = append_rows_many([s.tokens for s in states], ids)
-    for i, (s, tokens) in enumerate(zip(states, histories, strict=True)):
+    for i, (s, tokens, row) in enumerate(zip(states, histories, logits.split(1), strict=True)):
         s.tokens = tokens
         stats = PassStats(
             start=starts[i],
@@ -241,5 +243,5 @@ def decode_many(
             rows_per_layer=(1,) * cfg.n_layers,
             compressed_rows=compressed,
         )
-        outs.append(PassOutput(logits=logits[i : i + 1], state=s, stats=stats))
+        outs.append(PassOutput(logits=row, state=s, stats=stats))
     return outs
