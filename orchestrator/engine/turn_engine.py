@@ -505,28 +505,27 @@ class TurnEngine:
             total_s=t["total"],
             persisted=persisted,
         )
+        # Parameters built before the transaction: every other turn waits while it holds the write lock.
+        advance = {
+            "sid": f.session_id,
+            "tid": f.tenant_id,
+            "next": f.turn_count + 1,
+            "grown": len(f.new_tokens) + len(output),
+            "new_model": plan.model,
+        }
+        if turn_id is None:
+            advance.update(open=SessionStatus.OPEN, at=f.turn_count)
+            new_turn = {"index": f.turn_count, **_turn_row(f), **values}
 
         def work(s):
             conn = s.connection()
             # The session moves on in one guarded statement (no read first); when it matches nothing, a
             # read says why (the rare path).
-            advance = {
-                "sid": f.session_id,
-                "tid": f.tenant_id,
-                "next": f.turn_count + 1,
-                "grown": len(f.new_tokens) + len(output),
-                "new_model": plan.model,
-            }
-            if turn_id is None:
-                moved = conn.execute(
-                    _FINISH.advance_open_at, {**advance, "open": SessionStatus.OPEN, "at": f.turn_count}
-                )
-            else:
-                moved = conn.execute(_FINISH.advance, advance)
+            moved = conn.execute(_FINISH.advance_open_at if turn_id is None else _FINISH.advance, advance)
             if moved.rowcount != 1:
                 self._why_not_advanced(conn, f)
             if turn_id is None:
-                conn.execute(_FINISH.add_turn, {"index": f.turn_count, **_turn_row(f), **values})
+                conn.execute(_FINISH.add_turn, new_turn)
             else:
                 done = conn.execute(
                     _FINISH.close_turn, {"turn_id": turn_id, "running": TurnStatus.RUNNING, **values}

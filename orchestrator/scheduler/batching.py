@@ -5,9 +5,10 @@ Each step takes every waiting decode token (up to `max_batch_sequences`, in fair
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
 budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
 decode: a long prompt costs everyone one bounded chunk per step, not its whole length). Turns wait in
-their own threads on a future per pass; the loop thread alone runs the model. Cancellation, deadlines and
-disconnects are checked by the turn between passes, so they take effect at the next step, and a step is
-bounded by the budget.
+their own threads on a future per pass. One step runs at a time: the loop thread's, or, when the loop is
+idle and nothing waits, the asking turn's own (the step the loop would have run: that request alone,
+without the two thread handoffs). Cancellation, deadlines and disconnects are checked by the turn
+between passes, so they take effect at the next step, and a step is bounded by the budget.
 
 Exactness: `decode_many` / `prefill_many` equal each sequence's lone `decode` / `prefill` bit for bit and
 chunked prefill equals one-shot prefill, so what a session gets does not depend on who shares its steps
@@ -44,6 +45,8 @@ class _ModelLoop:
         self._order = FairOrder()
         self._step = 0
         self._closed = False
+        # a step is running (the loop's, or one inline in the asking turn's thread)
+        self._busy = False
         self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
         self._thread.start()
 
@@ -51,8 +54,26 @@ class _ModelLoop:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the scheduler of model {self.model} is closed")
-            self._waiting.append(request)
-            self._cond.notify()
+            # Idle and nobody waiting: the step the loop would take is this request alone, so this thread
+            # runs it (same pass, same fair-order and step bookkeeping) instead of waking the loop and
+            # being woken again: on a loaded machine each of the two wake-ups can cost milliseconds.
+            inline = not self._busy and not self._waiting
+            if inline:
+                self._busy = True
+                self._step += 1
+                self._order.served([request], self._step)
+            else:
+                self._waiting.append(request)
+                self._cond.notify()
+        if inline:
+            alone = [request]
+            try:
+                self._run_step(alone if request.is_decode else [], [] if request.is_decode else alone)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if self._waiting or self._closed:
+                        self._cond.notify_all()
         return request.future.result()
 
     def waiting(self) -> int:
@@ -73,10 +94,13 @@ class _ModelLoop:
     def _take(self) -> tuple[list[PassRequest], list[PassRequest]] | None:
         """Wait for work; the decodes and prefill chunks of the next step, in fair order."""
         with self._cond:
-            while not self._waiting and not self._closed:
+            while (self._busy or not self._waiting) and not self._closed:
+                self._cond.wait()
+            while self._busy:  # closing while an inline step runs: its end notifies
                 self._cond.wait()
             if self._closed and not self._waiting:
                 return None
+            self._busy = True
             ranked = self._order.rank(self._waiting)
             decodes = [r for r in ranked if r.is_decode][: self._s.max_batch_sequences]
             budget = self._s.step_token_budget - len(decodes)
@@ -100,20 +124,25 @@ class _ModelLoop:
             work = self._take()
             if work is None:
                 return
-            decodes, prefills = work
-            started = time.perf_counter()
-            obs = self._s.observer
-            for r in decodes + prefills:
-                obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
-            if decodes:
-                self._decode(decodes)
-            if prefills:
-                self._prefill(prefills)
-            tokens = len(decodes) + sum(r.rows for r in prefills)
-            obs.step(
-                self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started
-            )
-            obs.gauges(self.model, running=self._s.running(self.model), waiting=self.waiting())
+            try:
+                self._run_step(*work)
+            finally:
+                with self._cond:
+                    self._busy = False
+
+    def _run_step(self, decodes: list[PassRequest], prefills: list[PassRequest]) -> None:
+        """Run one step's passes (each request's future gets its result or its error) and report it."""
+        started = time.perf_counter()
+        obs = self._s.observer
+        for r in decodes + prefills:
+            obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
+        if decodes:
+            self._decode(decodes)
+        if prefills:
+            self._prefill(prefills)
+        tokens = len(decodes) + sum(r.rows for r in prefills)
+        obs.step(self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started)
+        obs.gauges(self.model, running=self._s.running(self.model), waiting=self.waiting())
 
     def _prefill(self, prefills: list[PassRequest]) -> None:
         """The step's prefill chunks in one `prefill_many` pass when the compute has one (bit-identical to

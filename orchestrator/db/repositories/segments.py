@@ -17,6 +17,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.db.repositories.link_sqlite import link_current_sqlite
 
 __all__ = ["SegmentRepository", "DurableSegment", "SegmentTotals"]
 
@@ -213,18 +214,36 @@ class SegmentRepository:
         The rows left are those `link_current_reference` leaves (tests compare them on random chains;
         row ids may differ on PostgreSQL, whose sequence an upsert's conflict consumes): an upsert per
         chunk in one statement, links added with ON CONFLICT DO NOTHING, the stale links deleted in one
-        statement that returns them, then the rows no session links. A store key given twice takes the
-        reference's path.
+        statement that returns them, then the rows no session links; on SQLite as driver statements
+        (`link_sqlite.py`, twin `link_current_core`). A store key given twice takes the reference's path.
 
         Raises:
             ValueError: a store key already recorded for another tenant (raised after the upsert of the
                 others: the caller's transaction must not commit, as run_serializable ensures).
         """
         conn = self._s.connection()
+        keys = [seg.store_key for seg in segments]
+        if len(set(keys)) != len(keys) or conn.dialect.name not in _FAST.upsert:
+            return self.link_current_reference(session_id, fingerprint, segments)
+        if conn.dialect.name != "sqlite":
+            return self.link_current_core(session_id, fingerprint, segments)
+        # SQLite: the same statements as driver SQL (`link_sqlite.py`; twin: `link_current_core`)
+        ids, dropped = link_current_sqlite(
+            conn, session_id, fingerprint, [_segment_values(g) for g in segments]
+        )
+        if dropped is None:
+            _refuse_foreign(conn, [seg for seg in segments if seg.store_key not in ids])
+        assert dropped is not None
+        return dropped
+
+    def link_current_core(
+        self, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
+    ) -> list[bytes]:
+        """`link_current` in SQLAlchemy Core statements (PostgreSQL's path; SQLite's twin); distinct
+        store keys."""
+        conn = self._s.connection()
         dialect = conn.dialect.name
         keys = [seg.store_key for seg in segments]
-        if len(set(keys)) != len(keys) or dialect not in _FAST.upsert:
-            return self.link_current_reference(session_id, fingerprint, segments)
         ids: dict[bytes, int] = {}
         if segments:
             rows = conn.execute(_FAST.upsert[dialect], [_segment_values(seg) for seg in segments])

@@ -1,5 +1,6 @@
-"""link_current (an upsert, links added ON CONFLICT DO NOTHING, stale links deleted RETURNING) leaves the
-rows its reference twin leaves (`link_current_reference`: read, then insert / extend / link / unlink /
+"""link_current (an upsert, links added ON CONFLICT DO NOTHING, stale links deleted RETURNING; on SQLite as
+driver statements, whose twin is the same in Core, `link_current_core`) leaves the rows its reference twin
+leaves (`link_current_reference`: read, then insert / extend / link / unlink /
 delete what differs), and returns the same deleted keys, on fresh random call sequences: sessions sharing
 chunks, expiries moving up and down, superseded tails, a second fingerprint, empty segment lists, keys
 given twice; SQLite and PostgreSQL. A key of another tenant is refused alike."""
@@ -81,7 +82,7 @@ def _calls(seed: int) -> list[tuple[int, str, list[DurableSegment]]]:
     return calls
 
 
-def _run(url: str, seed: int, *, reference: bool) -> tuple[list[list[bytes]], list[tuple], list[tuple]]:
+def _run(url: str, seed: int, *, how: str) -> tuple[list[list[bytes]], list[tuple], list[tuple], list[tuple]]:
     engine = make_engine(url)
     factory = serializable_factory(engine)
     try:
@@ -97,8 +98,9 @@ def _run(url: str, seed: int, *, reference: bool) -> tuple[list[list[bytes]], li
         for i, fp, segs in _calls(seed):
 
             def work(s, i=i, fp=fp, segs=segs):
-                repo = SegmentRepository(s)
-                call = repo.link_current_reference if reference else repo.link_current
+                call = getattr(SegmentRepository(s), how)
+                if how == "link_current_core" and len({g.store_key for g in segs}) != len(segs):
+                    call = SegmentRepository(s).link_current_reference  # the Core path takes distinct keys
                 return call(sids[i], fp, segs)
 
             returned.append(sorted(run_serializable(factory, work)))
@@ -109,7 +111,11 @@ def _run(url: str, seed: int, *, reference: bool) -> tuple[list[list[bytes]], li
                 (sids.index(r.session_id), r.store_key)
                 for r in conn.execute(select(_SS.c.session_id, _CS.c.store_key).join(_CS))
             )
-        return returned, rows, links
+            # as stored (no type processing): the expiry stamps' text on SQLite
+            stored = sorted(
+                tuple(r) for r in conn.exec_driver_sql("select store_key, expires_at from cache_segments")
+            )
+        return returned, rows, links, stored
     finally:
         engine.dispose()
 
@@ -145,14 +151,15 @@ def fresh_url(request, tmp_path):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_link_current_leaves_the_reference_rows(fresh_url, seed) -> None:
-    fast = _run(fresh_url(), seed, reference=False)
-    twin = _run(fresh_url(), seed, reference=True)
+    fast = _run(fresh_url(), seed, how="link_current")
+    twin = _run(fresh_url(), seed, how="link_current_reference")
     assert fast == twin
     assert fast[1], "the scenario recorded no chunk"
+    assert _run(fresh_url(), seed, how="link_current_core") == twin
 
 
-@pytest.mark.parametrize("reference", [False, True])
-def test_a_key_of_another_tenant_is_refused_alike(registry_copy, reference) -> None:
+@pytest.mark.parametrize("how", ["link_current", "link_current_core", "link_current_reference"])
+def test_a_key_of_another_tenant_is_refused_alike(registry_copy, how) -> None:
     engine = make_engine(registry_copy("r"))
     factory = serializable_factory(engine)
     try:
@@ -177,8 +184,7 @@ def test_a_key_of_another_tenant_is_refused_alike(registry_copy, reference) -> N
         run_serializable(factory, lambda s: SegmentRepository(s).link_current(a, "fp", [seg]))
 
         def work(s):
-            repo = SegmentRepository(s)
-            (repo.link_current_reference if reference else repo.link_current)(b, "fp", [theirs])
+            getattr(SegmentRepository(s), how)(b, "fp", [theirs])
 
         with pytest.raises(ValueError, match="store key already owned by tenant 'acme', not 'other'"):
             run_serializable(factory, work)

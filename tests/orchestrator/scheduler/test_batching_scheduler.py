@@ -228,3 +228,43 @@ def test_a_steps_prefill_chunks_share_one_prefill_many_and_a_failure_runs_each_a
             assert [k for k, _ in rec.steps[1:]] == ["prefill", "prefill"]
     finally:
         sched.close()
+
+
+def test_an_idle_loop_runs_the_pass_in_the_asking_thread_and_queued_ones_in_one_step() -> None:
+    threads: list[str] = []
+
+    class Where(Recorder):
+        def decode_many(self, served, tokens, states):
+            threads.append(threading.current_thread().name)
+            return super().decode_many(served, tokens, states)
+
+        def prefill(self, served, tokens, state, *, prompt_end):
+            threads.append(threading.current_thread().name)
+            return super().prefill(served, tokens, state, prompt_end=prompt_end)
+
+    rec = Where()
+    sched = BatchingScheduler(rec, max_batch_sequences=8, step_token_budget=16)
+    try:
+        # nothing runs or waits: the asking thread runs its own pass (no handoff to the loop)
+        assert sched.decode(Served(), 7, object(), owner=_owner("a", "s")) == ("decoded", 7)
+        assert threads == [threading.current_thread().name]
+        rec.gate.clear()
+        first, results0 = _in_threads([lambda: _blocker(sched)])
+        time.sleep(0.2)
+        # the blocker's step runs inline in its own thread; these wait for it, then share one loop step
+        calls = [
+            (lambda i=i: sched.decode(Served(), 10 + i, object(), owner=_owner("a", f"d{i}")))
+            for i in range(3)
+        ]
+        waiting, results = _in_threads(calls)
+        time.sleep(0.3)
+        assert len(rec.steps) == 1  # only the first decode so far; the blocker is held at the gate
+        rec.gate.set()
+        for th in first + waiting:
+            th.join(timeout=10)
+        assert results0 == [("prefilled", [0])] and results == [("decoded", 10 + i) for i in range(3)]
+        assert rec.steps[1] == ("prefill", [0]) and len(rec.steps) == 3
+        assert rec.steps[2][0] == "decode_many" and sorted(rec.steps[2][1]) == [10, 11, 12]
+        assert threads[1] == first[0].name and threads[2] == "kvresume-step-m"
+    finally:
+        sched.close()
