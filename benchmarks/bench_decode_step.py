@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="time prefill chunks of T tokens per sequence instead of a decode step")
     parser.add_argument("--prefill-max", type=int, default=0, metavar="T2",
                         help="with --prefill T: chunk lengths drawn from [T, T2] (ragged)")
-    parser.add_argument("--numerics", choices=("portable", "native"), default="portable")
+    parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     enter_numerics(args.numerics, "benchmarks.bench_decode_step", argv)

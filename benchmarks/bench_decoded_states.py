@@ -198,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     logs_to_stderr()
     # the served default; the real model refuses a profile that is not in force
-    enter_numerics("portable", "benchmarks.bench_decoded_states", None)
+    enter_numerics("auto", "benchmarks.bench_decoded_states", None)
     torch.set_num_threads(1)
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     with tempfile.TemporaryDirectory(prefix="bench_decoded_states_") as tmp:

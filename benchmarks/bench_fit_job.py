@@ -137,7 +137,7 @@ def main() -> None:
     add_json_flag(parser)
     args = parser.parse_args()
     logs_to_stderr()
-    enter_numerics("portable", "benchmarks.bench_fit_job", None)
+    enter_numerics("auto", "benchmarks.bench_fit_job", None)
     if cores < 2:
         raise SystemExit("this benchmark compares a capped job with an uncapped one: it needs 2+ cores")
     conditions = {"no job": None, "job, fit_threads=1": 1, f"job, fit_threads={cores}": cores}

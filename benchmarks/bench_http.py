@@ -302,7 +302,7 @@ def main() -> None:
         parser.error("--turns must be at least 2 (the first turn is cold on both APIs)")
     logs_to_stderr()
     # the served default; the real model refuses a profile that is not in force
-    enter_numerics("portable", "benchmarks.bench_http", None)
+    enter_numerics("auto", "benchmarks.bench_http", None)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_http_") as tmp:
         result = bench(args.turns, args.max_new_tokens, Path(tmp), think_s=args.think_ms / 1e3)

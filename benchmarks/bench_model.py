@@ -102,7 +102,7 @@ from model import (
     state_from_global,
 )
 from model.train.family import SIBLING_NAMES, sibling_config
-from orchestrator.numerics_env import CPU_PATHS, PORTABLE_ENV
+from orchestrator.numerics_env import CPU_PATHS, PORTABLE_ENV, resolve_cpu_path
 
 # relative L2 the gate accepts where equality is not bitwise (CUDA, triton backend): rounding differences
 # flip FP4/FP8 codes and top-k picks of a random-weight model; see tests/model/test_kernel_backend.py
@@ -802,13 +802,17 @@ def _numerics_arm(cpu_path: str, args: list[str]) -> dict[str, Any]:
 
 
 def compare_numerics(args: list[str], rounds: int, out: Any) -> dict[str, Any]:
-    """Time `portable` against `native` in alternating child processes (see the module docstring)."""
-    docs: dict[str, list[dict[str, Any]]] = {p: [] for p in CPU_PATHS}
+    """Time the pinned path this CPU computes exactly (`portable`, else `strict`) against `native` in
+    alternating child processes (see the module docstring). The pinned arm's key stays "portable"."""
+    pinned = resolve_cpu_path("auto")
+    arms = (pinned, "native") if pinned != "native" else ("native",)
+    docs: dict[str, list[dict[str, Any]]] = {p: [] for p in arms}
     for i in range(rounds):
-        order = CPU_PATHS if i % 2 == 0 else tuple(reversed(CPU_PATHS))
+        order = arms if i % 2 == 0 else tuple(reversed(arms))
         for cpu_path in order:
             docs[cpu_path].append(_numerics_arm(cpu_path, args))
             print(f"  round {i + 1}/{rounds}: {cpu_path} done", file=out, flush=True)
+    docs["portable"] = docs[pinned]
     lengths = [r["history_tokens"] for r in docs["portable"][0]["rows"]]
 
     def medians(cpu_path: str, key: str) -> list[float]:
@@ -827,7 +831,7 @@ def compare_numerics(args: list[str], rounds: int, out: Any) -> dict[str, Any]:
         p, n = medians("portable", key), medians("native", key)
         result[f"portable_vs_native_{key}"] = round(sum(p) / sum(n), 4)
         result[f"{key}_s"] = {"portable": [round(x, 5) for x in p], "native": [round(x, 5) for x in n]}
-    result["numerics"] = {c: docs[c][0]["numerics"] for c in CPU_PATHS}
+    result["numerics"] = {c: docs[c][0]["numerics"] for c in arms}
     result["device_name"] = docs["portable"][0]["device_name"]
     return result
 
@@ -846,8 +850,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: the tiny model's small matmuls oversubscribe otherwise)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--numerics", choices=CPU_PATHS, default="portable",
-                        help="CPU code path to compute under (default portable, the served default)")
+    parser.add_argument("--numerics", choices=("auto", *CPU_PATHS), default="auto",
+                        help="CPU code path to compute under (default auto, the served default)")
     parser.add_argument("--compare-numerics", action="store_true",
                         help="time portable against native in alternating child processes")
     parser.add_argument("--numerics-rounds", type=int, default=3,

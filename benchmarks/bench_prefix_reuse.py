@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     logs_to_stderr()
     # the served default; the real model refuses a profile that is not in force
-    enter_numerics("portable", "benchmarks.bench_prefix_reuse", None)
+    enter_numerics("auto", "benchmarks.bench_prefix_reuse", None)
     torch.set_num_threads(1)
     index = bench_index(args.histories, args.system_tokens, args.queries)
     agent = None

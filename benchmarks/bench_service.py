@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--checkpoint {args.checkpoint} has no model.safetensors")
     logs_to_stderr()
     # the served default; the replay's real model refuses a profile that is not in force
-    enter_numerics("portable", "benchmarks.bench_service", argv)
+    enter_numerics("auto", "benchmarks.bench_service", argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="kvresume-bench-") as tmp:
         root = Path(tmp)

@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     add_json_flag(parser)
     args = parser.parse_args()
-    enter_numerics("portable", "benchmarks.bench_swap", None)
+    enter_numerics("auto", "benchmarks.bench_swap", None)
     torch.set_num_threads(args.threads)
     from mappers import load_mapper
 

@@ -7,12 +7,14 @@ import os
 import sys
 
 from orchestrator.numerics_env import (
+    PINNED_ENVS,
     PORTABLE_ENV,
     cpu_model_name,
     enter_cpu_path,
     env_mismatches,
     in_force_problems,
     profile_report,
+    resolve_cpu_path,
 )
 
 __all__ = ["cpu_model", "enter_numerics", "numerics_record"]
@@ -24,9 +26,10 @@ def cpu_model() -> str:
 
 
 def enter_numerics(cpu_path: str, module: str, argv: list[str] | None) -> None:
-    """Run this benchmark under `cpu_path` ("portable" or "native"): when the portable environment is
-    not in force, `python -m <module>` re-runs in a process that starts under it (replacing this one when
-    `argv` is None, else as a child whose exit code ends this process)."""
+    """Run this benchmark under `cpu_path` ("auto", "portable", "strict" or "native"): when a pinned
+    environment is not in force, `python -m <module>` re-runs in a process that starts under it (replacing
+    this one when `argv` is None, else as a child whose exit code ends this process)."""
+    cpu_path = resolve_cpu_path(cpu_path)
     rc = enter_cpu_path(cpu_path, argv, module=module)
     if rc is not None:
         sys.exit(rc)
@@ -36,12 +39,14 @@ def enter_numerics(cpu_path: str, module: str, argv: list[str] | None) -> None:
 
 
 def numerics_record() -> dict[str, object]:
-    """The numerics profile this process computes with, for the benchmark's JSON: `portable` when its
-    environment and torch's state match the pinned profile, else `native`."""
+    """The numerics profile this process computes with, for the benchmark's JSON: a pinned path
+    (`portable`, `strict`) when its environment and torch's state match it, else `native`."""
     if "torch" not in sys.modules:
+        pinned = [p for p in PINNED_ENVS if not env_mismatches(None, p)]
         return {
-            "cpu_path": "portable" if not env_mismatches() else "native",
+            "cpu_path": pinned[0] if pinned else "native",
             "env": {k: os.environ.get(k) for k in PORTABLE_ENV},
             "torch": "not loaded (no model arithmetic in this benchmark)",
         }
-    return profile_report("portable" if not in_force_problems("portable") else "native")
+    pinned = [p for p in PINNED_ENVS if not in_force_problems(p)]
+    return profile_report(pinned[0] if pinned else "native")

@@ -26,8 +26,9 @@ __all__ = [
 
 # Bumped when a field is added or a label changes meaning, so old and new labels never collide.
 NUMERICS_SCHEMA = 1
-# portable: the pinned AVX2 path of the conformance vectors; native: the caller's environment.
-CPU_PATHS = ("portable", "native")
+# portable: the pinned AVX2 path of the conformance vectors; strict: the same with MKL's strict CNR mode
+# (exact where portable's GEMMs depend on the row count); native: the caller's environment.
+CPU_PATHS = ("portable", "strict", "native")
 DEVICE_CLASSES = ("cpu", "cuda")
 DTYPES = ("bf16",)
 # exact: the reference's block-scaled GEMMs; fast: quantized linears with folded scales and one GEMM
@@ -70,7 +71,7 @@ class NumericsProfile:
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"numerics {name} must be one of {values}, got {getattr(self, name)!r}")
-        if self.cpu_path == "portable" and self.native_host:
+        if self.cpu_path != "native" and self.native_host:
             raise ValueError(f"numerics native_host={self.native_host!r} is only for the native cpu path")
 
     @property
@@ -114,8 +115,9 @@ def torch_cpu_problems(cpu_path: str) -> list[str]:
 
 
 def configure_torch(cpu_path: str, *, threads: int | None = None) -> None:
-    """Apply the in-process half of `cpu_path`: intra-op threads and, for `portable`, oneDNN off (on
-    AVX-512 CPUs torch may send bf16 matmuls to oneDNN, a code path the vectors never took).
+    """Apply the in-process half of `cpu_path`: intra-op threads and, for the pinned paths (`portable`,
+    `strict`), oneDNN off (on AVX-512 CPUs torch may send bf16 matmuls to oneDNN, a code path the vectors
+    never took).
 
     Args:
         threads: intra-op threads (None or 0: leave torch's choice).
@@ -129,5 +131,5 @@ def configure_torch(cpu_path: str, *, threads: int | None = None) -> None:
         raise ValueError(f"threads={threads} must be >= 0")
     if threads:
         torch.set_num_threads(threads)
-    if cpu_path == "portable":
+    if cpu_path != "native":
         torch.backends.mkldnn.enabled = False

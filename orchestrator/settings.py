@@ -87,9 +87,11 @@ class Settings:
     # part of the numerics profile: exports are byte-identical at 1 and 2 threads (model/README.md).
     torch_threads: int = 0
     # The served models' CPU code path: "portable" (the pinned AVX2 profile of the conformance vectors,
-    # applied by `kvresume serve` before torch loads) or "native" (the caller's environment). Part of the
-    # caches' numerics fingerprint: caches written under the other one are misses.
-    model_numerics: str = "portable"
+    # applied by `kvresume serve` before torch loads), "strict" (the same with MKL's strict CNR mode, for
+    # CPUs where portable's GEMMs depend on the row count), "native" (the caller's environment) or "auto"
+    # (portable where its GEMM probe passes, else strict: orchestrator/numerics_env.resolve_cpu_path).
+    # Part of the caches' numerics fingerprint: caches written under another one are misses.
+    model_numerics: str = "auto"
     # Where served models run ("cpu", "cuda", "cuda:1"); part of the caches' numerics fingerprint.
     model_device: str = "cpu"
     # Kernels of the served models: "torch" (reference ops) or "triton" (CUDA kernels); the two give
@@ -177,9 +179,11 @@ class Settings:
             raise ValueError(
                 f"model_kernel_backend={self.model_kernel_backend!r} must be 'torch' or 'triton'"
             )
-        # model.numerics.CPU_PATHS, spelled out for the same reason.
-        if self.model_numerics not in ("portable", "native"):
-            raise ValueError(f"model_numerics={self.model_numerics!r} must be 'portable' or 'native'")
+        # numerics_env.CPU_PATH_CHOICES, spelled out for the same reason.
+        if self.model_numerics not in ("auto", "portable", "strict", "native"):
+            raise ValueError(
+                f"model_numerics={self.model_numerics!r} must be 'auto', 'portable', 'strict' or 'native'"
+            )
         # model.numerics.MATH_MODES, spelled out for the same reason.
         if self.model_math not in ("exact", "fast"):
             raise ValueError(f"model_math={self.model_math!r} must be 'exact' or 'fast'")

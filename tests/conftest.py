@@ -1,5 +1,6 @@
-"""Suite-wide pytest hooks: the suite runs under the portable numerics profile, and `gpu` tests skip
-without CUDA.
+"""Suite-wide pytest hooks: the suite runs under the pinned numerics profile this CPU computes exactly
+(`SUITE_CPU_PATH`: portable, the conformance vectors' profile, where its GEMM probe passes, else strict),
+and `gpu` tests skip without CUDA.
 
 The profile's environment (orchestrator/numerics_env.py) is set here, at import, before any test module
 imports torch: the conformance vectors match bitwise only under it, and served models refuse to
@@ -14,25 +15,29 @@ import sys
 
 import pytest
 
-from orchestrator.numerics_env import PORTABLE_ENV, cpu_flags, env_mismatches, portable_refusal
+from orchestrator.numerics_env import PINNED_ENVS, env_mismatches, resolve_cpu_path
 
-_TORCH_PRELOADED = "torch" in sys.modules and bool(env_mismatches())
-if not _TORCH_PRELOADED and portable_refusal(cpu_flags()) is None:
-    os.environ.update(PORTABLE_ENV)
+# What the suite computes under: "auto" as a node resolves it (the GEMM probe runs once, in a child).
+SUITE_CPU_PATH = resolve_cpu_path("auto")
+_TORCH_PRELOADED = (
+    "torch" in sys.modules and SUITE_CPU_PATH in PINNED_ENVS and bool(env_mismatches(None, SUITE_CPU_PATH))
+)
+if not _TORCH_PRELOADED and SUITE_CPU_PATH in PINNED_ENVS:
+    os.environ.update(PINNED_ENVS[SUITE_CPU_PATH])
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if _TORCH_PRELOADED:
         raise pytest.UsageError(
-            "torch was imported before tests/conftest.py could set the portable numerics profile "
-            f"({dict(PORTABLE_ENV)}); run pytest in a fresh interpreter"
+            f"torch was imported before tests/conftest.py could set the {SUITE_CPU_PATH} numerics profile "
+            f"({dict(PINNED_ENVS[SUITE_CPU_PATH])}); run pytest in a fresh interpreter"
         )
     from model import configure_torch
 
     # The in-process half of the profile: oneDNN off. OMP_NUM_THREADS=1 would also make torch's default
     # one thread; give tests that set none the cores they had before (exports do not depend on threads,
     # tests/model/test_numerics.py), and let each module pick its own.
-    configure_torch("portable", threads=len(os.sched_getaffinity(0)))
+    configure_torch(SUITE_CPU_PATH, threads=len(os.sched_getaffinity(0)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -32,6 +32,7 @@ from orchestrator.db import (
     serializable_factory,
     upgrade,
 )
+from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings
 from storage import StoreHealth, StoreStats
 
@@ -167,7 +168,7 @@ def _wire_gauges(ctx: ServiceContext) -> None:
     m.store_capacity_bytes.set(settings.kv_capacity_bytes)
     m.read_storage_counts(lambda: _storage_counts(ctx))
     m.set_build_info(
-        numerics=settings.model_numerics,
+        numerics=resolve_cpu_path(settings.model_numerics),
         device=settings.model_device,
         kernel_backend=settings.model_kernel_backend,
     )

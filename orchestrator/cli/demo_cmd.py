@@ -385,5 +385,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shipped under checkpoints/mappers/)",
     )
     parser.add_argument("--verbose", action="store_true", help="service log lines on stderr")
-    add_numerics_flag(parser, default="portable", what="the demo's models")
+    add_numerics_flag(parser, default="auto", what="the demo's models")
     parser.set_defaults(handler=_run)

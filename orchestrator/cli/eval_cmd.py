@@ -26,7 +26,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     add_json_flag(shared, what="the quality document")
     for field in ("nargs", "const", "default", "metavar", "help"):
         setattr(harness_json, field, getattr(shared._actions[0], field))
-    add_numerics_flag(parser, default="portable", what="the harness")
+    add_numerics_flag(parser, default="auto", what="the harness")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -104,11 +104,11 @@ def _run_check(args: argparse.Namespace) -> int:
     from model import ModelError, check_conformance, configure_torch
 
     portable = args.numerics == "portable"
-    # The vectors' profile runs one intra-op thread; native keeps the caller's threads.
-    configure_torch(args.numerics, threads=1 if portable else None)
+    # The pinned profiles run one intra-op thread; native keeps the caller's threads.
+    configure_torch(args.numerics, threads=1 if args.numerics != "native" else None)
     profile = profile_report(args.numerics)
     if not profile["in_force"]:
-        print(f"kvresume model check: error: the portable numerics profile is not in force: "
+        print(f"kvresume model check: error: the {args.numerics} numerics profile is not in force: "
               f"{'; '.join(profile['problems'])}", file=sys.stderr)  # type: ignore[arg-type]
         return 1
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
@@ -121,8 +121,8 @@ def _run_check(args: argparse.Namespace) -> int:
     out = text_stream(args.json)
     print(describe(profile), file=out)
     if not portable:
-        print("  the vectors were made under the portable profile: under native numerics bitwise "
-              "agreement is not expected and no conformance is claimed", file=out)
+        print(f"  the vectors were made under the portable profile: under {args.numerics} numerics "
+              "bitwise agreement is not expected and no conformance is claimed", file=out)
     for r in reports:
         same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
         print(
@@ -139,8 +139,8 @@ def _run_check(args: argparse.Namespace) -> int:
     if portable:
         print("conformance: " + ("PASS (bitwise under the portable profile)" if agree else "FAIL"), file=out)
     else:
-        print("native numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
-                                     else "differs from the vectors (run without --numerics native "
+        print(f"{args.numerics} numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
+                                     else f"differs from the vectors (run without --numerics {args.numerics} "
                                      "for the conformance check)"), file=out)
     write_json({
         "numerics": profile,

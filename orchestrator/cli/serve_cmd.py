@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
 from orchestrator.cli.output import add_json_flag, text_stream, write_json
 from orchestrator.cli.settings_flags import add_settings_flags, settings_from_args
+from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -154,6 +155,8 @@ def check_port_free(host: str, port: int, what: str) -> None:
 def _run(args: argparse.Namespace) -> int:
     configured = settings_from_args(args)
     settings = with_tokens(configured, insecure_dev=args.insecure_dev)
+    # "auto" becomes the path this CPU computes exactly, so the fingerprints and the log name it
+    settings = dataclasses.replace(settings, model_numerics=resolve_cpu_path(settings.model_numerics))
     rc = enter_numerics(args, settings.model_numerics)
     if rc is not None:
         return rc

@@ -28,7 +28,7 @@ from model import (
     set_linear_math,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
-from orchestrator.numerics_env import CPU_PATHS, in_force_problems, native_host_id
+from orchestrator.numerics_env import CPU_PATH_CHOICES, in_force_problems, native_host_id, resolve_cpu_path
 from orchestrator.planner import ModelGeometry
 
 __all__ = [
@@ -177,7 +177,8 @@ def load_served(
     Args:
         device: where the model runs.
         kernel_backend: the model's kernels, "torch" or "triton" (Transformer's `kernel_backend`).
-        cpu_path: the CPU code path ("portable" or "native"), which must be in force in this process: a
+        cpu_path: the CPU code path ("portable", "strict", "native", or "auto" for what
+            `numerics_env.resolve_cpu_path` picks), which must be in force in this process: a
             fingerprint that named a profile the process does not compute with would let caches of
             another arithmetic hit.
         linear_math: the quantized linears' math, "exact" or "fast" (`model.set_linear_math`); named in the
@@ -190,6 +191,7 @@ def load_served(
     """
     if linear_math not in MATH_MODES:
         raise ValueError(f"model {spec.name}: linear_math must be one of {MATH_MODES}, got {linear_math!r}")
+    cpu_path = resolve_cpu_path(cpu_path)
     problems = in_force_problems(cpu_path)
     if problems:
         raise ValueError(
@@ -248,8 +250,9 @@ class ModelRegistry:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {kernel_backend!r}")
         self._specs = dict(specs)
         self._device = device
-        if cpu_path not in CPU_PATHS:
-            raise ValueError(f"numerics cpu path must be one of {CPU_PATHS}, got {cpu_path!r}")
+        if cpu_path not in CPU_PATH_CHOICES:
+            raise ValueError(f"numerics cpu path must be one of {CPU_PATH_CHOICES}, got {cpu_path!r}")
+        cpu_path = resolve_cpu_path(cpu_path)
         if linear_math not in MATH_MODES:
             raise ValueError(f"linear_math must be one of {MATH_MODES}, got {linear_math!r}")
         self._kernel_backend = kernel_backend

@@ -44,7 +44,7 @@ from orchestrator.db.models import FitJobPhase, FitJobRow
 from orchestrator.db.repositories import FitJobRepository, FitJobSubmission
 from orchestrator.jobs.progress import EtaEstimator, parse_event
 from orchestrator.jobs.request import FitRequest, resolve_tokens_file
-from orchestrator.numerics_env import PORTABLE_ENV
+from orchestrator.numerics_env import PINNED_ENVS, resolve_cpu_path
 from orchestrator.settings import Settings
 
 __all__ = ["FitJobService", "FitJobView", "NODE_RESTARTED", "NODE_STOPPED"]
@@ -361,7 +361,7 @@ class FitJobService:
             "receiver": {"name": view.receiver_model, "source": self._sources[view.receiver_model]},
             "device": s.model_device,
             "kernel_backend": s.model_kernel_backend,
-            "cpu_path": s.model_numerics,
+            "cpu_path": resolve_cpu_path(s.model_numerics),
             # the served math, so the artifact records the fingerprints the node serves under
             "linear_math": s.model_math,
             "threads": s.fit_threads,
@@ -371,8 +371,9 @@ class FitJobService:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self._settings.model_numerics == "portable":
-            env.update(PORTABLE_ENV)
+        cpu_path = resolve_cpu_path(self._settings.model_numerics)
+        if cpu_path in PINNED_ENVS:
+            env.update(PINNED_ENVS[cpu_path])
         threads = str(self._settings.fit_threads)
         # OpenMP starts with one thread under the portable profile; intra-op threads are set in the child.
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -20,6 +20,10 @@ from model.numerics import CPU_PATHS, torch_cpu_problems
 from orchestrator import numerics_env
 from tests.shared_vectors import REPO
 
+# The pinned path the suite runs under (tests/conftest.py): portable, or strict where portable's GEMM
+# probe fails (orchestrator/numerics_probe.py).
+PINNED = numerics_env.resolve_cpu_path("auto")
+
 
 def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in numerics_env.PORTABLE_ENV}
@@ -62,50 +66,52 @@ def test_fingerprint_differs_for_every_profile_field() -> None:
     base = NumericsProfile()
     others = [
         dataclasses.replace(base, cpu_path="native"),
+        dataclasses.replace(base, cpu_path="strict"),
         dataclasses.replace(base, device="cuda"),
         dataclasses.replace(base, kernel_backend="triton"),
         dataclasses.replace(base, cpu_path="native", native_host="AVX512;Intel Xeon;MKL_CBWR="),
         dataclasses.replace(base, math="fast"),
     ]
     prints = {model_fingerprint(model, numerics=p) for p in [base, *others]}
-    assert len(prints) == 6
+    assert len(prints) == 7
     assert "math=fast" in dataclasses.replace(base, math="fast").label
     assert model_fingerprint(model) == model_fingerprint(model, numerics=base)
 
 
-def test_configure_torch_turns_onednn_off_for_portable_only() -> None:
+def test_configure_torch_turns_onednn_off_for_the_pinned_paths_only() -> None:
     before = torch.backends.mkldnn.enabled
     try:
         torch.backends.mkldnn.enabled = True
         configure_torch("native")
         assert torch.backends.mkldnn.enabled
-        assert torch_cpu_problems("portable") == ["torch.backends.mkldnn.enabled is True (profile: False)"]
-        configure_torch("portable")
+        assert torch_cpu_problems(PINNED) == ["torch.backends.mkldnn.enabled is True (profile: False)"]
+        configure_torch(PINNED)
         assert not torch.backends.mkldnn.enabled
         # the suite runs under the profile (tests/conftest.py), so torch reports nothing against it
-        assert torch_cpu_problems("portable") == []
-        assert numerics_env.in_force_problems("portable") == []
+        assert torch_cpu_problems(PINNED) == []
+        assert numerics_env.in_force_problems(PINNED) == []
     finally:
         torch.backends.mkldnn.enabled = before
     with pytest.raises(ValueError, match="'avx512'"):
         configure_torch("avx512")
     with pytest.raises(ValueError, match="threads=-1"):
-        configure_torch("portable", threads=-1)
+        configure_torch(PINNED, threads=-1)
 
 
 def test_cache_from_a_fresh_process_is_a_bitwise_full_hit(tmp_path: Path) -> None:
-    wrote = _child("write", tmp_path, "portable")
-    assert wrote["numerics"]["in_force"] and wrote["numerics"]["env"] == dict(numerics_env.PORTABLE_ENV)
-    read = _child("read", tmp_path, "portable")
+    wrote = _child("write", tmp_path, PINNED)
+    assert wrote["numerics"]["in_force"]
+    assert wrote["numerics"]["env"] == dict(numerics_env.PINNED_ENVS[PINNED])
+    read = _child("read", tmp_path, PINNED)
     assert read == {"numerics": read["numerics"], "bitwise": True}
 
 
 def test_cache_written_under_one_profile_is_a_miss_under_another(tmp_path: Path) -> None:
-    _child("write", tmp_path, "portable")
+    _child("write", tmp_path, PINNED)
     read = _child("read", tmp_path, "native")
     assert read["numerics"]["cpu_path"] == "native"
     assert read["miss"] == "cache blob was written by another model fingerprint"
 
 
 def test_exports_are_identical_at_one_and_two_threads(tmp_path: Path) -> None:
-    assert _child("threads", tmp_path, "portable")["identical"] is True
+    assert _child("threads", tmp_path, PINNED)["identical"] is True

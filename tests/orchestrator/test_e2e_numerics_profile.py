@@ -10,9 +10,13 @@ import torch
 
 from orchestrator.db import SegmentRepository
 from orchestrator.engine import ModelRegistry, ServedModelSpec
+from orchestrator.numerics_env import resolve_cpu_path
 from tests.orchestrator.engine.node_harness import md, run_turn, start_node
 
-_PORTABLE = "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=portable math=exact batching=invariant"
+# the pinned path the suite runs under (tests/conftest.py): portable, or strict where portable's GEMM probe
+# fails
+_PINNED = resolve_cpu_path("auto")
+_PORTABLE = f"numerics.v1 device=cpu dtype=bf16 kernels=torch cpu={_PINNED} math=exact batching=invariant"
 # a native node's label names what it computes on (torch capability; CPU model; dispatch variables)
 _NATIVE = "numerics.v1 device=cpu dtype=bf16 kernels=torch cpu=native[AVX2;"
 
@@ -28,7 +32,7 @@ def _ids(seed: int, n: int) -> list[int]:
 
 def test_chunks_of_another_profile_are_a_miss_naming_it(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    writer = start_node(tmp_path, _registry("portable"))
+    writer = start_node(tmp_path, _registry(_PINNED))
     try:
         sid = writer.sessions.CreateSession(
             writer.pb.sessions.CreateSessionRequest(model="a"), metadata=md()
@@ -53,7 +57,7 @@ def test_chunks_of_another_profile_are_a_miss_naming_it(tmp_path: Path) -> None:
         reader.stop()
 
     # The writer's profile still reads its own chunks: the miss above came from the profile alone.
-    again = start_node(tmp_path, _registry("portable"))
+    again = start_node(tmp_path, _registry(_PINNED))
     try:
         t2 = run_turn(again, sid, _ids(3, 4))
         assert t2.path == "GLOBAL_REPLAY" and t2.stats.counts.cached > 0

@@ -77,3 +77,65 @@ def test_served_model_refuses_a_portable_profile_not_in_force(monkeypatch: pytes
     with pytest.raises(ValueError, match="portable numerics profile is not in force.*MKL_CBWR='AUTO'"):
         load_served(spec)
     assert load_served(spec, cpu_path="native").numerics.cpu_path == "native"
+
+
+@pytest.mark.parametrize(
+    ("portable", "strict", "picked"),
+    [("ok", "ok", "portable"), ("rows differ", "ok", "strict"), ("rows differ", "rows differ", "native")],
+)
+def test_auto_picks_the_first_pinned_path_whose_gemm_probe_passes(
+    monkeypatch: pytest.MonkeyPatch, portable: str, strict: str, picked: str
+) -> None:
+    # the probes' outcomes as a parent process passes them on (no child runs here)
+    monkeypatch.setenv("KVRESUME_GEMM_PROBE_PORTABLE", portable)
+    monkeypatch.setenv("KVRESUME_GEMM_PROBE_STRICT", strict)
+    monkeypatch.setattr(numerics_env, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
+    assert numerics_env.resolve_cpu_path("auto") == picked
+    assert numerics_env.resolve_cpu_path("native") == "native"
+    assert numerics_env.resolve_cpu_path("portable") == "portable"  # a named path is checked on entry
+    with pytest.raises(ValueError, match="'avx512'"):
+        numerics_env.resolve_cpu_path("avx512")
+
+
+def test_entering_a_path_whose_gemm_probe_failed_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVRESUME_GEMM_PROBE_PORTABLE", "an fp32 product of 2 rows differs")
+    monkeypatch.setattr(numerics_env, "cpu_flags", lambda *a: frozenset({"avx2", "fma"}))
+    with pytest.raises(ValueError, match="portable numerics profile is not exact on this CPU.*2 rows"):
+        numerics_env.enter_cpu_path("portable", ["x"])
+
+
+def test_the_gemm_probe_of_the_suites_path_passes_and_catches_a_row_dependent_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+
+    from orchestrator import numerics_probe
+
+    # a fresh process under the pinned path the suite resolved (tests/conftest.py): exact on this CPU
+    suite_path = numerics_env.resolve_cpu_path("auto")
+    if suite_path in numerics_env.PINNED_ENVS:
+        env = {**numerics_env.os.environ, **numerics_env.PINNED_ENVS[suite_path]}
+        done = subprocess.run([sys.executable, "-m", "orchestrator.numerics_probe"], env=env,
+                              capture_output=True, text=True, timeout=300, check=True)
+        assert '"ok": true' in done.stdout, done.stdout
+
+    # in this process, a product whose rows never depend on the call (an elementwise sum), then one
+    # whose 3-row calls are off by one ulp
+    def rows_alone(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x[:, None, :] * w[None]).sum(-1)
+
+    monkeypatch.setattr(F, "linear", rows_alone)
+    assert numerics_probe.probe() is None
+
+    def row_dependent(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = rows_alone(x, w)
+        return out if x.shape[0] != 3 else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(F, "linear", row_dependent)
+    assert "an fp32 product of 3 rows" in str(numerics_probe.probe())

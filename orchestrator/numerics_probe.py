@@ -1,0 +1,72 @@
+"""The GEMM probe of a pinned CPU path, run as `python -m orchestrator.numerics_probe` in a child process
+that starts under the path's environment (orchestrator/numerics_env.py starts it and reads its one line of
+JSON on stdout: {"ok": true} or {"ok": false, "reason": "..."}).
+
+Why it exists: the pinned paths promise that a row's fp32 product does not depend on how many rows share the
+call, nor on the thread count. The model's exactness rests on that (a chunked prefill equals the one-shot
+prefill, a session decoded among others equals the session alone, model/invariant.py), and the conformance
+vectors were generated on a machine where it held. MKL's CNR branch does not keep it everywhere: on an
+Intel Xeon with AVX-512 (2026-12), MKL_CBWR=AVX2 gives products of 2, 3, 7 or 8 rows that differ in the
+last bit from the same rows of a 40-row product, while MKL_CBWR=AVX2,STRICT gives identical rows for every
+row count (model/README.md, "The numerics profile"). So a path is used only where this probe passes.
+
+One row (M = 1) is not probed: MKL's matrix-vector kernel has always reduced differently from M > 1, and
+the model computes lone rows as one-row products on purpose (`model.invariant.rowwise_linear`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# (K, N) of the model's fp32 products: the compressor (K = dim, small N), the 32-wide K blocks of the
+# block-scaled GEMMs, and the mHC mixes (K = hc * dim).
+_SHAPES = ((64, 32), (32, 128), (256, 128), (1024, 24))
+_ROWS = 40
+_ROW_COUNTS = (2, 3, 4, 5, 7, 8, 16)
+
+
+def probe() -> str | None:
+    """Why this process's fp32 products are not row- and thread-invariant, or None when they are."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.mkldnn.enabled = False
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(20261201)
+    for k, n in _SHAPES:
+        # bf16-representable inputs, as the model's activations and weights are
+        x = torch.randn(_ROWS, k, generator=gen).bfloat16().float()
+        w = torch.randn(n, k, generator=gen).bfloat16().float()
+        whole = F.linear(x, w)
+        for m in _ROW_COUNTS:
+            for start in range(0, _ROWS - m + 1, m):
+                if not torch.equal(F.linear(x[start : start + m], w), whole[start : start + m]):
+                    return (
+                        f"an fp32 product of {m} rows (K={k}, N={n}) differs from the same rows of a "
+                        f"{_ROWS}-row product"
+                    )
+        torch.set_num_threads(2)
+        try:
+            if not torch.equal(F.linear(x, w), whole):
+                return f"an fp32 product of {_ROWS} rows (K={k}, N={n}) differs at 2 threads from 1 thread"
+        finally:
+            torch.set_num_threads(1)
+    return None
+
+
+def main() -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print(json.dumps({"ok": None, "reason": "torch is not installed"}))
+        return 0
+    reason = probe()
+    env = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS")}
+    print(json.dumps({"ok": reason is None, "reason": reason, "env": env}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
