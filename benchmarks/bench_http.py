@@ -163,8 +163,9 @@ def _http_row(t0: float, first: float | None, text: str, usage: dict, ext: dict)
 def _serve(data_dir: Path, ports: Any, stop: Any) -> None:
     """The node, in a child process: sends (gRPC port, HTTP port), serves until `stop` is set."""
     from model import configure_torch
+    from orchestrator.numerics_env import resolve_cpu_path
 
-    configure_torch("portable", threads=1)
+    configure_torch(resolve_cpu_path("auto"), threads=1)
     logs_to_stderr()
     ckpt = repo_root() / "checkpoints" / MODEL
     registry = ModelRegistry({MODEL: ServedModelSpec(name=MODEL, checkpoint=ckpt)})

@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tokens_per_s_c64_model": load["c64_batching"]["decode_tokens_per_s"] if load else None,
         # the label of the served models' profile (what their caches' fingerprints name)
         "numerics_profile": NumericsProfile.for_device(
-            "cpu", kernel_backend="torch", cpu_path="portable"
+            "cpu", kernel_backend="torch", cpu_path="auto"
         ).label,
     }
     result = {

@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     add_json_flag(parser)
     args = parser.parse_args()
-    enter_numerics("portable", "benchmarks.bench_swap_drift", None)
+    enter_numerics("auto", "benchmarks.bench_swap_drift", None)
     torch.set_num_threads(args.threads)
     from mappers import bucket_seed, load_mapper
     from mappers.drift import measure_drift

@@ -168,7 +168,7 @@ def load_served(
     *,
     device: str = "cpu",
     kernel_backend: str = "torch",
-    cpu_path: str = "portable",
+    cpu_path: str = "auto",
     linear_math: str = "exact",
 ) -> ServedModel:
     """Load weights (or init the stand-in), fingerprint them under the numerics profile, and pick the
@@ -240,7 +240,7 @@ class ModelRegistry:
         *,
         device: str = "cpu",
         kernel_backend: str = "torch",
-        cpu_path: str = "portable",
+        cpu_path: str = "auto",
         linear_math: str = "exact",
     ) -> None:
         for name, spec in specs.items():
@@ -268,7 +268,7 @@ class ModelRegistry:
         *,
         device: str = "cpu",
         kernel_backend: str = "torch",
-        cpu_path: str = "portable",
+        cpu_path: str = "auto",
         linear_math: str = "exact",
     ) -> ModelRegistry:
         """From settings' name -> source strings; empty: `default_model_specs()`."""
