@@ -5,13 +5,14 @@ Knows nothing of sessions or scheduling. Each sequence brings its own chunk (T_i
 position, and `inference.plan_prefill` decides its rows exactly as a lone prefill would (encoder bounded
 replay, the decoder's tail [dec_from, end), the split layer's compression of every new row). The rows of
 all sequences are stacked along one axis (ragged: [1, S, ...], S = sum of the rows each runs) and:
-- run once over the stack: the attention projections, norms, the mHC collapse / expand, the experts and
-  the head, whose results per row do not depend on the other rows in the call (bf16 and block-scaled
-  linears, elementwise ops without transcendental functions, `rowwise_linear` for the head);
-- run per sequence, on its own contiguous rows: the mHC mixes (an fp32 product of M = T_i rows, whose
-  sums depend on M, then sigmoid / exp, whose SIMD body and scalar tail differ in the last bit; sequences
-  of equal T_i together as [G, T] blocks, `model.invariant.blocks_apart`), the MoE gate (fp32 product and
-  softplus, the same reasons) and the attention stage (`Attention.attend`).
+- run once over the stack: the attention projections, norms, the mHC collapse / expand and the experts,
+  whose results per row do not depend on the other rows in the call (bf16 and block-scaled linears,
+  elementwise ops without transcendental functions);
+- the mHC mixes in one pass too (`model.ragged_mixes`: their fp32 products per sequence, their sigmoid /
+  exp as each sequence's lone run has them);
+- the attention stage batched across sequences (`model.batched_prefill_attention`), a sequence it cannot
+  take, or every sequence with `batched_attention=False`, by `Attention.attend` alone (the slow twin);
+- per sequence: the MoE gate (an fp32 product of T_i rows and softplus) and the head's one-row product.
 So each sequence's logits, state and exported bytes are bit-identical to its lone prefill under
 tie_break "deterministic" (tests/model/test_batched_prefill.py compares them on fresh random chunks).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from model.append_buffer import append_rows
 from model.attention import AttnIO, ProjectedRows
@@ -28,11 +30,9 @@ from model.batched_prefill_attention import (
     ChunkRows,
     ChunkSelection,
     attend_chunks,
-    block_linear,
     chunk_batchable,
 )
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
-from model.invariant import rowwise_linear
 from model.mhc import collapse, expand, identity_pre
 from model.ragged_mixes import ragged_mixes
 from model.state import ModelState
@@ -54,9 +54,9 @@ def _rows(rows: ProjectedRows, span: slice) -> ProjectedRows:
 
 def _mixes(block, h: torch.Tensor, seqs: list[ChunkRows], which: str) -> tuple[torch.Tensor, ...]:
     """The mHC mixes of each sequence's rows as its lone pass computes them, over the whole stack
-    (`model.ragged_mixes`: the fp32 products per sequence or per block of equal T_i, the transcendental
-    ops as each sequence's lone run has them)."""
-    return ragged_mixes(block, h, [s.t for s in seqs], which, linear=block_linear)
+    (`model.ragged_mixes`: the fp32 products per sequence, the transcendental ops as each sequence's lone
+    run has them)."""
+    return ragged_mixes(block, h, [s.t for s in seqs], which)
 
 
 def _moe(moe, x: torch.Tensor, seqs: list[ChunkRows]) -> torch.Tensor:
@@ -237,8 +237,10 @@ def prefill_many(
         order = sorted(dec_of)
         tails = torch.tensor([dec_of[i].at + dec_of[i].t - 1 for i in order], device=device)
         x = model.norm(collapse(h[0, tails].unsqueeze(1), pre[0, tails].unsqueeze(1)))  # [M, 1, d]
-        rows = rowwise_linear(x[:, -1].float(), model.head.weight)  # [M, vocab]
-        logits = {i: rows[k : k + 1] for k, i in enumerate(order)}
+        # each sequence's head product as its lone pass makes it (one row): a batched one-row product
+        # (`invariant.rowwise_linear`) equals it under MKL_CBWR=AVX2 but not under AVX2,STRICT
+        xf = x[:, -1].float()  # [M, d]
+        logits = {i: F.linear(xf[k : k + 1], model.head.weight) for k, i in enumerate(order)}
 
     outs = []
     for i, (p, s) in enumerate(zip(plans, states, strict=True)):

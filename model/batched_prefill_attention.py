@@ -10,8 +10,8 @@ on fresh random ragged chunks, at 1 and 2 threads):
 - integer work (window ids, ring slots, visible counts, candidate pools, top-k ranking) is exact whatever
   the batch; the ring writes are index copies;
 - the format kernels work per block, RMSNorm and RoPE per row, the bf16 linears are row-invariant, and
-  the compressor's fp32 products (whose sums depend on the number of rows M) run per sequence, or as one
-  [G, T] block of sequences with as many rows (`invariant.blockwise_linear`); its pooling softmax runs
+  the compressor's fp32 products (whose sums depend on the number of rows M) run per sequence; its
+  pooling softmax runs
   over the m slots of a group, vectorized across the channels only, so the groups of all sequences go in
   one call;
 - the indexer's full scan runs over keys padded to the longest history and rows padded to the longest
@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from kernels import (
@@ -48,24 +47,11 @@ from kernels import (
 )
 from model.append_buffer import append_rows
 from model.attention import Attention, ProjectedRows
-from model.invariant import blockwise_linear
 from model.ragged_attention import ragged_sparse_attn
 from model.rope import apply_rope
 from model.state import ModelState, SourceCache
 
-__all__ = ["ChunkRows", "ChunkSelection", "attend_chunks", "block_linear", "chunk_batchable"]
-
-
-def block_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [G, T, K] @ weight[N, K]^T, each block x[g] exactly as a lone T-row `F.linear` -> [G, T, N] fp32.
-
-    At one thread `invariant.blockwise_linear` (one batched product) is that; at more, MKL may split a
-    lone product's work between the threads (measured: T = 24, K = 1024 differs at 2 threads) while the
-    batched product runs each block on one thread, so each block then runs its own `F.linear`.
-    """
-    if torch.get_num_threads() == 1:
-        return blockwise_linear(x, weight)
-    return torch.cat([F.linear(x[g : g + 1], weight) for g in range(x.size(0))])
+__all__ = ["ChunkRows", "ChunkSelection", "attend_chunks", "chunk_batchable"]
 
 
 @dataclass
@@ -173,26 +159,6 @@ def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], 
     return ids, old
 
 
-def _fp32_slots(comp, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The compressor's fp32 kv and gate products of each sequence's rows xs[i] [1, T_c, dim]: one
-    T_c-row product per sequence, sequences of equal T_c as one [G, T_c] block."""
-    kvs: list = [None] * len(xs)
-    scores: list = [None] * len(xs)
-    by_len: dict[int, list[int]] = {}
-    for i, cx in enumerate(xs):
-        by_len.setdefault(cx.size(1), []).append(i)
-    for members in by_len.values():
-        if len(members) == 1:
-            xf = xs[members[0]].float()
-            kvs[members[0]], scores[members[0]] = comp.wkv(xf), comp.wgate(xf)
-            continue
-        xf = torch.cat([xs[i] for i in members]).float()  # [G, T_c, dim]
-        kv, score = block_linear(xf, comp.wkv.weight), block_linear(xf, comp.wgate.weight)
-        for k, i in enumerate(members):
-            kvs[i], scores[i] = kv[k : k + 1], score[k : k + 1]
-    return kvs, scores
-
-
 def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[ChunkRows],
                   table: torch.Tensor, backend: str) -> None:  # fmt: skip
     """`Attention._write_global` of every sequence: compress its rows (or its compress_x), and rotate,
@@ -209,7 +175,9 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         firsts, counts = cstarts, [cx.size(1) for cx in xs]
         carries = [(None, None)] * len(seqs)
     else:
-        kvs, scores = _fp32_slots(comp, xs)
+        # fp32 products of T_c rows each, as the lone pass makes them (the sums depend on the row count,
+        # and a batched product of equal-length blocks equals them only under some MKL modes and threads)
+        kvs, scores = [comp.wkv(cx.float()) for cx in xs], [comp.wgate(cx.float()) for cx in xs]
         group_kv, group_score = [], []
         for kv, score, cstart, src in zip(kvs, scores, cstarts, srcs, strict=True):
             t = kv.size(1)

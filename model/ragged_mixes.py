@@ -5,7 +5,7 @@ Knows nothing of attention or states. Three kinds of op are in the mixes:
 - row-wise exact ops (the mean square, products and divisions, the Sinkhorn sums over 4 lanes) give the
   same bits whatever the other rows: they run over the stack as they are;
 - the fp32 product of the raw mixes reduces differently for different numbers of rows M: it runs per
-  sequence, or as one [G, T] block of sequences with as many rows (`block_linear`);
+  sequence;
 - the transcendental ops (sigmoid, exp; rsqrt too, for safety) run in torch's CPU elementwise loop, which
   computes whole SIMD steps of a contiguous run vectorized and the rest of the run with the scalar
   function, and the two differ in the last bit (measured: sigmoid on this project's VMs). `lone_runs`
@@ -72,40 +72,29 @@ def lone_runs(
     return out.view(x.shape)
 
 
-def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int], linear) -> torch.Tensor:
-    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row product (sequences of
-    equal T_i as one block through `linear`, a [G, T, K] x [N, K] blocked product) -> [S, N] fp32."""
-    starts = [0]
-    for t in runs:
-        starts.append(starts[-1] + t)
+def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int]) -> torch.Tensor:
+    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row `F.linear` -> [S, N] fp32.
+
+    Per sequence, not as [G, T] blocks of equal-length sequences in one batched product: that equals the
+    lone products under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows,
+    K = 1024, between the threads) nor under AVX2,STRICT for one-row blocks (measured on the Intel VM)."""
     out = flat.new_empty(flat.size(0), fn.size(0))
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(runs):
-        groups.setdefault(t, []).append(i)
-    for members in groups.values():
-        if len(members) == 1:
-            i = members[0]
-            out[starts[i] : starts[i + 1]] = F.linear(flat[starts[i] : starts[i + 1]].unsqueeze(0), fn)[0]
-            continue
-        rows = torch.stack([flat[starts[i] : starts[i + 1]] for i in members])  # [G, T, K]
-        prod = linear(rows, fn)  # [G, T, N]
-        for k, i in enumerate(members):
-            out[starts[i] : starts[i + 1]] = prod[k]
+    at = 0
+    for t in runs:
+        out[at : at + t] = F.linear(flat[at : at + t].unsqueeze(0), fn)[0]
+        at += t
     return out
 
 
-def ragged_mixes(
-    block, h: torch.Tensor, runs: Sequence[int], which: str, *, linear
-) -> tuple[torch.Tensor, ...]:
+def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tuple[torch.Tensor, ...]:
     """`Block._mixes` of every sequence of the stack h [1, S, hc, d] (sequence i: runs[i] rows in order)
     -> pre [1, S, hc], post [1, S, hc], comb [1, S, hc, hc] fp32, each sequence's rows bit for bit its
-    lone call's. which: "attn" or "ffn" (the block's coefficients); linear: the blocked fp32 product of
-    sequences of equal length (`batched_prefill_attention.block_linear`)."""
+    lone call's. which: "attn" or "ffn" (the block's coefficients)."""
     fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
     hc, eps, iters = block.hc, block.hc_eps, block.sinkhorn_iters
     flat = h[0].flatten(1).float()  # [S, hc*d]
     rsqrt = lone_runs(torch.rsqrt, flat.square().mean(-1, keepdim=True) + block.norm_eps, runs)
-    m = _products(flat, fn, runs, linear) * rsqrt  # [S, (2 + hc) * hc]
+    m = _products(flat, fn, runs) * rsqrt  # [S, (2 + hc) * hc]
     # `mhc.split_sinkhorn` op for op, its transcendental ops as each sequence's lone run has them
     scale, base = scale.float(), base.float()
     pre = lone_runs(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc], runs) + eps

@@ -17,15 +17,11 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import model.batched_prefill as batched_prefill
 from kernels import sparse_attn
 from model import Transformer, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
-from model.batched_prefill_attention import block_linear
-from model.invariant import blocks_apart, blockwise_linear
-from model.mhc import split_sinkhorn
 from model.ragged_attention import ragged_sparse_attn
 from model.ragged_mixes import lone_runs, ragged_mixes
 from tests.model.test_batched import _assert_same_exports, _assert_same_state
@@ -185,42 +181,6 @@ def test_prefill_many_refuses_bad_batches(model: Transformer) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_blocked_mixes_equal_each_block_alone(threads: int) -> None:
-    """The fast path of equal-length sequences (a [G, T] block) against each block's lone ops, on fresh
-    random inputs whose run lengths straddle the SIMD width (T * hc and T * hc * hc not multiples of 16),
-    at 1 and 2 threads (at 2, MKL splits a lone 24-row product of K = 1024 between the threads and the
-    one batched product does not: `block_linear` then runs each block's own product)."""
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    hc = 4
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for k in (384, 1024):
-            _check_blocked_mixes(gen, hc, k, threads)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _check_blocked_mixes(gen: torch.Generator, hc: int, k: int, threads: int) -> None:
-    for g, t in ((3, 1), (5, 7), (4, 24), (2, 33)):
-        x = torch.randn(g, t, k, generator=gen)
-        w = torch.randn((2 + hc) * hc, k, generator=gen)
-        scale, base = torch.randn(3, generator=gen), torch.randn((2 + hc) * hc, generator=gen)
-        raw = block_linear(x, w)
-        if threads == 1:
-            assert torch.equal(raw, blockwise_linear(x, w))
-        ms = blocks_apart(x.square().mean(-1, keepdim=True) + 1e-6)
-        assert torch.equal(ms, x.square().mean(-1, keepdim=True) + 1e-6)
-        got = split_sinkhorn(raw, scale, base, hc, 20, 1e-6, apart=blocks_apart)
-        for b in range(g):
-            lone = F.linear(x[b : b + 1], w)
-            assert torch.equal(raw[b : b + 1], lone), (g, t, b)
-            want = split_sinkhorn(lone, scale, base, hc, 20, 1e-6)
-            for m, n in zip(got, want, strict=True):
-                assert torch.equal(m[b : b + 1], n), (g, t, b)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
 def test_ragged_mixes_equal_each_sequence_alone(model: Transformer, threads: int) -> None:
     """`ragged_mixes` (all sequences' mixes in one pass, each element of a transcendental op as its
     sequence's lone run has it) against each sequence's `Block._mixes` on fresh random ragged rows, at 1
@@ -249,7 +209,7 @@ def test_ragged_mixes_equal_each_sequence_alone(model: Transformer, threads: int
                 for layer in (0, model.cfg.n_layers - 1):
                     block = model.layers[layer]
                     for which in ("attn", "ffn"):
-                        mixed = ragged_mixes(block, h, lens, which, linear=block_linear)
+                        mixed = ragged_mixes(block, h, lens, which)
                         coeffs = [getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base")]
                         at = 0
                         for t in lens:
