@@ -94,17 +94,22 @@ def expected_paths(*, mapped_switch: bool) -> tuple[str, ...]:
     return tuple(paths)
 
 
+# Siblings grown from v41-sib-s (checkpoints/<name>/README.md): the pairs the shipped mappers connect.
+_GROWN_SIBLINGS = ("v41-sib-m", "v41-sib-m2")
+
+
 def demo_sources(root: Path | None = None) -> dict[str, str]:
-    """The demo's served models: the default siblings, plus the grown sibling v41-sib-m when its
-    checkpoint is shipped (the pair a shipped mapper connects); empty (the defaults) otherwise."""
+    """The demo's served models: the default siblings, plus each grown sibling whose checkpoint is
+    shipped (the pairs a shipped mapper connects); empty (the defaults) when none is."""
     from orchestrator.engine import default_model_specs, repo_root
 
     specs = default_model_specs(root)
-    grown = (root or repo_root()) / "checkpoints" / "v41-sib-m"
-    if any(s.is_stand_in for s in specs.values()) or not (grown / "config.json").is_file():
+    base = (root or repo_root()) / "checkpoints"
+    grown = {name: base / name for name in _GROWN_SIBLINGS if (base / name / "config.json").is_file()}
+    if any(s.is_stand_in for s in specs.values()) or not grown:
         return {}
     sources = {name: f"checkpoint:{spec.checkpoint}" for name, spec in specs.items()}
-    return sources | {"v41-sib-m": f"checkpoint:{grown}"}
+    return sources | {name: f"checkpoint:{path}" for name, path in grown.items()}
 
 
 def switch_target(first: str, names: Sequence[str], mapper_dirs: Sequence[Path]) -> str | None:

@@ -30,6 +30,7 @@ def mapper_infos(rows: Sequence[MapperRow]) -> tuple[MapperInfo, ...]:
             receiver_model=r.receiver_model,
             passed_gate=r.passed_gate,
             score=float(r.metrics.get(r.gate_metric, 0.0)) if r.gate_metric else 0.0,
+            retention=float(r.metrics["retention"]) if "retention" in r.metrics else None,
         )
         for r in rows
     )

@@ -241,6 +241,7 @@ class TurnPreparation:
                         receiver_model=m.receiver_model,
                         passed_gate=True,
                         score=score,
+                        retention=float(m.metrics["retention"]) if "retention" in m.metrics else None,
                     )
                     candidates.append((art, info))
             row_id = row.id

@@ -149,3 +149,6 @@ class MapperInfo:
     receiver_model: str
     passed_gate: bool
     score: float = 0.0
+    # measured task retention (mapped / receiver's own answers) when its evaluation recorded one; the
+    # plan's reason quotes it
+    retention: float | None = None

@@ -274,9 +274,17 @@ def _swap(
         path=ResumePath.MODEL_SWAP,
         source_model=sender,
         mapper_id=mapper.mapper_id,
-        reason=f"{sender} -> {model} via mapper {mapper.mapper_id}: {stored} on {sender}",
+        reason=(
+            f"{sender} -> {model} via mapper {mapper.mapper_id}{_retention_text(mapper)}: "
+            f"{stored} on {sender}"
+        ),
         reason_code=reason_code,
     )
+
+
+def _retention_text(mapper: MapperInfo) -> str:
+    """" (task retention 0.97)" when the mapper's evaluation measured it, else nothing."""
+    return f" (task retention {mapper.retention:.3f})" if mapper.retention is not None else ""
 
 
 def _content_swap_candidates(

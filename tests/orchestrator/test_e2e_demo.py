@@ -12,7 +12,7 @@ import structlog
 
 import orchestrator.api
 from orchestrator.cli import main
-from orchestrator.cli.demo_cmd import EXPECTED_PATHS
+from orchestrator.cli.demo_cmd import demo_sources, expected_paths, shipped_mapper_dirs, switch_target
 
 
 @pytest.fixture
@@ -34,9 +34,12 @@ def entry_point_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_demo_json(capsys: pytest.CaptureFixture[str], entry_point_logging: None) -> None:
+    # the switch is a MODEL_SWAP exactly when a shipped mapper from the first model passed its gate
+    names = list(demo_sources()) or ["v41-sib-s"]
+    mapped_switch = switch_target("v41-sib-s", names, shipped_mapper_dirs()) is not None
     assert main(["demo", "--json"]) == 0
     turns = json.loads(capsys.readouterr().out)
-    assert tuple(t["path"] for t in turns) == EXPECTED_PATHS
+    assert tuple(t["path"] for t in turns) == expected_paths(mapped_switch=mapped_switch)
     history = 0
     for t in turns:
         prompt = t["cached"] + t["mapped"] + t["prefilled"]
@@ -47,4 +50,8 @@ def test_demo_json(capsys: pytest.CaptureFixture[str], entry_point_logging: None
             assert t["cached"] == t["mapped"] == 0
         history = prompt + t["generated"]
     switch = turns[5]
-    assert switch["model"] != turns[4]["model"] and "no validated mapper" in switch["reason"]
+    assert switch["model"] != turns[4]["model"]
+    if mapped_switch:
+        assert switch["mapped"] > 0 and "(task retention " in switch["reason"], switch
+    else:
+        assert "no validated mapper" in switch["reason"]

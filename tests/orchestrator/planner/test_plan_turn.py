@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -460,6 +462,10 @@ def test_plan_turn_new_session_maps_a_prefix_another_model_stored() -> None:
     assert plan.reason.startswith(
         "small -> large via mapper m-1: global KV of 600 of 640 prompt tokens stored"
     )
+    # a mapper whose evaluation measured task retention: the reason quotes it
+    measured = dataclasses.replace(good, retention=0.9731)
+    quoted = plan_turn(_session(0, 640), mappers=[measured], costs=COSTS, **kwargs)
+    assert quoted.reason.startswith("small -> large via mapper m-1 (task retention 0.973): global KV of 600")
     # without a validated mapper nothing of "small" is used: a new session's cold prefill
     failed = MapperInfo(mapper_id="m-2", sender_model="small", receiver_model="large", passed_gate=False)
     cold = plan_turn(_session(0, 640), mappers=[failed], costs=COSTS, **kwargs)
