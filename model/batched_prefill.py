@@ -12,7 +12,8 @@ all sequences are stacked along one axis (ragged: [1, S, ...], S = sum of the ro
   exp as each sequence's lone run has them);
 - the attention stage batched across sequences (`model.batched_prefill_attention`), a sequence it cannot
   take, or every sequence with `batched_attention=False`, by `Attention.attend` alone (the slow twin);
-- per sequence: the MoE gate (an fp32 product of T_i rows and softplus) and the head's one-row product.
+- the MoE gate once, but its fp32 score product per sequence and its softplus as each lone run has it;
+- per sequence: the head's one-row product.
 So each sequence's logits, state and exported bytes are bit-identical to its lone prefill under
 tie_break "deterministic" (tests/model/test_batched_prefill.py compares them on fresh random chunks).
 """
@@ -34,7 +35,7 @@ from model.batched_prefill_attention import (
 )
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
 from model.mhc import collapse, expand, identity_pre
-from model.ragged_mixes import ragged_mixes
+from model.ragged_mixes import lone_runs, ragged_mixes
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
 
@@ -60,12 +61,34 @@ def _mixes(block, h: torch.Tensor, seqs: list[ChunkRows], which: str) -> tuple[t
 
 
 def _moe(moe, x: torch.Tensor, seqs: list[ChunkRows]) -> torch.Tensor:
-    """MoE over the stack x [1, S, dim]: each sequence's rows routed alone, the experts once."""
+    """MoE over the stack x [1, S, dim]: each sequence's rows routed as alone, the experts once."""
     flat = x.view(-1, moe.dim)
-    routes = [moe.gate(flat[s.span]) for s in seqs]
-    weights = torch.cat([r[0] for r in routes])
-    indices = torch.cat([r[1] for r in routes])
+    weights, indices = _route(moe.gate, flat, [s.t for s in seqs])
     return moe.experts_out(flat, weights, indices).view(x.shape)
+
+
+def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Gate.forward` op for op over the stack flat [S, dim] (sequence i: runs[i] rows) -> weights
+    [S, topk] fp32, ids [S, topk] int64, each sequence's rows as its lone gate routes them: the fp32 score
+    product per sequence (its sums depend on the row count), its transcendental op as each sequence's lone
+    run has it (`ragged_mixes.lone_runs`), the rest (row-wise) once."""
+    w = gate.weight.float()
+    at, parts = 0, []
+    for t in runs:
+        parts.append(F.linear(flat[at : at + t].float(), w))  # [T_i, E]
+        at += t
+    scores = torch.cat(parts) / gate.gate_temp  # [S, E]
+    if gate.score_func == "softmax":
+        scores = scores.softmax(dim=-1)  # one row's values at a time
+    elif gate.score_func == "sigmoid":
+        scores = lone_runs(torch.sigmoid, scores, runs)
+    else:
+        scores = lone_runs(F.softplus, scores, runs).sqrt()
+    indices = (scores + gate.bias).topk(gate.topk, dim=-1)[1]
+    weights = scores.gather(1, indices)
+    if gate.norm_topk_prob and gate.topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * gate.route_scale, indices
 
 
 def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, seqs: list[ChunkRows],

@@ -45,7 +45,7 @@ from kernels import (
     select_topk,
     sparse_attn,
 )
-from model.append_buffer import append_rows
+from model.append_buffer import append_rows_many
 from model.attention import Attention, ProjectedRows
 from model.ragged_attention import ragged_sparse_attn
 from model.rope import apply_rope
@@ -247,14 +247,22 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         view = qdq_fp4_e4m3(new, backend=backend) if attn.quantize_global else new
         extra |= dict(kv=view, kv_packed=packed, kv_scales=scales.view(torch.uint8))
         fresh = {name: list(t.split(spans, dim=1)) for name, t in extra.items()}
+    # each source's new rows appended as append_rows would, sequences with as many new entries in one call
+    appended: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
+    for g, members in _by_key(spans).items():
+        if not g:
+            continue
+        for name, parts in fresh.items():
+            olds = [getattr(srcs[i], name) for i in members]
+            grown = append_rows_many(olds, torch.cat([parts[i] for i in members]))  # new [G, g, ...]
+            for i, t in zip(members, grown, strict=True):
+                appended[i][name] = t
     for i, (r, src, (carry_kv, carry_score)) in enumerate(zip(seqs, srcs, carries, strict=True)):
         fields = dict(kv=src.kv, index_k=src.index_k, kv_packed=src.kv_packed, kv_scales=src.kv_scales,
                       index_packed=src.index_packed, index_scales=src.index_scales)  # fmt: skip
-        if spans[i]:
-            for name, parts in fresh.items():
-                fields[name] = append_rows(fields[name], parts[i])
-            if "index_k" in fresh:
-                r.state.extra["index_k_slot"] = layer
+        fields |= appended[i]
+        if spans[i] and "index_k" in fresh:
+            r.state.extra["index_k_slot"] = layer
         r.state.sources[layer] = SourceCache(ratio=src.ratio, carry_kv=carry_kv, carry_score=carry_score,
                                              **fields)  # fmt: skip
 

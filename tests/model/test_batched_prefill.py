@@ -255,3 +255,29 @@ def test_ragged_sparse_attn_equals_each_sequence_alone(threads: int) -> None:
                 at += t
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_routes_equal_each_sequence_routed_alone(model: Transformer, threads: int) -> None:
+    """The batched prefill's MoE routing over a ragged stack against each sequence's lone `Gate.forward`
+    (its softplus's SIMD body and scalar tail differ in the last bit on this project's VMs: odd T_i put
+    rows in a lone run's tail), on fresh random rows at 1 and 2 threads."""
+    rng = random.Random(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for layer in (0, model.cfg.n_layers - 1):
+                gate = model.layers[layer].ffn.gate
+                runs = [rng.choice([1, 3, 5, 24, rng.randrange(2, 40)]) for _ in range(12)]
+                flat = torch.randn(sum(runs), model.cfg.dim, generator=gen).to(torch.bfloat16)
+                weights, ids = batched_prefill._route(gate, flat, runs)
+                at = 0
+                for t in runs:
+                    w, i = gate(flat[at : at + t])
+                    assert torch.equal(weights[at : at + t], w), (layer, t)
+                    assert torch.equal(ids[at : at + t], i), (layer, t)
+                    at += t
+    finally:
+        torch.set_num_threads(before)
