@@ -11,9 +11,39 @@ too), so only the fp32 products go through here.
 
 from __future__ import annotations
 
-import torch
+import os
 
-__all__ = ["rowwise_linear", "rows_apart", "blocks_apart", "blockwise_linear"]
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "blocks_apart",
+    "blockwise_linear",
+    "fp32_rows_free",
+    "rows_apart",
+    "rowwise_linear",
+    "set_fp32_rows_free",
+]
+
+# Whether this process's fp32 GEMM gives every row the sums of a one-row product whatever rows share the
+# call and whatever the thread count: MKL's strict CNR mode (the `strict` numerics path, whose GEMM probe
+# checks 1 to 16 rows against 40 and 1 against 2 threads; orchestrator/numerics_probe.py). Then one plain
+# F.linear over all rows IS the lone rows' products, and the batched paths use it (it is also faster).
+# Elsewhere (MKL's plain AVX2 branch) a one-row product runs a matrix-vector kernel of its own, which the
+# bmm of one-row problems below reproduces. configure_torch sets it from the cpu path; the default reads
+# the environment MKL read at start.
+_FP32_ROWS_FREE = os.environ.get("MKL_CBWR", "").upper().replace(" ", "").endswith(",STRICT")
+
+
+def set_fp32_rows_free(rows_free: bool) -> None:
+    """Declare whether fp32 products are row- and thread-invariant in this process (see above)."""
+    global _FP32_ROWS_FREE
+    _FP32_ROWS_FREE = bool(rows_free)
+
+
+def fp32_rows_free() -> bool:
+    """Whether a plain fp32 F.linear over stacked rows equals each row's lone product here."""
+    return _FP32_ROWS_FREE
 
 
 def rows_apart(x: torch.Tensor) -> torch.Tensor:
@@ -33,6 +63,8 @@ def rows_apart(x: torch.Tensor) -> torch.Tensor:
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T with every row computed as a one-row product -> [..., N]."""
+    if _FP32_ROWS_FREE:
+        return F.linear(x, weight)
     lead = x.shape[:-1]
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
@@ -57,4 +89,6 @@ def blocks_apart(x: torch.Tensor) -> torch.Tensor:
 def blockwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [G, T, K] @ weight[N, K]^T with each block x[g] computed as its own T-row product -> [G, T, N]
     (what a lone pass of T rows computes; `rowwise_linear` is the T = 1 case)."""
+    if _FP32_ROWS_FREE:
+        return F.linear(x, weight)
     return torch.bmm(x, weight.t().unsqueeze(0).expand(x.size(0), -1, -1))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.invariant import set_fp32_rows_free
+
 __all__ = [
     "BATCHING_MODES",
     "CPU_PATHS",
@@ -133,3 +135,5 @@ def configure_torch(cpu_path: str, *, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
     if cpu_path != "native":
         torch.backends.mkldnn.enabled = False
+    # strict's products are row- and thread-invariant (probed), so the batched paths stack rows freely
+    set_fp32_rows_free(cpu_path == "strict")

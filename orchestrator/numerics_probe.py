@@ -10,8 +10,9 @@ Intel Xeon with AVX-512 (2026-12), MKL_CBWR=AVX2 gives products of 2, 3, 7 or 8 
 last bit from the same rows of a 40-row product, while MKL_CBWR=AVX2,STRICT gives identical rows for every
 row count (model/README.md, "The numerics profile"). So a path is used only where this probe passes.
 
-One row (M = 1) is not probed: MKL's matrix-vector kernel has always reduced differently from M > 1, and
-the model computes lone rows as one-row products on purpose (`model.invariant.rowwise_linear`).
+One row (M = 1) is probed only under strict mode: MKL's plain matrix-vector kernel has always reduced
+differently from M > 1, and the model computes lone rows as one-row products there on purpose
+(`model.invariant.rowwise_linear`); under strict, the model stacks lone rows into one product instead.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 
 # (K, N) of the model's fp32 products: the compressor (K = dim, small N), the 32-wide K blocks of the
 # block-scaled GEMMs, and the mHC mixes (K = hc * dim).
-_SHAPES = ((64, 32), (32, 128), (256, 128), (1024, 24))
+_SHAPES = ((64, 32), (32, 128), (256, 128), (1024, 24), (96, 2), (96, 4096))
 _ROWS = 40
 _ROW_COUNTS = (2, 3, 4, 5, 7, 8, 16)
 
@@ -34,13 +35,16 @@ def probe() -> str | None:
 
     torch.backends.mkldnn.enabled = False
     torch.set_num_threads(1)
+    # strict mode promises one row too: model.invariant then stacks lone rows into one product
+    strict = os.environ.get("MKL_CBWR", "").upper().replace(" ", "").endswith(",STRICT")
+    row_counts = (1, *_ROW_COUNTS) if strict else _ROW_COUNTS
     gen = torch.Generator().manual_seed(20261201)
     for k, n in _SHAPES:
         # bf16-representable inputs, as the model's activations and weights are
         x = torch.randn(_ROWS, k, generator=gen).bfloat16().float()
         w = torch.randn(n, k, generator=gen).bfloat16().float()
         whole = F.linear(x, w)
-        for m in _ROW_COUNTS:
+        for m in row_counts:
             for start in range(0, _ROWS - m + 1, m):
                 if not torch.equal(F.linear(x[start : start + m], w), whole[start : start + m]):
                     return (

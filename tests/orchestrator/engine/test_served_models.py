@@ -32,6 +32,7 @@ from orchestrator.engine import (
     default_model_specs,
     load_served,
 )
+from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings, load_settings
 
 
@@ -93,12 +94,14 @@ def test_load_served_fingerprint_names_the_kernel_backend() -> None:
     assert (on_torch.model.kernel_backend, on_triton.model.kernel_backend) == ("torch", "triton")
     assert on_torch.fingerprint != on_triton.fingerprint
     with torch.inference_mode():
-        assert on_torch.fingerprint == model_fingerprint(on_torch.model, numerics=NumericsProfile())
+        pinned = resolve_cpu_path("auto")  # the suite's path (tests/conftest.py)
+        numerics = NumericsProfile(cpu_path=pinned)
+        assert on_torch.fingerprint == model_fingerprint(on_torch.model, numerics=numerics)
         assert on_triton.fingerprint == model_fingerprint(
-            on_triton.model, numerics=NumericsProfile(kernel_backend="triton")
+            on_triton.model, numerics=NumericsProfile(kernel_backend="triton", cpu_path=pinned)
         )
     assert on_triton.numerics.label == (
-        "numerics.v1 device=cpu dtype=bf16 kernels=triton cpu=portable math=exact batching=invariant"
+        f"numerics.v1 device=cpu dtype=bf16 kernels=triton cpu={pinned} math=exact batching=invariant"
     )
     # Same weights either way: only the numerics label differs.
     same = weights_fingerprint(on_torch.model.state_dict())
