@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Test processes (pytest-xdist): the CI machine's 2 cores; TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -36,8 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     # The in-process half of the profile: oneDNN off. OMP_NUM_THREADS=1 would also make torch's default
     # one thread; give tests that set none the cores they had before (exports do not depend on threads,
-    # tests/model/test_numerics.py), and let each module pick its own.
-    configure_torch(SUITE_CPU_PATH, threads=len(os.sched_getaffinity(0)))
+    # tests/model/test_numerics.py), shared among pytest-xdist's workers, and let each module pick its own.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    configure_torch(SUITE_CPU_PATH, threads=max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
