@@ -5,6 +5,7 @@ planning (so a plan never names a mapper that cannot run here) and `apply` after
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import structlog
 import torch
 
 from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_metadata
-from model import ModelState, state_from_global
+from model import ModelState, model_fingerprint, state_from_global
 from orchestrator.engine.served_models import ServedModel
 
 __all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers", "registration_of"]
@@ -74,6 +75,24 @@ def _artifact_dir(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
+# The pinned CPU paths (orchestrator/numerics_env.py): one model's caches differ between them only in
+# rounding, so a mapper fitted under one is the same learned map under the other.
+_PINNED_CPU_PATHS = ("portable", "strict")
+
+
+def _pinned_alternates(served: ServedModel) -> frozenset[str]:
+    """Hex fingerprints of `served`'s very weights and config under the other pinned CPU path (empty
+    when it computes under neither)."""
+    if served.numerics.cpu_path not in _PINNED_CPU_PATHS:
+        return frozenset()
+    with torch.inference_mode():
+        return frozenset(
+            model_fingerprint(served.model, numerics=dataclasses.replace(served.numerics, cpu_path=p)).hex()
+            for p in _PINNED_CPU_PATHS
+            if p != served.numerics.cpu_path
+        )
+
+
 class ArtifactMappers:
     """Applies registered mapper artifacts (`mappers.save_mapper` directories) with `mappers.apply_mapper`.
 
@@ -86,6 +105,27 @@ class ArtifactMappers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], KVMapper | None] = {}
+        self._alternates: dict[bytes, frozenset[str]] = {}
+
+    def _bound(self, mapper: KVMapper, sender: ServedModel, receiver: ServedModel) -> KVMapper:
+        """`mapper` bound to the served pair when a side's recorded fingerprint names the served model
+        under the other pinned CPU path (an artifact fitted under portable, served under strict): the
+        weights and config are the ones it was fitted and gated on, only the caches' rounding differs,
+        and the mapped chunks get the receiver's own fingerprint. Anything else is left to mismatch."""
+        sides = {}
+        for side, served in (("sender", sender), ("receiver", receiver)):
+            ref = getattr(mapper, side)
+            if ref.fingerprint is None or ref.fingerprint == served.fingerprint.hex():
+                continue
+            with self._lock:
+                alternates = self._alternates.get(served.fingerprint)
+            if alternates is None:
+                alternates = _pinned_alternates(served)
+                with self._lock:
+                    self._alternates[served.fingerprint] = alternates
+            if ref.fingerprint in alternates:
+                sides[side] = dataclasses.replace(ref, fingerprint=served.fingerprint.hex())
+        return dataclasses.replace(mapper, **sides) if sides else mapper
 
     def _load(self, artifact: MapperArtifact) -> KVMapper | None:
         key = (artifact.artifact_uri, artifact.artifact_sha256)
@@ -113,6 +153,7 @@ class ArtifactMappers:
             return False
         if mapper.receiver.config.to_dict() != receiver.model.cfg.to_dict():
             return False
+        mapper = self._bound(mapper, sender, receiver)
         verdict = applicability(
             mapper, sender_fingerprint=sender.fingerprint, receiver_fingerprint=receiver.fingerprint
         )
@@ -130,6 +171,7 @@ class ArtifactMappers:
     ) -> ModelState:
         mapper = self._load(artifact)
         assert mapper is not None, "apply() without a usable() artifact"
+        mapper = self._bound(mapper, sender, receiver)
         device = receiver.model.head.weight.device
         tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
         # mlp parts read the history's token embeddings and the receiver's weights; ridge parts ignore them
