@@ -18,6 +18,7 @@ import torch
 from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_metadata
 from model import ModelState, model_fingerprint, state_from_global
 from orchestrator.engine.served_models import ServedModel
+from orchestrator.numerics_env import PINNED_ENVS
 
 __all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers", "registration_of"]
 
@@ -75,20 +76,16 @@ def _artifact_dir(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
-# The pinned CPU paths (orchestrator/numerics_env.py): one model's caches differ between them only in
-# rounding, so a mapper fitted under one is the same learned map under the other.
-_PINNED_CPU_PATHS = ("portable", "strict")
-
-
 def _pinned_alternates(served: ServedModel) -> frozenset[str]:
     """Hex fingerprints of `served`'s very weights and config under the other pinned CPU path (empty
-    when it computes under neither)."""
-    if served.numerics.cpu_path not in _PINNED_CPU_PATHS:
+    when it computes under neither). One model's caches differ between the pinned paths only in rounding,
+    so a mapper fitted under one is the same learned map under the other."""
+    if served.numerics.cpu_path not in PINNED_ENVS:
         return frozenset()
     with torch.inference_mode():
         return frozenset(
             model_fingerprint(served.model, numerics=dataclasses.replace(served.numerics, cpu_path=p)).hex()
-            for p in _PINNED_CPU_PATHS
+            for p in PINNED_ENVS
             if p != served.numerics.cpu_path
         )
 
