@@ -211,26 +211,31 @@ class Attention(nn.Module):
         if g and first + g > n_old:
             skip = n_old - first
             pos = torch.arange(first, first + g, device=x.device) * self.ratio
-            freqs = freqs_table[pos]  # [G, rope/2]
-            latent = out.latent
-            if self.indexer is not None and self.indexer.owns_k:
-                io.published = True
-                keys, packed, scales = self.indexer.keys(
-                    latent, freqs, backend=io.backend, quantize=self.quantize_global
-                )
-                new["index_k"] = append_rows(src.index_k, keys[:, skip:])
-                new["index_packed"] = append_rows(src.index_packed, packed[:, skip:])
-                new["index_scales"] = append_rows(src.index_scales, scales[:, skip:])
-            latent = apply_rope(latent, freqs, self.rope_dim)
-            with torch.no_grad():
-                packed, scales = quantize_fp4_e4m3(latent.detach(), backend=io.backend)
-            # quantize_global False (quality harness only) keeps the exact latents as the attended view;
-            # the stored codes are FP4 either way
-            view = qdq_fp4_e4m3(latent, backend=io.backend) if self.quantize_global else latent
-            new["kv"] = append_rows(src.kv, view[:, skip:])
-            new["kv_packed"] = append_rows(src.kv_packed, packed[:, skip:])
-            new["kv_scales"] = append_rows(src.kv_scales, scales.view(torch.uint8)[:, skip:])
+            fields = self.entry_fields(out.latent, freqs_table[pos], backend=io.backend)
+            io.published = io.published or "index_k" in fields
+            for name, rows in fields.items():
+                new[name] = append_rows(new[name], rows[:, skip:])
         io.source = SourceCache(ratio=src.ratio, carry_kv=out.carry_kv, carry_score=out.carry_score, **new)
+
+    def entry_fields(self, latent: torch.Tensor, freqs: torch.Tensor, *, backend) -> dict[str, torch.Tensor]:
+        """The stored fields of new global entries (pre-RoPE latents [B, G, D] at rotations `freqs`): the
+        attended view and FP4 codes/scales of the main KV, and the index keys with their MXFP4 codes when
+        this layer owns them. The one place the lone and the batched paths (model/batched_attention.py,
+        model/batched_prefill_attention.py) compute them."""
+        fields: dict[str, torch.Tensor] = {}
+        if self.indexer is not None and self.indexer.owns_k:
+            keys, packed, scales = self.indexer.keys(
+                latent, freqs, backend=backend, quantize=self.quantize_global
+            )
+            fields.update(index_k=keys, index_packed=packed, index_scales=scales)
+        latent = apply_rope(latent, freqs, self.rope_dim)
+        with torch.no_grad():
+            packed, scales = quantize_fp4_e4m3(latent.detach(), backend=backend)
+        # quantize_global False (quality harness only) keeps the exact latents as the attended view;
+        # the stored codes are FP4 either way
+        view = qdq_fp4_e4m3(latent, backend=backend) if self.quantize_global else latent
+        fields.update(kv=view, kv_packed=packed, kv_scales=scales.view(torch.uint8))
+        return fields
 
     def forward(self, x: torch.Tensor, io: AttnIO, freqs_table: torch.Tensor) -> torch.Tensor:
         """x: [B, T, dim] bf16 normed inputs at positions [io.start, io.start + T) -> [B, T, dim] bf16.

@@ -32,9 +32,7 @@ from kernels import (
     candidate_ids,
     index_score,
     index_score_at,
-    qdq_fp4_e4m3,
     qdq_mxfp4,
-    quantize_fp4_e4m3,
     select_topk,
     sparse_attn,
 )
@@ -142,16 +140,7 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence
         pick = torch.tensor(closing, device=x.device)
         # batchable states hold entries [0, start // m): the closing entry is start // m, never stored yet
         freqs = table[starts[pick] // m * m].unsqueeze(1)  # [G, 1, rope/2] at each entry's position j*m
-        extra: dict[str, torch.Tensor] = {}
-        if attn.indexer is not None and attn.indexer.owns_k:
-            keys, packed, scales = attn.indexer.keys(
-                latent, freqs, backend=backend, quantize=attn.quantize_global
-            )
-            extra = dict(index_k=keys, index_packed=packed, index_scales=scales)
-        latent = apply_rope(latent, freqs, attn.rope_dim)
-        packed, scales = quantize_fp4_e4m3(latent, backend=backend)
-        view = qdq_fp4_e4m3(latent, backend=backend) if attn.quantize_global else latent
-        extra |= dict(kv=view, kv_packed=packed, kv_scales=scales.view(torch.uint8))
+        extra = attn.entry_fields(latent, freqs, backend=backend)
         for j, i in enumerate(closing):
             fresh[i] = {name: t[j : j + 1] for name, t in extra.items()}
     for i, (s, src) in enumerate(zip(states, srcs, strict=True)):

@@ -39,9 +39,7 @@ from kernels import (
     candidate_ids,
     index_score,
     index_score_at,
-    qdq_fp4_e4m3,
     qdq_mxfp4,
-    quantize_fp4_e4m3,
     select_topk,
     sparse_attn,
 )
@@ -236,16 +234,7 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         dev = x.device
         new = latent[:, torch.cat(rows).to(dev)]  # [1, E, D]
         freqs = table[torch.cat(positions).to(dev) * attn.ratio]  # [E, rope/2] at each entry's j*m
-        extra: dict[str, torch.Tensor] = {}
-        if attn.indexer is not None and attn.indexer.owns_k:
-            keys, packed, scales = attn.indexer.keys(
-                new, freqs, backend=backend, quantize=attn.quantize_global
-            )
-            extra = dict(index_k=keys, index_packed=packed, index_scales=scales)
-        new = apply_rope(new, freqs, attn.rope_dim)
-        packed, scales = quantize_fp4_e4m3(new, backend=backend)
-        view = qdq_fp4_e4m3(new, backend=backend) if attn.quantize_global else new
-        extra |= dict(kv=view, kv_packed=packed, kv_scales=scales.view(torch.uint8))
+        extra = attn.entry_fields(new, freqs, backend=backend)
         fresh = {name: list(t.split(spans, dim=1)) for name, t in extra.items()}
     # each source's new rows appended as append_rows would, sequences with as many new entries in one call
     appended: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
