@@ -35,7 +35,7 @@ def probe() -> str | None:
 
     torch.backends.mkldnn.enabled = False
     torch.set_num_threads(1)
-    from model.invariant import fp32_rows_free
+    from model import fp32_rows_free
 
     # where model.invariant stacks lone rows into one product (strict mode), one row must agree too
     row_counts = (1, *_ROW_COUNTS) if fp32_rows_free() else _ROW_COUNTS
