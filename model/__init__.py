@@ -28,7 +28,7 @@ from model.config import LayerRole, LayerRow, ModelConfig
 from model.conformance import LOGITS_REL_TOL, PromptReport, TensorDiff, cache_tensors, check_conformance
 from model.errors import CacheFormatError, CheckpointMismatch, ModelError, UnsupportedConfigError
 from model.inference import PREFILL_MODES, decode, decode_batch, greedy, prefill
-from model.invariant import fp32_rows_free
+from model.invariant import fp32_linear, fp32_rows_free, rowwise_linear
 from model.kv_bytes import (
     INDEX_K_SCALE_GROUP,
     MAIN_KV_SCALE_GROUP,
@@ -108,7 +108,9 @@ __all__ = [
     "ModelError",
     "NumericsProfile",
     "configure_torch",
+    "fp32_linear",
     "fp32_rows_free",
+    "rowwise_linear",
     "torch_cpu_problems",
     "torch_cpu_state",
     "PRESET_NAMES",

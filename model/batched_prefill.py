@@ -34,6 +34,7 @@ from model.batched_prefill_attention import (
     chunk_batchable,
 )
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
+from model.invariant import fp32_linear
 from model.mhc import collapse, expand, identity_pre
 from model.ragged_mixes import lone_runs, ragged_mixes
 from model.state import ModelState
@@ -75,7 +76,7 @@ def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tor
     w = gate.weight.float()
     at, parts = 0, []
     for t in runs:
-        parts.append(F.linear(flat[at : at + t].float(), w))  # [T_i, E]
+        parts.append(fp32_linear(flat[at : at + t].float(), w))  # [T_i, E]
         at += t
     scores = torch.cat(parts) / gate.gate_temp  # [S, E]
     if gate.score_func == "softmax":
@@ -263,7 +264,7 @@ def prefill_many(
         # each sequence's head product as its lone pass makes it (one row): a batched one-row product
         # (`invariant.rowwise_linear`) equals it under MKL_CBWR=AVX2 but not under AVX2,STRICT
         xf = x[:, -1].float()  # [M, d]
-        logits = {i: F.linear(xf[k : k + 1], model.head.weight) for k, i in enumerate(order)}
+        logits = {i: fp32_linear(xf[k : k + 1], model.head.weight) for k, i in enumerate(order)}
 
     outs = []
     for i, (p, s) in enumerate(zip(plans, states, strict=True)):

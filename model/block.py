@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import Attention, AttnIO
+from model.invariant import fp32_linear
 from model.mhc import collapse, expand, split_sinkhorn
 from model.moe import MoE
 from model.norm import RMSNorm
@@ -65,7 +65,7 @@ class Block(nn.Module):
         scale: torch.Tensor,
         base: torch.Tensor,
         *,
-        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear,
         rowwise: bool = False,
     ):
         """x: [B, T, hc, d] -> pre [B, T, hc], post [B, T, hc], comb [B, T, hc, hc], fp32.

@@ -1,12 +1,18 @@
-"""Batch-invariant products: what a batched decode of many sequences uses where torch's own kernel would
-make a row's sums depend on how many rows share the call.
+"""Batch-invariant products: the one fp32 product of the model (`fp32_linear`) and what a batched decode of
+many sequences uses where torch's own kernel would make a row's sums depend on how many rows share the call.
 
-On this project's CPUs (MKL under the pinned profile) an fp32 `F.linear` of M rows reduces differently
-for M = 1 (a matrix-vector kernel) than for M > 1, so a sequence decoded among others would drift from
-the same sequence decoded alone. A batched matmul of M one-row problems runs the one-row kernel per row:
-`rowwise_linear` equals row-by-row `F.linear` bit for bit (tests/model/test_batched.py checks it on
-fresh inputs). The bf16 and block-scaled FP8/FP4 linears are row-invariant as they are (checked there
-too), so only the fp32 products go through here.
+MKL's fp32 GEMM does not give a row the same sums whatever rows share the call. Measured (1 thread, the
+pinned profile, K 32-1024, N 2-4096): one row always takes a matrix-vector kernel of its own; on an AMD
+EPYC Zen 4 (family 25 model 17, AVX-512, MKL 2024.2, 2026-12) two and three rows take yet another, while
+every count from 4 to 40 agrees row for row. So the model computes every fp32 product through
+`fp32_linear`, which runs a product of 2 or 3 rows inside a 4-row one: then every product of two or more
+rows gives each row the sums of the many-row kernel, on every CPU whose GEMM probe passes
+(orchestrator/numerics_probe.py). One row stays a matrix-vector product (the conformance vectors' decode
+steps are), except where `fp32_rows_free` says MKL's strict mode makes it agree with the rest.
+
+A batched decode's lone-row products go through `rowwise_linear`, equal to row-by-row `fp32_linear` bit for
+bit (tests/model/test_batched.py checks it on fresh inputs). The bf16 and block-scaled FP8/FP4 linears are
+row-invariant as they are (checked there too), so only the fp32 products go through here.
 """
 
 from __future__ import annotations
@@ -17,21 +23,28 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "blocks_apart",
-    "blockwise_linear",
+    "GEMM_MIN_ROWS",
+    "fp32_linear",
     "fp32_rows_free",
     "rows_apart",
     "rowwise_linear",
     "set_fp32_rows_free",
 ]
 
-# Whether this process's fp32 GEMM gives every row the sums of a one-row product whatever rows share the
-# call and whatever the thread count: MKL's strict CNR mode (the `strict` numerics path, whose GEMM probe
-# checks 1 to 16 rows against 40 and 1 against 2 threads; orchestrator/numerics_probe.py). Then one plain
-# F.linear over all rows IS the lone rows' products, and the batched paths use it (it is also faster).
-# Elsewhere (MKL's plain AVX2 branch) a one-row product runs a matrix-vector kernel of its own, which the
-# bmm of one-row problems below reproduces. configure_torch sets it from the cpu path; the default reads
-# the environment MKL read at start.
+# The row count from which MKL's fp32 GEMM computes every row alike (see the module docstring).
+GEMM_MIN_ROWS = 4
+# torch's CPU bmm runs products of fewer multiply-adds than this per matrix with a plain loop of its own,
+# not MKL (ATen's bmm_out_or_baddbmm_: contraction * rows * cols < 400; 1024 keeps a margin), so a bmm of
+# one-row problems reproduces a one-row product only above it (measured: K=96, N=2 differs).
+_BMM_OWN_LOOP_BELOW = 1024
+
+# Whether one row too may run inside a many-row product here: under MKL's strict CNR mode (the `strict`
+# numerics path) one row padded to GEMM_MIN_ROWS has the sums every stacked row has (its GEMM probe checks 1
+# to 16 rows against 40, and 1 against 2 threads; orchestrator/numerics_probe.py), so a batched decode
+# stacks its sequences' rows into one plain product (faster, too). Elsewhere (the portable path) a lone
+# row keeps the matrix-vector kernel of the conformance vectors, which the bmm of one-row problems in
+# `rowwise_linear` reproduces. configure_torch sets it from the cpu path; the default reads the
+# environment MKL read at start.
 _FP32_ROWS_FREE = os.environ.get("MKL_CBWR", "").upper().replace(" ", "").endswith(",STRICT")
 
 
@@ -42,7 +55,8 @@ def set_fp32_rows_free(rows_free: bool) -> None:
 
 
 def fp32_rows_free() -> bool:
-    """Whether a plain fp32 F.linear over stacked rows equals each row's lone product here."""
+    """Whether one row's fp32 product runs padded, as stacked rows do, so a plain product over stacked
+    rows equals each row's lone `fp32_linear`."""
     return _FP32_ROWS_FREE
 
 
@@ -61,34 +75,31 @@ def rows_apart(x: torch.Tensor) -> torch.Tensor:
     return buf[..., :k]
 
 
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T with every row computed as a one-row product -> [..., N]."""
-    if _FP32_ROWS_FREE:
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in fp32, every row with the sums of the many-row GEMM -> [..., N]: a
+    product of fewer than GEMM_MIN_ROWS rows runs padded with zero rows (one row only where rows are free;
+    elsewhere it stays the matrix-vector product the conformance vectors' decode steps have)."""
+    k = x.size(-1)
+    m = x.numel() // k if k else 0
+    if m >= GEMM_MIN_ROWS or m == 0 or (m == 1 and not _FP32_ROWS_FREE):
         return F.linear(x, weight)
+    padded = x.new_zeros(GEMM_MIN_ROWS, k)
+    padded[:m] = x.reshape(m, k)
+    return F.linear(padded, weight)[:m].view(*x.shape[:-1], weight.size(0))
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T with every row computed as a lone row's product (`fp32_linear` of one
+    row) -> [..., N]."""
+    if _FP32_ROWS_FREE:
+        return fp32_linear(x, weight)
     lead = x.shape[:-1]
+    if x.size(-1) * weight.size(0) < _BMM_OWN_LOOP_BELOW:
+        # a tiny product (the MoE gate of few experts): torch's bmm would not run MKL's kernel; row by row
+        flat = x.reshape(-1, x.size(-1))
+        return torch.cat([F.linear(flat[i : i + 1], weight) for i in range(flat.size(0))]).view(
+            *lead, weight.size(0)
+        )
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
     return out.view(*lead, weight.size(0))
-
-
-def blocks_apart(x: torch.Tensor) -> torch.Tensor:
-    """x [G, ...] as a view whose G blocks (all of x[g]) each lie contiguous and apart from the others, so
-    that an elementwise op computes each block exactly as it would the lone tensor x[g:g+1].
-
-    The `rows_apart` of a batched prefill: a lone pass of T rows runs its elementwise op over one
-    contiguous run of T * k values (SIMD body, then the scalar tail); G sequences of T rows stacked
-    contiguous would shift where the body ends. With the blocks apart, each block is its own run.
-    """
-    g, shape = x.size(0), x.shape[1:]
-    n = x[0].numel()
-    buf = x.new_empty(g, n + 1)
-    buf[:, :n] = x.reshape(g, n)
-    return buf[:, :n].view(g, *shape)
-
-
-def blockwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [G, T, K] @ weight[N, K]^T with each block x[g] computed as its own T-row product -> [G, T, N]
-    (what a lone pass of T rows computes; `rowwise_linear` is the T = 1 case)."""
-    if _FP32_ROWS_FREE:
-        return F.linear(x, weight)
-    return torch.bmm(x, weight.t().unsqueeze(0).expand(x.size(0), -1, -1))

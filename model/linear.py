@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import LINEAR_MATH, PreparedWeight, prepare_fp4_weight, prepare_fp8_weight, prepared_linear
+from model.invariant import fp32_linear
 
 # K block of the FP8 activation scales and of both weight formats' scales
 QUANT_BLOCK = 32
@@ -77,7 +78,8 @@ class Linear(nn.Module):
         Quantized weights return bf16; plain weights return x's dtype.
         """
         if self.scale is None:
-            return F.linear(x, self.weight)
+            # fp32 weights (the compressor's) take the model's one fp32 product (model/invariant.py)
+            return fp32_linear(x, self.weight) if x.dtype == torch.float32 else F.linear(x, self.weight)
         return prepared_linear(x, self.prepared_weight(), out_dtype=torch.bfloat16, math=self.math)
 
     def prepared_weight(self) -> PreparedWeight:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.invariant import rowwise_linear
+from model.invariant import fp32_linear, rowwise_linear
 from model.linear import Linear
 
 
@@ -46,7 +46,7 @@ class Gate(nn.Module):
 
         rowwise: score each row as a one-row pass would (a batched decode of many sequences).
         """
-        linear = rowwise_linear if rowwise else F.linear
+        linear = rowwise_linear if rowwise else fp32_linear
         scores = linear(x.float(), self.weight.float()) / self.gate_temp  # [N, E]
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)

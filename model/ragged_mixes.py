@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from model.invariant import rows_apart
+from model.invariant import fp32_linear, rows_apart
 
 __all__ = ["SIMD_STEP", "lone_runs", "ragged_mixes"]
 
@@ -81,7 +80,7 @@ def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int]) -> torc
     out = flat.new_empty(flat.size(0), fn.size(0))
     at = 0
     for t in runs:
-        out[at : at + t] = F.linear(flat[at : at + t].unsqueeze(0), fn)[0]
+        out[at : at + t] = fp32_linear(flat[at : at + t].unsqueeze(0), fn)[0]
         at += t
     return out
 

@@ -14,13 +14,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.append_buffer import append_rows
 from model.attention import AttnIO
 from model.block import Block
 from model.errors import UnsupportedConfigError
+from model.invariant import fp32_linear
 from model.mhc import collapse, identity_pre
 from model.norm import RMSNorm
 from model.rope import rope_table
@@ -353,10 +353,10 @@ class Transformer(nn.Module):
             x = self.norm(collapse(h, pre))  # [B, R, d]
             if all_logits:
                 logits = torch.stack(
-                    [F.linear(x[:, r].float(), self.head.weight) for r in range(x.size(1))], 1
+                    [fp32_linear(x[:, r].float(), self.head.weight) for r in range(x.size(1))], 1
                 )
             else:
-                logits = F.linear(x[:, -1].float(), self.head.weight)
+                logits = fp32_linear(x[:, -1].float(), self.head.weight)
         stats = PassStats(
             start=start,
             end=end,

@@ -5,14 +5,16 @@ JSON on stdout: {"ok": true} or {"ok": false, "reason": "..."}).
 Why it exists: the pinned paths promise that a row's fp32 product does not depend on how many rows share the
 call, nor on the thread count. The model's exactness rests on that (a chunked prefill equals the one-shot
 prefill, a session decoded among others equals the session alone, model/invariant.py), and the conformance
-vectors were generated on a machine where it held. MKL's CNR branch does not keep it everywhere: on an
-Intel Xeon with AVX-512 (2026-12), MKL_CBWR=AVX2 gives products of 2, 3, 7 or 8 rows that differ in the
-last bit from the same rows of a 40-row product, while MKL_CBWR=AVX2,STRICT gives identical rows for every
-row count (model/README.md, "The numerics profile"). So a path is used only where this probe passes.
+vectors were generated on a machine where it held. MKL does not keep it everywhere: on an Intel Xeon with
+AVX-512 (2026-12), MKL_CBWR=AVX2 gives products of 2, 3, 7 or 8 rows that differ in the last bit from the
+same rows of a 40-row product, while MKL_CBWR=AVX2,STRICT gives identical rows for every row count; on an
+AMD EPYC Zen 4 both give 2- and 3-row products of their own, which the model's `fp32_linear` runs inside
+4-row ones (model/README.md, "The numerics profile"). So a path is used only where this probe, run on the
+model's own products, passes.
 
-One row (M = 1) is probed only under strict mode: MKL's plain matrix-vector kernel has always reduced
-differently from M > 1, and the model computes lone rows as one-row products there on purpose
-(`model.invariant.rowwise_linear`); under strict, the model stacks lone rows into one product instead.
+One row (M = 1) is probed against the stack only under strict mode: elsewhere a lone row keeps MKL's
+matrix-vector kernel on purpose, and the probe checks that a batched decode's `rowwise_linear` reproduces
+it; under strict, the model stacks lone rows into one product instead.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def probe() -> str | None:
 
     torch.backends.mkldnn.enabled = False
     torch.set_num_threads(1)
-    from model import fp32_rows_free
+    from model import fp32_linear, fp32_rows_free, rowwise_linear
 
     # where model.invariant stacks lone rows into one product (strict mode), one row must agree too
-    row_counts = (1, *_ROW_COUNTS) if fp32_rows_free() else _ROW_COUNTS
+    rows_free = fp32_rows_free()
+    row_counts = (1, *_ROW_COUNTS) if rows_free else _ROW_COUNTS
     gen = torch.Generator().manual_seed(20261201)
     for k, n in _SHAPES:
         # bf16-representable inputs, as the model's activations and weights are
@@ -47,11 +50,15 @@ def probe() -> str | None:
         whole = F.linear(x, w)
         for m in row_counts:
             for start in range(0, _ROWS - m + 1, m):
-                if not torch.equal(F.linear(x[start : start + m], w), whole[start : start + m]):
+                if not torch.equal(fp32_linear(x[start : start + m], w), whole[start : start + m]):
                     return (
                         f"an fp32 product of {m} rows (K={k}, N={n}) differs from the same rows of a "
                         f"{_ROWS}-row product"
                     )
+        if not rows_free:
+            lone = torch.cat([fp32_linear(x[i : i + 1], w) for i in range(_ROWS)])
+            if not torch.equal(rowwise_linear(x, w), lone):
+                return f"a batched decode's one-row products (K={k}, N={n}) differ from lone one-row products"
         torch.set_num_threads(2)
         try:
             if not torch.equal(F.linear(x, w), whole):

@@ -126,17 +126,26 @@ def test_the_gemm_probe_of_the_suites_path_passes_and_catches_a_row_dependent_pr
                               capture_output=True, text=True, timeout=300, check=True)
         assert '"ok": true' in done.stdout, done.stdout
 
-    # in this process, a product whose rows never depend on the call (an elementwise sum), then one
-    # whose 3-row calls are off by one ulp
+    # in this process, a product whose rows never depend on the call (an elementwise sum), with a batched
+    # decode's one-row products made of it; then products off by one ulp at some row counts
+    import model
+
     def rows_alone(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x[:, None, :] * w[None]).sum(-1)
 
     monkeypatch.setattr(F, "linear", rows_alone)
+    monkeypatch.setattr(model, "rowwise_linear", lambda x, w: torch.cat([F.linear(r[None], w) for r in x]))
     assert numerics_probe.probe() is None
 
-    def row_dependent(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = rows_alone(x, w)
-        return out if x.shape[0] != 3 else torch.nextafter(out, torch.full_like(out, float("inf")))
+    def off_at(rows: int):
+        def row_dependent(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            out = rows_alone(x, w)
+            return out if x.shape[0] != rows else torch.nextafter(out, torch.full_like(out, float("inf")))
 
-    monkeypatch.setattr(F, "linear", row_dependent)
-    assert "an fp32 product of 3 rows" in str(numerics_probe.probe())
+        return row_dependent
+
+    # 3 rows: the model's fp32_linear runs them inside a 4-row product, so the probe passes
+    monkeypatch.setattr(F, "linear", off_at(3))
+    assert numerics_probe.probe() is None
+    monkeypatch.setattr(F, "linear", off_at(5))
+    assert "an fp32 product of 5 rows" in str(numerics_probe.probe())
