@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import platform
 import random
@@ -56,6 +57,7 @@ from benchmarks.service_model_load import model_load
 from model import CacheFormatError, NumericsProfile, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
+from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings
 
 TENANT, TOKEN = "bench", "tok-bench"
@@ -410,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                     sessions=n,
                     turns=args.model_turns,
                 )
+                # each run takes minutes: its figures reach stderr at once, whatever happens later
+                print(f"model load {name}: {json.dumps(load[name])}", file=sys.stderr, flush=True)
     by_c = {s["concurrency"]: s for s in sweeps}
     headline: dict[str, Any] = {
         "turns_per_s_c64_noop": by_c[64]["turns_per_s"],
@@ -425,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tokens_per_s_c64_model": load["c64_batching"]["decode_tokens_per_s"] if load else None,
         # the label of the served models' profile (what their caches' fingerprints name)
         "numerics_profile": NumericsProfile.for_device(
-            "cpu", kernel_backend="torch", cpu_path="auto"
+            "cpu", kernel_backend="torch", cpu_path=resolve_cpu_path("auto")
         ).label,
     }
     result = {
