@@ -14,7 +14,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from enum import StrEnum
 
 from storage.errors import AuditRecordError
@@ -87,7 +87,8 @@ class AuditRecord:
 
     def body_fields(self) -> dict[str, object]:
         """Every field except `hash`, as JSON-ready values (the action as its string value)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hash"}
+        # The field names are read once (`_BODY_NAMES`): every store write seals and encodes records.
+        out = {name: getattr(self, name) for name in _BODY_NAMES}
         out["action"] = str(self.action)
         return out
 
@@ -97,7 +98,9 @@ class AuditRecord:
 
     def to_json(self) -> bytes:
         """Full record (hash included) as canonical JSON bytes; `from_json` inverts it exactly."""
-        out = asdict(self)
+        # The fields are flat values (no nested dataclass or container), so this is `asdict(self)`
+        # without its deep copy of each value.
+        out = {name: getattr(self, name) for name in _RECORD_NAMES}
         out["action"] = str(self.action)
         return canonical_json(out)
 
@@ -123,9 +126,17 @@ class AuditRecord:
         return cls(**obj)
 
 
+_RECORD_NAMES = tuple(f.name for f in fields(AuditRecord))
+_BODY_NAMES = tuple(name for name in _RECORD_NAMES if name != "hash")
+
+
+# json.dumps with these arguments, without building an encoder per call (it keeps no state between calls).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(obj: dict[str, object]) -> bytes:
     """Sorted keys, no whitespace, non-ASCII kept as utf-8: one byte string per value."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _CANONICAL.encode(obj).encode("utf-8")
 
 
 def chain_hash(prev_hash: str, body: bytes) -> str:
@@ -139,7 +150,20 @@ def seal(event: AuditEvent, *, seq: int, ts_us: int, prev_hash: str) -> AuditRec
     """Turn an event into the next record of a chain whose head is (seq - 1, prev_hash)."""
     if seq < 1:
         raise ValueError(f"audit seq starts at 1, got {seq}")
-    unsealed = AuditRecord(
+    # The canonical body built straight from the event: the same dict `body_fields()` gives of the
+    # record, without building an unsealed record first (every store write seals records).
+    body = {
+        "seq": seq,
+        "ts_us": ts_us,
+        "actor": event.actor,
+        "action": str(event.action),
+        "tenant": event.tenant,
+        "subject": event.subject,
+        "reason": event.reason,
+        "nbytes": event.nbytes,
+        "prev_hash": prev_hash,
+    }
+    return AuditRecord(
         seq=seq,
         ts_us=ts_us,
         actor=event.actor,
@@ -149,9 +173,8 @@ def seal(event: AuditEvent, *, seq: int, ts_us: int, prev_hash: str) -> AuditRec
         reason=event.reason,
         nbytes=event.nbytes,
         prev_hash=prev_hash,
-        hash="",
+        hash=chain_hash(prev_hash, canonical_json(body)),
     )
-    return AuditRecord(**{**unsealed.__dict__, "hash": chain_hash(prev_hash, unsealed.canonical_body())})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -238,6 +239,24 @@ class ServiceMetrics:
         )
         self._storage = _StorageCollector()
         r.register(self._storage)
+        # Label children by (metric, label values), see `child`.
+        self._children: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = {}
+        self._cleared = (id(self.served_model_info),)
+
+    def child(self, metric: Any, **labels: str) -> Any:
+        """`metric.labels(**labels)`, kept after the first call: prometheus_client's `labels()` checks the
+        names and takes the metric's lock each time, and a turn asks for about 40 children.
+
+        Only for metrics whose children are never removed (a `clear()` would orphan a kept child;
+        `served_model_info` is cleared). Concurrent first calls both ask `labels()`, which returns the
+        same child to both.
+        """
+        assert id(metric) not in self._cleared, "served_model_info is cleared: use labels()"
+        key = (id(metric), tuple(labels.items()))
+        kept = self._children.get(key)
+        if kept is None:
+            kept = self._children[key] = metric.labels(**labels)
+        return kept
 
     def read_storage_counts(self, read: Callable[[], StorageCounts]) -> None:
         """Read the pool's and the store's cumulative counts through `read` at every scrape."""

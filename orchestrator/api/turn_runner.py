@@ -253,21 +253,21 @@ def _report(
     plan = plan_event.plan
     m = ctx.metrics
     path, model = str(plan.path), plan.model
-    m.turns.labels(model=model, path=path, outcome=outcome).inc()
+    m.child(m.turns, model=model, path=path, outcome=outcome).inc()
     for kind in ("cached", "replayed_encoder", "replayed_decoder", "prefilled", "mapped"):
-        m.turn_tokens.labels(model=model, kind=kind).inc(getattr(plan.counts, kind))
-    m.turn_latency.labels(model=model, path=path).observe(stats.total_s if stats else elapsed_s)
+        m.child(m.turn_tokens, model=model, kind=kind).inc(getattr(plan.counts, kind))
+    m.child(m.turn_latency, model=model, path=path).observe(stats.total_s if stats else elapsed_s)
     ttft = stats.ttft_s if stats is not None else (chunk_at[0] if chunk_at else None)
     if ttft is not None:
-        m.ttft.labels(model=model, path=path).observe(ttft)
-    m.generated_tokens.labels(model=model).inc(generated)
-    itl = m.inter_token.labels(model=model)
+        m.child(m.ttft, model=model, path=path).observe(ttft)
+    m.child(m.generated_tokens, model=model).inc(generated)
+    itl = m.child(m.inter_token, model=model)
     for before, after in zip(chunk_at, chunk_at[1:], strict=False):
         itl.observe(after - before)
     # Residency (plan.persist False) and an abort that keeps nothing are not failures; a refused or failed
     # store write is.
     if stats is not None and stats.kept and plan.persist and not stats.persisted:
-        m.persist_failures.labels(model=model).inc()
+        m.child(m.persist_failures, model=model).inc()
     if stats is not None:
         finish: str | None = str(stats.finish_reason)
     else:

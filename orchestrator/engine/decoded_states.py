@@ -198,7 +198,8 @@ class DecodedStates:
             else:
                 self._misses += 1
         if self._metrics is not None:
-            self._metrics.decoded_state_lookups.labels(result="hit" if hit else "miss").inc()
+            m = self._metrics
+            m.child(m.decoded_state_lookups, result="hit" if hit else "miss").inc()
 
     def discard(self, tenant: str, session: str) -> bool:
         with self._lock:

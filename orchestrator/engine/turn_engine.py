@@ -66,6 +66,7 @@ __all__ = ["TurnEngine", "actual_counts"]
 log = structlog.get_logger(__name__)
 
 _SESSIONS, _TURNS = SessionRow.__table__, TurnRow.__table__
+_COUNT_FIELDS = dataclasses.fields(TokenCounts)
 
 
 class _FinishStatements:
@@ -128,8 +129,9 @@ def _turn_row(f: TurnFacts) -> dict[str, Any]:
         input_tokens=tokens_to_blob(f.new_tokens),
         path=ResumePathName(str(plan.path)),
         reason=plan.reason,
-        # the turn row has one column per count kind, named as TokenCounts' fields
-        **dataclasses.asdict(plan.counts),
+        # the turn row has one column per count kind, named as TokenCounts' fields (flat ints: `asdict`
+        # without its deep copy)
+        **{f.name: getattr(plan.counts, f.name) for f in _COUNT_FIELDS},
     )
 
 

@@ -115,7 +115,8 @@ class TurnPreparation:
                 raise InvalidRequestError(
                     f"text of turn for session {turn.session_id} encodes to no tokens", field="text"
                 )
-        bad = [t for t in tokens if not 0 <= t < served.vocab_size]
+        vocab = served.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary of {served.name} (size {served.vocab_size})",
@@ -300,7 +301,7 @@ class TurnPreparation:
         if history:
             # The metric counts lookups of a history (hit: all of it stored); a new session's lookup of its
             # prompt by content shows in its plan's reason and counts instead.
-            ctx.metrics.cache_lookups.labels(result=lookup_result(prefix, len(history))).inc()
+            ctx.metrics.child(ctx.metrics.cache_lookups, result=lookup_result(prefix, len(history))).inc()
         region = self.store.config.region
         may_persist = policy.may_store_in(region)
         note = (

@@ -15,13 +15,13 @@ class MetricsObserver:
 
     def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None:
         if sequences:
-            self._m.batch_sequences.labels(model=model).observe(sequences)
-        self._m.step_tokens.labels(model=model).observe(tokens)
-        self._m.step_seconds.labels(model=model).observe(seconds)
+            self._m.child(self._m.batch_sequences, model=model).observe(sequences)
+        self._m.child(self._m.step_tokens, model=model).observe(tokens)
+        self._m.child(self._m.step_seconds, model=model).observe(seconds)
 
     def waited(self, model: str, kind: str, seconds: float) -> None:
-        self._m.queue_wait.labels(model=model, kind=kind).observe(seconds)
+        self._m.child(self._m.queue_wait, model=model, kind=kind).observe(seconds)
 
     def gauges(self, model: str, *, running: int, waiting: int) -> None:
-        self._m.scheduler_running.labels(model=model).set(running)
-        self._m.scheduler_waiting.labels(model=model).set(waiting)
+        self._m.child(self._m.scheduler_running, model=model).set(running)
+        self._m.child(self._m.scheduler_waiting, model=model).set(waiting)

@@ -124,3 +124,55 @@ def test_rocks_audit_sink_detects_truncated_tail(tmp_path) -> None:
     assert not res.ok and res.first_break_seq == 3
     assert db.get(HEAD_KEY) is not None
     db.close()
+
+
+def _seal_reference(event: AuditEvent, *, seq: int, ts_us: int, prev_hash: str) -> AuditRecord:
+    """The slow twin of `seal`: an unsealed record, its body from `dataclasses.fields`, then the hash."""
+    unsealed = AuditRecord(
+        seq=seq,
+        ts_us=ts_us,
+        actor=event.actor,
+        action=event.action,
+        tenant=event.tenant,
+        subject=event.subject,
+        reason=event.reason,
+        nbytes=event.nbytes,
+        prev_hash=prev_hash,
+        hash="",
+    )
+    body = {f.name: getattr(unsealed, f.name) for f in dataclasses.fields(unsealed) if f.name != "hash"}
+    body["action"] = str(unsealed.action)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return dataclasses.replace(unsealed, hash=chain_hash(prev_hash, canonical))
+
+
+def _to_json_reference(rec: AuditRecord) -> bytes:
+    out = dataclasses.asdict(rec)
+    out["action"] = str(rec.action)
+    return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_seal_and_to_json_equal_their_reference_twins_on_random_records() -> None:
+    import random
+    import secrets
+
+    rng = random.Random(secrets.randbits(64))
+    alphabet = "abcXYZ09 _-:é\"\\\n\u2603"
+    prev = GENESIS_HASH
+    for seq in range(1, 300):
+        event = AuditEvent(
+            actor=rng.choice(["storage", "maintenance", "admin:é"]),
+            action=rng.choice(list(AuditAction)),
+            tenant="".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12))),
+            subject="chunk:" + secrets.token_hex(rng.randrange(1, 33)),
+            reason="".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 20))),
+            nbytes=rng.randrange(0, 1 << rng.choice([1, 20, 40, 62])),
+        )
+        ts_us = rng.randrange(0, 1 << 52)
+        fast = seal(event, seq=seq, ts_us=ts_us, prev_hash=prev)
+        slow = _seal_reference(event, seq=seq, ts_us=ts_us, prev_hash=prev)
+        assert fast == slow, f"seal differs from its reference at seq {seq}: {fast} != {slow}"
+        assert fast.to_json() == _to_json_reference(fast)
+        assert AuditRecord.from_json(fast.to_json()) == fast
+        assert chain_hash(prev, fast.canonical_body()) == fast.hash
+        prev = fast.hash if rng.random() < 0.7 else secrets.token_hex(32)

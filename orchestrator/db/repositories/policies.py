@@ -10,6 +10,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import Policy, utcnow
+from orchestrator.db.repositories.read_connection import read_connection
 
 __all__ = ["PolicyRepository", "EffectivePolicy"]
 
@@ -60,7 +61,7 @@ class PolicyRepository:
     def effective(
         self, tenant_id: str, *, default_floor_s: float, default_ceiling_s: float
     ) -> EffectivePolicy:
-        row = self._s.execute(_EFFECTIVE, {"tid": tenant_id}).one_or_none()
+        row = read_connection(self._s).execute(_EFFECTIVE, {"tid": tenant_id}).one_or_none()
         if row is None:
             return EffectivePolicy(
                 tenant_id=tenant_id,

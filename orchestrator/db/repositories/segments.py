@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
 from orchestrator.db.repositories.link_sqlite import link_current_sqlite
+from orchestrator.db.repositories.read_connection import read_connection
 
 __all__ = ["SegmentRepository", "DurableSegment", "SegmentTotals"]
 
@@ -313,7 +314,7 @@ class SegmentRepository:
     def spans_of(self, session_id: str) -> list[Row]:
         """The session's linked segments as Core rows (fingerprint, model, numerics, start_pos, end_pos)
         ordered by start_pos: what a turn's preparation reads, without loading ORM objects."""
-        return self._s.execute(_SPANS, {"sid": session_id}).all()
+        return read_connection(self._s).execute(_SPANS, {"sid": session_id}).all()
 
     def for_session(self, session_id: str, *, model: str | None = None) -> list[CacheSegment]:
         stmt = (

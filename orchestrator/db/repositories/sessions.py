@@ -18,6 +18,7 @@ from orchestrator.db.models import (
     TurnStatus,
     blob_to_tokens,
 )
+from orchestrator.db.repositories.read_connection import read_connection
 
 __all__ = ["SessionRepository"]
 
@@ -85,7 +86,7 @@ class SessionRepository:
     def facts(self, session_id: str, *, tenant_id: str | None) -> Row | None:
         """The session's columns a turn reads (id, tenant_id, status, model, turn_count, history_tokens,
         retention_s) as a Core row, without loading an ORM object; None as `get` gives None."""
-        row = self._s.execute(_FACTS, {"sid": session_id}).one_or_none()
+        row = read_connection(self._s).execute(_FACTS, {"sid": session_id}).one_or_none()
         if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
             return None
         return row
@@ -140,7 +141,7 @@ class SessionRepository:
             params["upto"] = upto_turn
         # Core rows of the two blobs: every turn reads its session's history, and ORM objects of every
         # turn row cost many times the read itself.
-        blob = b"".join(b for row in self._s.execute(stmt, params) for b in row)
+        blob = b"".join(b for row in read_connection(self._s).execute(stmt, params) for b in row)
         return blob_to_tokens(blob)
 
     def fork(self, parent: SessionRow, *, at_turn: int, session_id: str | None = None) -> SessionRow:

@@ -394,3 +394,37 @@ def test_a_serving_node_wires_store_pool_and_served_models(tmp_path: Path) -> No
         assert m.get_sample_value("kvresume_pool_evictions_total", {"cause": "ttl"}) == 1
     finally:
         node.stop()
+
+
+def test_service_metrics_child_is_the_labels_child_and_counts_alike() -> None:
+    """`ServiceMetrics.child` keeps what `labels()` returns; its slow twin is `labels()` itself: both
+    update the same series, in any keyword order."""
+    import random
+
+    from orchestrator.api import ServiceMetrics
+
+    fast, slow = ServiceMetrics(), ServiceMetrics()
+    rng = random.Random()
+    for _ in range(500):
+        model, path = rng.choice(["m", "m2", "é"]), rng.choice(["FULL_HIT", "COLD_PREFILL"])
+        n, secs = rng.randrange(0, 100), rng.random()
+        fast.child(fast.turn_tokens, model=model, kind=path).inc(n)
+        slow.turn_tokens.labels(model=model, kind=path).inc(n)
+        fast.child(fast.turn_latency, path=path, model=model).observe(secs)
+        slow.turn_latency.labels(model=model, path=path).observe(secs)
+        fast.child(fast.scheduler_waiting, model=model).set(n)
+        slow.scheduler_waiting.labels(model=model).set(n)
+
+    def samples(m: ServiceMetrics) -> list[tuple[str, tuple, float]]:
+        # every sample but the `_created` stamps (each registry's own clock)
+        return sorted(
+            (x.name, tuple(sorted(x.labels.items())), x.value)
+            for family in m.registry.collect()
+            for x in family.samples
+            if not x.name.endswith("_created")
+        )
+
+    assert samples(fast) == samples(slow) and samples(fast)
+    assert fast.child(fast.turns, model="m", path="p", outcome="o") is fast.turns.labels("m", "p", "o")
+    with pytest.raises(AssertionError, match="served_model_info"):
+        fast.child(fast.served_model_info, model="m", source="s", fingerprint="f")

@@ -252,3 +252,52 @@ def test_reconcile_drops_rows_without_durable_chunks(engine) -> None:
     assert report.unreferenced_chunks == frozenset({b"written-but-row-missing"})
     with factory() as s:
         assert [x.store_key for x in SegmentRepository(s).for_session(a)] == [b"durable", b"other-node"]
+
+
+def test_per_turn_core_reads_equal_their_orm_twins_and_see_pending_changes(engine) -> None:
+    """facts, history, spans_of and effective run on the Session's connection (`read_connection`); their
+    slow twins are the same statements through `Session.execute` (the ORM path, with its autoflush)."""
+    import random
+    import secrets
+
+    from orchestrator.db.repositories import policies, segments, sessions
+
+    rng = random.Random(secrets.randbits(64))
+    factory = make_session_factory(engine)
+    turns = tuple(
+        ([rng.randrange(0, 1 << 20) for _ in range(rng.randrange(1, 9))], [rng.randrange(0, 99)])
+        for _ in range(rng.randrange(1, 6))
+    )
+    with factory() as s, s.begin():
+        sid = _session_with_turns(s, turns=turns)
+        cut = rng.randrange(1, 2000)
+        SegmentRepository(s).link_current(
+            sid, "fp-small", [_seg(b"k1" * 16, 0, cut), _seg(b"k2" * 16, cut, 4000)]
+        )
+        if rng.random() < 0.5:
+            PolicyRepository(s).set(
+                "acme", floor_s=5.0, ceiling_s=rng.uniform(10, 1e5), allowed_regions=["eu"]
+            )
+        row = SessionRepository(s).get(sid, tenant_id="acme")
+        # a pending ORM change: Session.execute would autoflush it before the read, and so must these
+        row.turn_count += 7
+        repo = SessionRepository(s)
+        fast = repo.facts(sid, tenant_id="acme")
+        slow = s.execute(sessions._FACTS, {"sid": sid}).one()
+        assert tuple(fast) == tuple(slow) and fast.turn_count == len(turns) + 7
+        blob = b"".join(b for r in s.execute(sessions._HISTORY, {"sid": sid}) for b in r)
+        assert repo.history(sid) == sessions.blob_to_tokens(blob) == [t for i, o in turns for t in i + o]
+        assert [tuple(r) for r in SegmentRepository(s).spans_of(sid)] == [
+            tuple(r) for r in s.execute(segments._SPANS, {"sid": sid}).all()
+        ]
+        eff = PolicyRepository(s).effective("acme", default_floor_s=1.0, default_ceiling_s=2.0)
+        ref = s.execute(policies._EFFECTIVE, {"tid": "acme"}).one_or_none()
+        if ref is None:
+            assert eff.is_default and (eff.floor_s, eff.ceiling_s) == (1.0, 2.0)
+        else:
+            assert (eff.floor_s, eff.ceiling_s, eff.allowed_regions, eff.is_default) == (
+                min(ref.retention_floor_s, ref.retention_ceiling_s),
+                ref.retention_ceiling_s,
+                tuple(ref.allowed_regions),
+                False,
+            )
