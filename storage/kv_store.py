@@ -39,7 +39,7 @@ from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
 from storage.audit_delivery import AUDIT_ACK, SEQ, AuditDelivery
 from storage.audit_record import AuditAction, AuditEvent, AuditRecord
 from storage.audit_rocks import RocksAuditSink, synced_write_options, unsynced_write_options
-from storage.chunk_format import decode_chunk
+from storage.chunk_format import CHECKSUM_BYTES, decode_chunk
 from storage.chunk_index import (
     CHECKPOINT_CEILING,
     CHUNK,
@@ -524,6 +524,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         found = self.lookup(tenant, model_fingerprint, token_ids)
         ranges: list[tuple[int, int]] = []
         payloads: list[bytes] = []
+        checksums: list[bytes] = []
         miss = found.miss
         with self._lock:
             salt = self._salts.get(tenant)
@@ -562,6 +563,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                 break
             ranges.append((span.start, span.end))
             payloads.append(bytes(payload))
+            # the value's last bytes are the checksum decode_chunk just verified
+            checksums.append(bytes(value[-CHECKSUM_BYTES:]))
         with self._lock:
             for span in found.spans[: len(ranges)]:
                 self._index.touch(span.address)
@@ -569,7 +572,9 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             if miss is not None:
                 self._stats.misses[miss.reason.value] += 1
         n_tokens = ranges[-1][1] if ranges else 0
-        return PrefixResult(n_tokens=n_tokens, ranges=ranges, payloads=payloads, miss=miss)
+        return PrefixResult(
+            n_tokens=n_tokens, ranges=ranges, payloads=payloads, miss=miss, checksums=checksums
+        )
 
     def _on_bad_value(self, tenant: str, span: ChunkSpan, defect: str, nbytes: int) -> Miss:
         """Quarantine a chunk whose stored bytes failed verification: remove it, audit, count."""

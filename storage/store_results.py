@@ -50,12 +50,15 @@ class PrefixResult:
     """Verified payloads of the longest valid stored prefix, in order: payloads[i] covers ranges[i].
 
     Concatenating the ranges gives [0, n_tokens). `miss` is None when the whole history is covered.
+    `checksums[i]` is the stored sha256 that payloads[i]'s value (header and payload) verified against:
+    two equal checksums name the same bytes, so a digest of a payload may be kept by its checksum.
     """
 
     n_tokens: int
     ranges: list[tuple[int, int]]
     payloads: list[bytes]
     miss: Miss | None
+    checksums: list[bytes] = field(default_factory=list)
 
 
 class RefusalKind(StrEnum):

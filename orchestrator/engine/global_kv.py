@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from orchestrator.db import DurableSegment, SegmentRepository
 from orchestrator.engine.decoded_states import DecodedSources
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
+from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
@@ -79,6 +80,7 @@ def read_prefix(
     compute: ModelCompute | None = None,
     decoded: DecodedSources | None = None,
     now: float | None = None,
+    digests: PayloadDigests | None = None,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
@@ -92,6 +94,9 @@ def read_prefix(
             (`decoded_states.py`): when the verified chunks read here are exactly the ones it decodes
             (same ranges, same payload digests), it fills the state instead of dequantizing them.
         now: wall seconds the registry's retention stamps are compared with (default: time.time()).
+        digests: payload digests kept by verified checksum (`payload_digests.py`): the prefix's
+            `payload_hashes()` are taken from it (hashing only chunks it has not seen) instead of
+            hashing every payload.
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
@@ -118,6 +123,7 @@ def read_prefix(
     blobs: list[bytes] = []
     ranges: list[tuple[int, int]] = []
     by_range = {(s.start, s.end): s.address for s in found.spans}
+    checksums = verified.checksums if len(verified.checksums) == len(verified.payloads) else None
     for (start, end), payload in zip(verified.ranges, verified.payloads, strict=True):
         key = by_range.get((start, end))
         if key not in named:
@@ -129,9 +135,13 @@ def read_prefix(
         blobs.append(payload)
         ranges.append((start, end))
     hashes: list[bytes] | None = None
+    if digests is not None and checksums is not None:
+        hashes = digests.of(blobs, checksums[: len(blobs)])
+    elif decoded is not None:
+        hashes = [hashlib.sha256(b).digest() for b in blobs]
     used_decoded = False
     if decoded is not None:
-        hashes = [hashlib.sha256(b).digest() for b in blobs]
+        assert hashes is not None
         used_decoded = decoded.matches(ranges, hashes)
     if used_decoded:
         assert decoded is not None
@@ -143,6 +153,8 @@ def read_prefix(
     if error is not None:
         miss_reason = f"stored chunk at token {ranges[appended][0]} failed the cache format check ({error})"
         del blobs[appended:], ranges[appended:]
+        if hashes is not None:
+            del hashes[appended:]
     n = ranges[-1][1] if ranges else 0
     if n == 0:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=miss_reason or "nothing stored")

@@ -22,6 +22,7 @@ from model import CacheFormatError
 from orchestrator.engine.decoded_states import DecodedSources, DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_compute import ModelCompute
+from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import PooledPrefix, PoolState
@@ -101,6 +102,7 @@ def find_reuse(
     new_tokens: Sequence[int],
     last_model: str | None,
     decoded: DecodedStates | None = None,
+    digests: PayloadDigests | None = None,
 ) -> ContentReuse:
     """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
 
@@ -109,6 +111,7 @@ def find_reuse(
         history, new_tokens: the session's history and this turn's tokens (> 0 of them).
         decoded: decoded global KV kept beside pool entries: the one kept with the pooled windows found
             fills the state instead of an import when the stored chunks are exactly its bytes.
+        digests: payload digests kept by verified checksum (`read_prefix`).
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
@@ -117,12 +120,19 @@ def find_reuse(
     if decoded is not None and match is not None:
         memo = decoded.get(tenant, match.session, fingerprint=served.fingerprint, pool_value=match.value)
     prefix = read_prefix(
-        store, registry, tenant=tenant, served=served, history=probe, compute=compute, decoded=memo
+        store,
+        registry,
+        tenant=tenant,
+        served=served,
+        history=probe,
+        compute=compute,
+        decoded=memo,
+        digests=digests,
     )
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:
         reuse = _verified(
-            store, registry, compute, reuse, match.session, match.value, tenant, served, prompt, memo
+            store, registry, compute, reuse, match.session, match.value, tenant, served, prompt, memo, digests
         )
         if decoded is not None:
             exact = reuse.pooled_prefix
@@ -147,6 +157,7 @@ def _verified(
     served: ServedModel,
     prompt: list[int],
     memo: DecodedSources | None = None,
+    digests: PayloadDigests | None = None,
 ) -> ContentReuse:
     """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
     envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
@@ -168,7 +179,14 @@ def _verified(
     else:
         # the longest prefix runs past n through a full chunk: read exactly [0, n) (the source's tail)
         exact = read_prefix(
-            store, registry, tenant=tenant, served=served, history=prompt[:n], compute=compute, decoded=memo
+            store,
+            registry,
+            tenant=tenant,
+            served=served,
+            history=prompt[:n],
+            compute=compute,
+            decoded=memo,
+            digests=digests,
         )
         if exact.n_tokens != n or exact.state is None:
             return reuse

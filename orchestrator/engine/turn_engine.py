@@ -52,6 +52,7 @@ from orchestrator.db.models import (
 from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import link_segments, persist_chunks
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
+from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import pack_pool_entry
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
@@ -206,6 +207,7 @@ class TurnEngine:
             mappers=self.mappers,
             compute=self.compute,
             decoded=self.decoded,
+            digests=PayloadDigests(),
         )
 
     @staticmethod

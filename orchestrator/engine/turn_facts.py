@@ -31,6 +31,7 @@ from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_catalog import served_or_not_found
 from orchestrator.engine.model_compute import ModelCompute
+from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.prefix_reuse import find_reuse, lookup_result
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, MapperArtifact
@@ -92,9 +93,11 @@ class TurnPreparation:
         mappers: KVMapperApplier,
         compute: ModelCompute,
         decoded: DecodedStates | None = None,
+        digests: PayloadDigests | None = None,
     ) -> None:
         self._ctx = ctx
         self.decoded = decoded
+        self.digests = digests
         self.registry = registry
         self.store = store
         self.pool = pool
@@ -266,6 +269,7 @@ class TurnPreparation:
             new_tokens=new_tokens,
             last_model=last,
             decoded=self.decoded,
+            digests=self.digests,
         )
         prefix = reuse.prefix
         if foreign and prefix.n_tokens < len(history):

@@ -237,3 +237,17 @@ def test_longest_valid_prefix_value_deleted_under_the_index_is_corrupt(make_stor
     store._db.delete(CHUNK_PREFIX + second)
     got = store.longest_valid_prefix("tA", FP, toks)
     assert got.miss.reason == MissReason.CORRUPT and got.miss.detail == "value_missing"
+
+
+def test_longest_valid_prefix_returns_the_checksums_its_values_verified_against(make_store) -> None:
+    import hashlib
+
+    store = make_store()
+    toks = list(range(3 * CHUNK + 5))
+    store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+    got = store.longest_valid_prefix("tA", FP, toks)
+    assert got.n_tokens == len(toks) and len(got.checksums) == len(got.payloads) == 4
+    for span, checksum in zip(store.lookup("tA", FP, toks).spans, got.checksums, strict=True):
+        value = store._db.get(b"C" + span.address)
+        # the checksum closes the value: sha256 over everything before it
+        assert value[-32:] == checksum == hashlib.sha256(value[:-32]).digest()
