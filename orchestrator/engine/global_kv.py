@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from orchestrator.db import DurableSegment, SegmentRepository
+from orchestrator.db import DurableSegment, RetainedKeys, SegmentRepository
 from orchestrator.engine.decoded_states import DecodedSources
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
 from orchestrator.engine.payload_digests import PayloadDigests
@@ -81,6 +81,7 @@ def read_prefix(
     decoded: DecodedSources | None = None,
     now: float | None = None,
     digests: PayloadDigests | None = None,
+    retained: RetainedKeys | None = None,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
@@ -97,6 +98,8 @@ def read_prefix(
         digests: payload digests kept by verified checksum (`payload_digests.py`): the prefix's
             `payload_hashes()` are taken from it (hashing only chunks it has not seen) instead of
             hashing every payload.
+        retained: the registry's retention check to use instead of one through a `registry` session
+            (`RetainedKeys`: one driver read on SQLite); read after the store calls all the same.
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
@@ -112,10 +115,14 @@ def read_prefix(
     keys = [s.address for s in found.spans]
     # A chunk serves while any session of the tenant that stored or read it is inside its granted
     # retention (ARCHITECTURE §1: past its retention is a miss).
-    with registry() as session:
-        named = SegmentRepository(session).within_retention(
-            keys, now=time.time() if now is None else now, tenant_id=tenant, fingerprint=fp
-        )
+    at = time.time() if now is None else now
+    if retained is not None:
+        named = retained(keys, now=at, tenant_id=tenant, fingerprint=fp)
+    else:
+        with registry() as session:
+            named = SegmentRepository(session).within_retention(
+                keys, now=at, tenant_id=tenant, fingerprint=fp
+            )
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)

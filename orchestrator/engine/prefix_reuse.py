@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from model import CacheFormatError
+from orchestrator.db import RetainedKeys
 from orchestrator.engine.decoded_states import DecodedSources, DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_compute import ModelCompute
@@ -103,6 +104,7 @@ def find_reuse(
     last_model: str | None,
     decoded: DecodedStates | None = None,
     digests: PayloadDigests | None = None,
+    retained: RetainedKeys | None = None,
 ) -> ContentReuse:
     """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
 
@@ -112,6 +114,7 @@ def find_reuse(
         decoded: decoded global KV kept beside pool entries: the one kept with the pooled windows found
             fills the state instead of an import when the stored chunks are exactly its bytes.
         digests: payload digests kept by verified checksum (`read_prefix`).
+        retained: the registry's retention check (`read_prefix`; default: through `registry`).
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
@@ -128,11 +131,23 @@ def find_reuse(
         compute=compute,
         decoded=memo,
         digests=digests,
+        retained=retained,
     )
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:
         reuse = _verified(
-            store, registry, compute, reuse, match.session, match.value, tenant, served, prompt, memo, digests
+            store,
+            registry,
+            compute,
+            reuse,
+            match.session,
+            match.value,
+            tenant,
+            served,
+            prompt,
+            memo,
+            digests,
+            retained,
         )
         if decoded is not None:
             exact = reuse.pooled_prefix
@@ -158,6 +173,7 @@ def _verified(
     prompt: list[int],
     memo: DecodedSources | None = None,
     digests: PayloadDigests | None = None,
+    retained: RetainedKeys | None = None,
 ) -> ContentReuse:
     """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
     envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
@@ -187,6 +203,7 @@ def _verified(
             compute=compute,
             decoded=memo,
             digests=digests,
+            retained=retained,
         )
         if exact.n_tokens != n or exact.state is None:
             return reuse

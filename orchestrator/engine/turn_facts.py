@@ -22,6 +22,7 @@ from orchestrator.api import (
 from orchestrator.db import (
     MapperRepository,
     PolicyRepository,
+    RetainedKeys,
     SegmentRepository,
     SessionRepository,
     session_view,
@@ -98,6 +99,7 @@ class TurnPreparation:
         self._ctx = ctx
         self.decoded = decoded
         self.digests = digests
+        self._retained = RetainedKeys(ctx.sessions)
         self.registry = registry
         self.store = store
         self.pool = pool
@@ -270,6 +272,7 @@ class TurnPreparation:
             last_model=last,
             decoded=self.decoded,
             digests=self.digests,
+            retained=self._retained,
         )
         prefix = reuse.prefix
         if foreign and prefix.n_tokens < len(history):

@@ -3,6 +3,7 @@
 from orchestrator.db.repositories.fit_jobs import UNFINISHED_PHASES, FitJobRepository, FitJobSubmission
 from orchestrator.db.repositories.mappers import MapperRegistration, MapperRepository
 from orchestrator.db.repositories.policies import EffectivePolicy, PolicyRepository
+from orchestrator.db.repositories.retained_keys import RetainedKeys
 from orchestrator.db.repositories.segments import DurableSegment, SegmentRepository, SegmentTotals
 from orchestrator.db.repositories.sessions import SessionRepository
 from orchestrator.db.repositories.tenants import TenantRepository
@@ -16,6 +17,7 @@ __all__ = [
     "MapperRegistration",
     "MapperRepository",
     "PolicyRepository",
+    "RetainedKeys",
     "SegmentRepository",
     "SegmentTotals",
     "SessionRepository",

@@ -301,3 +301,52 @@ def test_per_turn_core_reads_equal_their_orm_twins_and_see_pending_changes(engin
                 tuple(ref.allowed_regions),
                 False,
             )
+
+
+def test_retained_keys_equal_within_retention_on_random_rows(engine) -> None:
+    """RetainedKeys (on SQLite one driver read) against its twin, SegmentRepository.within_retention
+    through a Session: random rows of two tenants and fingerprints, random expiries, keys absent too."""
+    import random
+    import secrets
+
+    from orchestrator.db import RetainedKeys
+
+    rng = random.Random(secrets.randbits(64))
+    factory = make_session_factory(engine)
+    base = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    keys = [secrets.token_bytes(32) for _ in range(40)]
+    with factory() as s, s.begin():
+        for tenant in ("acme", "hooli"):
+            TenantRepository(s).ensure(tenant)
+            sid = SessionRepository(s).create(tenant_id=tenant, model="small", retention_s=60).id
+            segs = [
+                _seg(
+                    key,
+                    i * 8,
+                    i * 8 + 8,
+                    tenant=tenant,
+                    model=rng.choice(["small", "big"]),
+                    expires=base
+                    + dt.timedelta(seconds=rng.randrange(-5000, 5000), microseconds=rng.randrange(10**6)),
+                )
+                for i, key in enumerate(keys)
+                if (tenant == "acme") == (i % 3 != 0)
+            ]
+            SegmentRepository(s).link_current(sid, "fp-small", [g for g in segs if g.model == "small"])
+            SegmentRepository(s).link_current(sid, "fp-big", [g for g in segs if g.model == "big"])
+    fast, slow = RetainedKeys(factory), RetainedKeys(factory, driver=False)
+    seen: set[bool] = set()
+    for _ in range(30):
+        asked = rng.sample(keys, rng.randrange(0, len(keys))) + [secrets.token_bytes(32)]
+        now = (base + dt.timedelta(seconds=rng.randrange(-6000, 6000))).timestamp() + rng.random()
+        for tenant in ("acme", "hooli", "nobody"):
+            for fp in ("fp-small", "fp-big"):
+                got = fast(asked, now=now, tenant_id=tenant, fingerprint=fp)
+                with factory() as s:
+                    ref = SegmentRepository(s).within_retention(
+                        asked, now=now, tenant_id=tenant, fingerprint=fp
+                    )
+                assert got == ref == slow(asked, now=now, tenant_id=tenant, fingerprint=fp)
+                seen |= set(got.values())
+    assert seen == {True, False}
+    assert fast([], now=0.0, tenant_id="acme", fingerprint="fp-small") == {}
