@@ -32,7 +32,9 @@ from orchestrator.db.repositories import (
     SessionRepository,
     TenantRepository,
     TurnCounts,
+    TurnReads,
     TurnRepository,
+    TurnSnapshot,
     TurnTimings,
 )
 from orchestrator.db.transactions import run_serializable, serializable_factory
@@ -62,7 +64,9 @@ __all__ = [
     "StorePurger",
     "TenantRepository",
     "TurnCounts",
+    "TurnReads",
     "TurnRepository",
+    "TurnSnapshot",
     "TurnTimings",
     "downgrade",
     "collect_orphans",

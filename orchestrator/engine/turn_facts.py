@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from sqlalchemy.orm import Session
 
 from orchestrator.api import (
     InvalidRequestError,
@@ -20,11 +22,14 @@ from orchestrator.api import (
     TurnInput,
 )
 from orchestrator.db import (
+    EffectivePolicy,
     MapperRepository,
     PolicyRepository,
     RetainedKeys,
     SegmentRepository,
     SessionRepository,
+    TurnReads,
+    TurnSnapshot,
     session_view,
 )
 from orchestrator.db.models import SessionStatus
@@ -100,6 +105,7 @@ class TurnPreparation:
         self.decoded = decoded
         self.digests = digests
         self._retained = RetainedKeys(ctx.sessions)
+        self._turn_reads = TurnReads(ctx.sessions)
         self.registry = registry
         self.store = store
         self.pool = pool
@@ -168,6 +174,94 @@ class TurnPreparation:
             return None, None
         return sender, read
 
+    def _registered(self, turn: TurnInput, reads: _SessionReads | _SnapshotReads) -> _Registered:
+        """The turn's registry facts from `reads`, checked (see `prepare`)."""
+        row = reads.facts(turn.session_id, tenant_id=turn.tenant_id)
+        if row is None:
+            raise NotFoundError(f"session {turn.session_id} not found")
+        if row.status != SessionStatus.OPEN:
+            raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
+        name = turn.model or row.model
+        served = self._served(name)
+        new_tokens = self._new_tokens(turn, served)
+        history = reads.history(row.id)
+        if len(history) != row.history_tokens:
+            raise PreconditionError(
+                f"session {row.id}: its turns hold {len(history)} history tokens, "
+                f"the row says {row.history_tokens}"
+            )
+        if history and max(history) >= served.vocab_size:
+            # a switch to a model with a smaller vocabulary cannot read this history
+            raise InvalidRequestError(
+                f"session {row.id}'s history holds token id {max(history)}, outside the vocabulary of "
+                f"{served.name} (size {served.vocab_size})",
+                reason="TOKEN_OUT_OF_VOCABULARY",
+                field="model",
+            )
+        view = session_view(row, new_tokens=len(new_tokens))
+        policy = reads.policy(row.tenant_id)
+        own_stored = 0
+        # Chunks of this model computed under another fingerprint: other weights, or another
+        # numerics profile (another node's CPU path or kernels); either way a miss here.
+        foreign: set[str] = set()
+        for seg in reads.spans(row.id):
+            if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
+                own_stored = seg.end_pos
+            elif seg.model == name and seg.fingerprint != served.fingerprint_hex:
+                foreign.add(seg.numerics)
+        last = view.last_model
+        candidates: list[tuple[MapperArtifact, MapperInfo]] = []
+        # On a switch, the last model's mappers; for a new session, every model's mapper to this one:
+        # its prompt may be stored under another model (found by content; the model-swap rules apply).
+        mapper_rows = []
+        if last is not None and last != name:
+            mapper_rows = reads.mappers(sender_model=last, receiver_model=name)
+        elif not history:
+            mapper_rows = [m for m in reads.mappers(receiver_model=name) if m.sender_model != name]
+        if mapper_rows:
+            for m in mapper_rows:
+                if not m.passed_gate:
+                    continue
+                art = MapperArtifact(
+                    mapper_id=m.id,
+                    sender_model=m.sender_model,
+                    receiver_model=m.receiver_model,
+                    artifact_uri=m.artifact_uri,
+                    artifact_sha256=m.artifact_sha256,
+                    kind=m.kind,
+                )
+                score = float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0
+                info = MapperInfo(
+                    mapper_id=m.id,
+                    sender_model=m.sender_model,
+                    receiver_model=m.receiver_model,
+                    passed_gate=True,
+                    score=score,
+                    retention=float(m.metrics["retention"]) if "retention" in m.metrics else None,
+                )
+                candidates.append((art, info))
+        row_id = row.id
+        facts = dict(
+            session_id=row.id,
+            tenant_id=row.tenant_id,
+            turn_count=row.turn_count,
+            retention_s=min(row.retention_s, policy.ceiling_s),
+        )
+        return (
+            name,
+            served,
+            new_tokens,
+            history,
+            view,
+            policy,
+            own_stored,
+            foreign,
+            last,
+            candidates,
+            row_id,
+            facts,
+        )
+
     def prepare(self, turn: TurnInput) -> TurnFacts:
         """Read the session, its stored KV and pool entry, and plan the turn.
 
@@ -177,86 +271,34 @@ class TurnPreparation:
         """
         ctx = self._ctx
         settings = ctx.settings
-        # One read transaction, Core rows (no ORM objects): the session, its history, the tenant's
-        # policy and the session's segments.
-        with ctx.sessions() as s:
-            row = SessionRepository(s).facts(turn.session_id, tenant_id=turn.tenant_id)
-            if row is None:
-                raise NotFoundError(f"session {turn.session_id} not found")
-            if row.status != SessionStatus.OPEN:
-                raise PreconditionError(f"session {row.id} is closed", reason="SESSION_CLOSED")
-            name = turn.model or row.model
-            served = self._served(name)
-            new_tokens = self._new_tokens(turn, served)
-            history = SessionRepository(s).history(row.id)
-            if len(history) != row.history_tokens:
-                raise PreconditionError(
-                    f"session {row.id}: its turns hold {len(history)} history tokens, "
-                    f"the row says {row.history_tokens}"
-                )
-            if history and max(history) >= served.vocab_size:
-                # a switch to a model with a smaller vocabulary cannot read this history
-                raise InvalidRequestError(
-                    f"session {row.id}'s history holds token id {max(history)}, outside the vocabulary of "
-                    f"{served.name} (size {served.vocab_size})",
-                    reason="TOKEN_OUT_OF_VOCABULARY",
-                    field="model",
-                )
-            view = session_view(row, new_tokens=len(new_tokens))
-            policy = PolicyRepository(s).effective(
-                row.tenant_id,
-                default_floor_s=settings.retention_floor_s,
-                default_ceiling_s=settings.retention_ceiling_s,
-            )
-            own_stored = 0
-            # Chunks of this model computed under another fingerprint: other weights, or another
-            # numerics profile (another node's CPU path or kernels); either way a miss here.
-            foreign: set[str] = set()
-            for seg in SegmentRepository(s).spans_of(row.id):
-                if seg.fingerprint == served.fingerprint_hex and seg.start_pos == own_stored:
-                    own_stored = seg.end_pos
-                elif seg.model == name and seg.fingerprint != served.fingerprint_hex:
-                    foreign.add(seg.numerics)
-            last = view.last_model
-            candidates: list[tuple[MapperArtifact, MapperInfo]] = []
-            # On a switch, the last model's mappers; for a new session, every model's mapper to this one:
-            # its prompt may be stored under another model (found by content; the model-swap rules apply).
-            mapper_rows = []
-            if last is not None and last != name:
-                mapper_rows = MapperRepository(s).list(sender_model=last, receiver_model=name)
-            elif not history:
-                mapper_rows = [
-                    m for m in MapperRepository(s).list(receiver_model=name) if m.sender_model != name
-                ]
-            if mapper_rows:
-                for m in mapper_rows:
-                    if not m.passed_gate:
-                        continue
-                    art = MapperArtifact(
-                        mapper_id=m.id,
-                        sender_model=m.sender_model,
-                        receiver_model=m.receiver_model,
-                        artifact_uri=m.artifact_uri,
-                        artifact_sha256=m.artifact_sha256,
-                        kind=m.kind,
-                    )
-                    score = float(m.metrics.get(m.gate_metric, 0.0)) if m.gate_metric else 0.0
-                    info = MapperInfo(
-                        mapper_id=m.id,
-                        sender_model=m.sender_model,
-                        receiver_model=m.receiver_model,
-                        passed_gate=True,
-                        score=score,
-                        retention=float(m.metrics["retention"]) if "retention" in m.metrics else None,
-                    )
-                    candidates.append((art, info))
-            row_id = row.id
-            facts = dict(
-                session_id=row.id,
-                tenant_id=row.tenant_id,
-                turn_count=row.turn_count,
-                retention_s=min(row.retention_s, policy.ceiling_s),
-            )
+        # The session, its history, the tenant's policy and the session's segments in one read
+        # transaction, Core rows (no ORM objects): on SQLite through the driver (`TurnReads`) unless the
+        # turn also reads mapper rows (a switch, a new session), which read in one Session with the rest.
+        snapshot = self._turn_reads.read(
+            turn.session_id,
+            tenant_id=turn.tenant_id,
+            default_floor_s=settings.retention_floor_s,
+            default_ceiling_s=settings.retention_ceiling_s,
+        )
+        if snapshot is not None and not _reads_mappers(turn, snapshot):
+            got = self._registered(turn, _SnapshotReads(snapshot))
+        else:
+            with ctx.sessions() as s:
+                got = self._registered(turn, _SessionReads(s, turn.tenant_id, settings))
+        (
+            name,
+            served,
+            new_tokens,
+            history,
+            view,
+            policy,
+            own_stored,
+            foreign,
+            last,
+            candidates,
+            row_id,
+            facts,
+        ) = got
         # Store reads happen outside any SQL transaction: a store call may deliver audit records to the
         # SQL sink, so holding a SQLite write lock across it could wait on itself.
         reuse = find_reuse(
@@ -358,6 +400,84 @@ class TurnPreparation:
             reused_hashes=reused_hashes,
             content_source=reuse.source_session if plan.path == ResumePath.FULL_HIT else None,
         )
+
+
+class _Registered(NamedTuple):
+    """A turn's checked registry facts (`TurnPreparation._registered`), in `prepare`'s order."""
+
+    name: str
+    served: ServedModel
+    new_tokens: list[int]
+    history: list[int]
+    view: Any
+    policy: EffectivePolicy
+    own_stored: int
+    foreign: set[str]
+    last: str | None
+    candidates: list[tuple[MapperArtifact, MapperInfo]]
+    row_id: str
+    facts: dict[str, Any]
+
+
+class _SessionReads:
+    """The turn's registry reads through the repositories, in one Session (any database)."""
+
+    def __init__(self, s: Session, tenant_id: str, settings: Any) -> None:
+        self._s, self._tenant, self._settings = s, tenant_id, settings
+
+    def facts(self, session_id: str, *, tenant_id: str) -> Any | None:
+        return SessionRepository(self._s).facts(session_id, tenant_id=tenant_id)
+
+    def history(self, session_id: str) -> list[int]:
+        return SessionRepository(self._s).history(session_id)
+
+    def policy(self, tenant_id: str) -> EffectivePolicy:
+        return PolicyRepository(self._s).effective(
+            tenant_id,
+            default_floor_s=self._settings.retention_floor_s,
+            default_ceiling_s=self._settings.retention_ceiling_s,
+        )
+
+    def spans(self, session_id: str) -> list[Any]:
+        return SegmentRepository(self._s).spans_of(session_id)
+
+    def mappers(self, **filters: str) -> list[Any]:
+        return MapperRepository(self._s).list(**filters)
+
+
+class _SnapshotReads:
+    """The same reads answered from a `TurnSnapshot` (read before, in one transaction); a turn that reads
+    mapper rows never gets here (`_reads_mappers`)."""
+
+    def __init__(self, snapshot: TurnSnapshot) -> None:
+        self._snap = snapshot
+
+    def facts(self, session_id: str, *, tenant_id: str) -> Any | None:
+        return self._snap.row
+
+    def history(self, session_id: str) -> list[int]:
+        return self._snap.history
+
+    def policy(self, tenant_id: str) -> EffectivePolicy:
+        assert self._snap.policy is not None
+        return self._snap.policy
+
+    def spans(self, session_id: str) -> list[Any]:
+        return self._snap.spans
+
+    def mappers(self, **filters: str) -> list[Any]:
+        raise AssertionError("a turn that reads mapper rows reads through a Session")
+
+
+def _reads_mappers(turn: TurnInput, snapshot: TurnSnapshot) -> bool:
+    """Whether `_registered` would read mapper rows for this snapshot: a switch of an open session to
+    another model, or a new session (its prompt may be stored under another model)."""
+    row = snapshot.row
+    if row is None or row.status != SessionStatus.OPEN:
+        return False
+    name = turn.model or row.model
+    last = row.model if row.turn_count else None
+    return (last is not None and last != name) or not snapshot.history
 
 
 def _sender_inventory(prefix: StoredPrefix | None, *, new_session: bool) -> CacheInventory | None:

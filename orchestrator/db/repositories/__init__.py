@@ -7,6 +7,7 @@ from orchestrator.db.repositories.retained_keys import RetainedKeys
 from orchestrator.db.repositories.segments import DurableSegment, SegmentRepository, SegmentTotals
 from orchestrator.db.repositories.sessions import SessionRepository
 from orchestrator.db.repositories.tenants import TenantRepository
+from orchestrator.db.repositories.turn_reads import TurnReads, TurnSnapshot
 from orchestrator.db.repositories.turns import TurnCounts, TurnRepository, TurnTimings
 
 __all__ = [
@@ -23,7 +24,9 @@ __all__ = [
     "SessionRepository",
     "TenantRepository",
     "TurnCounts",
+    "TurnReads",
     "TurnRepository",
+    "TurnSnapshot",
     "TurnTimings",
     "UNFINISHED_PHASES",
 ]

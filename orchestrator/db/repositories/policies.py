@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
@@ -12,7 +13,7 @@ from sqlalchemy.orm import Session
 from orchestrator.db.models import Policy, utcnow
 from orchestrator.db.repositories.read_connection import read_connection
 
-__all__ = ["PolicyRepository", "EffectivePolicy"]
+__all__ = ["PolicyRepository", "EffectivePolicy", "effective_policy"]
 
 _POLICIES = Policy.__table__
 # Every turn reads its tenant's policy: the statement built once, the row read without an ORM object.
@@ -51,6 +52,27 @@ class EffectivePolicy:
         return min(max(hint_s, self.floor_s), self.ceiling_s)
 
 
+def effective_policy(
+    tenant_id: str, row: Any, *, default_floor_s: float, default_ceiling_s: float
+) -> EffectivePolicy:
+    """The policy in force from the `_EFFECTIVE` row of the tenant's policy (None: the defaults)."""
+    if row is None:
+        return EffectivePolicy(
+            tenant_id=tenant_id,
+            floor_s=default_floor_s,
+            ceiling_s=default_ceiling_s,
+            allowed_regions=(),
+            is_default=True,
+        )
+    return EffectivePolicy(
+        tenant_id=tenant_id,
+        floor_s=row.retention_floor_s,
+        ceiling_s=row.retention_ceiling_s,
+        allowed_regions=tuple(row.allowed_regions),
+        is_default=False,
+    )
+
+
 class PolicyRepository:
     def __init__(self, session: Session) -> None:
         self._s = session
@@ -62,20 +84,8 @@ class PolicyRepository:
         self, tenant_id: str, *, default_floor_s: float, default_ceiling_s: float
     ) -> EffectivePolicy:
         row = read_connection(self._s).execute(_EFFECTIVE, {"tid": tenant_id}).one_or_none()
-        if row is None:
-            return EffectivePolicy(
-                tenant_id=tenant_id,
-                floor_s=default_floor_s,
-                ceiling_s=default_ceiling_s,
-                allowed_regions=(),
-                is_default=True,
-            )
-        return EffectivePolicy(
-            tenant_id=tenant_id,
-            floor_s=row.retention_floor_s,
-            ceiling_s=row.retention_ceiling_s,
-            allowed_regions=tuple(row.allowed_regions),
-            is_default=False,
+        return effective_policy(
+            tenant_id, row, default_floor_s=default_floor_s, default_ceiling_s=default_ceiling_s
         )
 
     def set(

@@ -350,3 +350,77 @@ def test_retained_keys_equal_within_retention_on_random_rows(engine) -> None:
                 seen |= set(got.values())
     assert seen == {True, False}
     assert fast([], now=0.0, tenant_id="acme", fingerprint="fp-small") == {}
+
+
+def test_turn_reads_equal_the_repositories_in_a_session_on_random_sessions(engine) -> None:
+    """TurnReads (on SQLite one driver transaction) against its twins, the repositories' facts, history,
+    effective and spans_of in one Session: random sessions, turns, segments and policies, closed and
+    failed turns, another tenant's session and an unknown one."""
+    import random
+    import secrets
+
+    from sqlalchemy import select
+
+    from orchestrator.db import TurnReads
+    from orchestrator.db.models import SessionRow, SessionStatus
+    from orchestrator.db.repositories.driver_select import DriverSelect
+
+    rng = random.Random(secrets.randbits(64))
+    factory = make_session_factory(engine)
+    ids: list[tuple[str, str]] = []
+    with factory() as s, s.begin():
+        for tenant in ("acme", "hooli"):
+            if rng.random() < 0.6:
+                TenantRepository(s).ensure(tenant)
+                floor = rng.uniform(0, 100)
+                regions = rng.sample(["eu", "us", "é"], rng.randrange(0, 3))
+                PolicyRepository(s).set(
+                    tenant, floor_s=floor, ceiling_s=rng.uniform(1, 1e5), allowed_regions=regions
+                )
+            for _ in range(3):
+                turns = tuple(
+                    ([rng.randrange(0, 1 << 30) for _ in range(rng.randrange(1, 9))], [rng.randrange(0, 99)])
+                    for _ in range(rng.randrange(0, 5))
+                )
+                sid = _session_with_turns(s, tenant=tenant, turns=turns)
+                row = SessionRepository(s).get(sid, tenant_id=tenant)
+                TurnRepository(s).finish(
+                    TurnRepository(s).begin(row, model="small", input_tokens=[1]),
+                    row,
+                    output_tokens=[],
+                    timings=TurnTimings(),
+                    status=TurnStatus.FAILED,
+                )
+                if rng.random() < 0.3:
+                    row.status = SessionStatus.CLOSED
+                cut = rng.randrange(1, 100)
+                SegmentRepository(s).link_current(
+                    sid,
+                    "fp-small",
+                    [
+                        _seg(secrets.token_bytes(32), 0, cut, tenant=tenant),
+                        _seg(secrets.token_bytes(32), cut, 200, tenant=tenant),
+                    ],
+                )
+                ids.append((sid, tenant))
+    fast = TurnReads(factory)
+    asked = ids + [(sid, "hooli" if t == "acme" else "acme") for sid, t in ids] + [("nobody", "acme")]
+    for sid, tenant in asked:
+        defaults = dict(default_floor_s=rng.uniform(0, 5), default_ceiling_s=rng.uniform(10, 50))
+        got = fast.read(sid, tenant_id=tenant, **defaults)
+        with factory() as s:
+            row = SessionRepository(s).facts(sid, tenant_id=tenant)
+            if engine.dialect.name != "sqlite":
+                assert got is None
+                continue
+            if row is None:
+                assert got.row is None and got.history == [] and got.spans == [] and got.policy is None
+                continue
+            assert tuple(got.row) == tuple(row) and got.row._fields == tuple(row._fields)
+            assert type(got.row.status) is type(row.status)
+            assert got.history == SessionRepository(s).history(sid) and len(got.history) == row.history_tokens
+            assert got.policy == PolicyRepository(s).effective(row.tenant_id, **defaults)
+            assert [tuple(r) for r in got.spans] == [tuple(r) for r in SegmentRepository(s).spans_of(sid)]
+    assert TurnReads(factory, driver=False).read("x", tenant_id="acme", **defaults) is None
+    with pytest.raises(ValueError, match="expanding"):
+        DriverSelect(select(SessionRow.id).where(SessionRow.id.in_(["a"])), engine.dialect)
