@@ -21,6 +21,7 @@ from orchestrator.db.reconcile import (
     reconcile_with_prefixes,
 )
 from orchestrator.db.repositories import (
+    DriverDML,
     DurableSegment,
     EffectivePolicy,
     MapperRegistration,
@@ -40,6 +41,7 @@ from orchestrator.db.repositories import (
 from orchestrator.db.transactions import run_serializable, serializable_factory
 
 __all__ = [
+    "DriverDML",
     "NODE_CHAIN",
     "ORPHAN_REASON",
     "OrphanSweeper",

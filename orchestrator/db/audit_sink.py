@@ -20,6 +20,7 @@ from sqlalchemy import Engine, bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import AuditHead, AuditRow
+from orchestrator.db.repositories.driver_dml import DriverDML
 from orchestrator.db.transactions import run_serializable, serializable_factory
 from storage import (
     GENESIS_HASH,
@@ -68,6 +69,8 @@ _HEAD_MOVE_IF = (
     .values(seq=bindparam("seq1"), hash=bindparam("hash1"))
 )
 _LOG_ADD = insert(_LOG)
+# the keys of `row_from_record`'s values (what the driver insert is compiled for)
+_ROW_KEYS = (*_FIELDS, "chain", "source_hash")
 _SEQSCAN_OFF = text("SET LOCAL enable_seqscan = off")
 _SEQSCAN_DEFAULT = text("SET LOCAL enable_seqscan TO DEFAULT")
 
@@ -152,6 +155,14 @@ class SqlAuditSink(AuditSink):
         # One statement fewer in every turn's write transaction, which other turns wait for.
         self._heads: dict[str, tuple[int, str]] = {}
         self.remember_heads = engine.dialect.name == "sqlite"
+        # SQLite: the hinted head move and the log insert as driver statements (`DriverDML`, compiled once:
+        # the same SQL text and bind processing), run on the transaction's own sqlite3 connection.
+        self._driver: tuple[DriverDML, DriverDML] | None = None
+        if engine.dialect.name == "sqlite":
+            self._driver = (
+                DriverDML(_HEAD_MOVE_IF, engine.dialect),
+                DriverDML(_LOG_ADD, engine.dialect, keys=_ROW_KEYS),
+            )
 
     def append(self, event: AuditEvent) -> AuditRecord:
         return run_serializable(
@@ -241,17 +252,18 @@ class SqlAuditSink(AuditSink):
             hint = self._heads.get(chain) if self.remember_heads else None
             if hint is not None:
                 recs = _seal_chain(items, by_chain[chain], *hint)
-                moved = conn.execute(
-                    _HEAD_MOVE_IF,
-                    {
-                        "c": chain,
-                        "seq0": hint[0],
-                        "hash0": hint[1],
-                        "seq1": recs[-1].seq,
-                        "hash1": recs[-1].hash,
-                    },
-                )
-                if moved.rowcount == 1:
+                move = {
+                    "c": chain,
+                    "seq0": hint[0],
+                    "hash0": hint[1],
+                    "seq1": recs[-1].seq,
+                    "hash1": recs[-1].hash,
+                }
+                if self._driver is not None:
+                    rowcount = self._driver[0].execute(conn.connection.driver_connection, move)
+                else:
+                    rowcount = conn.execute(_HEAD_MOVE_IF, move).rowcount
+                if rowcount == 1:
                     self._keep(chain, items, by_chain[chain], recs, rows, sealed)
                     continue
             head = conn.execute(_HEAD_FOR_UPDATE, {"c": chain}).one_or_none()
@@ -268,7 +280,10 @@ class SqlAuditSink(AuditSink):
                 assert moved.rowcount == 1, f"audit head of chain {chain!r} moved during append"
         if postgres:
             conn.execute(_SEQSCAN_DEFAULT)
-        conn.execute(_LOG_ADD, rows)
+        if self._driver is not None:
+            self._driver[1].executemany(conn.connection.driver_connection, rows)
+        else:
+            conn.execute(_LOG_ADD, rows)
         return [r for r in sealed if r is not None]
 
     def _keep(

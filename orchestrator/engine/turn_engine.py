@@ -35,6 +35,7 @@ from orchestrator.api import (
     TurnStatsEvent,
 )
 from orchestrator.db import (
+    DriverDML,
     SessionRepository,
     TurnRepository,
     TurnTimings,
@@ -98,6 +99,24 @@ class _FinishStatements:
 
 
 _FINISH = _FinishStatements()
+
+
+class _DriverFinish:
+    """`_FINISH`'s statements of a SQLite finish (no reservation) as driver statements: the guarded
+    session move, and the turn insert compiled for each set of column keys it is given (one, in practice:
+    `_turn_row` and the finished values)."""
+
+    def __init__(self, dialect: Any) -> None:
+        self._dialect = dialect
+        self.advance_open_at = DriverDML(_FINISH.advance_open_at, dialect)
+        self._inserts: dict[frozenset[str], DriverDML] = {}
+
+    def add_turn(self, values: dict[str, Any]) -> DriverDML:
+        keys = frozenset(values)
+        stmt = self._inserts.get(keys)
+        if stmt is None:
+            stmt = self._inserts[keys] = DriverDML(_FINISH.add_turn, self._dialect, keys=sorted(keys))
+        return stmt
 
 
 def actual_counts(
@@ -198,6 +217,8 @@ class TurnEngine:
             if decoded is not None
             else DecodedStates(ctx.settings.decoded_state_budget_bytes, pool=pool, metrics=ctx.metrics)
         )
+        dialect = ctx.engine.dialect
+        self._driver_finish = _DriverFinish(dialect) if dialect.name == "sqlite" else None
         self._prep = TurnPreparation(
             ctx=ctx,
             registry=registry,
@@ -521,15 +542,25 @@ class TurnEngine:
             advance.update(open=SessionStatus.OPEN, at=f.turn_count)
             new_turn = {"index": f.turn_count, **_turn_row(f), **values}
 
+        driver = self._driver_finish if turn_id is None else None
+
         def work(s):
             conn = s.connection()
             # The session moves on in one guarded statement (no read first); when it matches nothing, a
             # read says why (the rare path).
-            moved = conn.execute(_FINISH.advance_open_at if turn_id is None else _FINISH.advance, advance)
-            if moved.rowcount != 1:
-                self._why_not_advanced(conn, f)
+            if driver is not None:
+                # SQLite (no reservation): the same two statements through the driver (`DriverDML`)
+                raw = conn.connection.driver_connection
+                if driver.advance_open_at.execute(raw, advance) != 1:
+                    self._why_not_advanced(conn, f)
+                driver.add_turn(new_turn).execute(raw, new_turn)
+            else:
+                moved = conn.execute(_FINISH.advance_open_at if turn_id is None else _FINISH.advance, advance)
+                if moved.rowcount != 1:
+                    self._why_not_advanced(conn, f)
             if turn_id is None:
-                conn.execute(_FINISH.add_turn, new_turn)
+                if driver is None:
+                    conn.execute(_FINISH.add_turn, new_turn)
             else:
                 done = conn.execute(
                     _FINISH.close_turn, {"turn_id": turn_id, "running": TurnStatus.RUNNING, **values}

@@ -1,5 +1,6 @@
 """Repositories over the registry tables; each receives the caller's Session and never commits."""
 
+from orchestrator.db.repositories.driver_dml import DriverDML
 from orchestrator.db.repositories.fit_jobs import UNFINISHED_PHASES, FitJobRepository, FitJobSubmission
 from orchestrator.db.repositories.mappers import MapperRegistration, MapperRepository
 from orchestrator.db.repositories.policies import EffectivePolicy, PolicyRepository
@@ -11,6 +12,7 @@ from orchestrator.db.repositories.turn_reads import TurnReads, TurnSnapshot
 from orchestrator.db.repositories.turns import TurnCounts, TurnRepository, TurnTimings
 
 __all__ = [
+    "DriverDML",
     "DurableSegment",
     "EffectivePolicy",
     "FitJobRepository",
