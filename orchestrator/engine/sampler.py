@@ -28,11 +28,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [1, vocab] (or [vocab]) fp32, any device -> the chosen token id."""
-        # the generator lives on the CPU; one row of logits is cheap to move
-        row = logits.reshape(-1).float().cpu()
         spec = self._spec
         if self._gen is None:
-            return int(row.argmax())
+            # argmax of the logits where they are: the same index as of their flat fp32 CPU copy (the
+            # cast to fp32 is exact and the flat order is the logical order), one dispatch instead of four
+            return int(logits.argmax())
+        # the generator lives on the CPU; one row of logits is cheap to move
+        row = logits.reshape(-1).float().cpu()
         # Shift by the max before dividing: every scaled logit is then <= 0, so a tiny temperature
         # (1e-38) sends the others to -inf instead of overflowing to inf - inf = NaN in the softmax.
         row = (row - row.max()) / spec.temperature

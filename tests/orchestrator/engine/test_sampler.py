@@ -41,3 +41,23 @@ def test_generation_spec_rejects_non_finite_temperature() -> None:
     for bad in (float("inf"), float("nan"), -1e-9):
         with pytest.raises(ValueError, match=f"temperature={bad} must be finite and >= 0"):
             GenerationSpec(max_new_tokens=1, temperature=bad)
+
+
+def test_greedy_sampler_equals_argmax_of_the_flat_fp32_row_on_random_logits() -> None:
+    """The greedy fast path (argmax where the logits are) against its slow twin, the argmax of the flat
+    fp32 CPU copy: random shapes, dtypes, ties (rounded values), a non-contiguous view, -inf."""
+    import secrets
+
+    gen = torch.Generator().manual_seed(secrets.randbits(62))
+    sampler = Sampler(GenerationSpec(max_new_tokens=1, temperature=0.0))
+    for trial in range(200):
+        vocab = int(torch.randint(1, 700, (1,), generator=gen))
+        logits = torch.randn(2, vocab, generator=gen) * 4
+        if trial % 3 == 0:
+            logits = logits.round()  # many ties: the first maximal index must win alike
+        if trial % 7 == 0:
+            logits[:, : vocab // 2] = -torch.inf
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for view in (logits[:1].to(dtype), logits[1].to(dtype), logits.to(dtype).t()[:, :1].t()):
+                want = int(view.reshape(-1).float().cpu().argmax())
+                assert sampler(view) == want, (trial, dtype, view.shape)
