@@ -141,6 +141,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         hold_audit: bool = False,
     ) -> None:
         self.config = config
+        # the database path as errors name it (every prefix scan passes it; building it is not free)
+        self._where = str(config.db_path)
         self._clock = clock
         self._on_audit = on_audit
         self._hold_audit = hold_audit and on_audit is None
@@ -428,7 +430,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                 is marked damaged first (`health()`, and quarantine at the next open).
         """
         try:
-            yield from iter_prefix(self._db, prefix, values=values, where=str(self.config.db_path))
+            yield from iter_prefix(self._db, prefix, values=values, where=self._where)
         except StoreDamagedError as exc:
             if hasattr(self, "recovery"):
                 self._on_read_error(str(exc))
