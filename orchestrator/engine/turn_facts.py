@@ -240,14 +240,13 @@ class TurnPreparation:
                     retention=float(m.metrics["retention"]) if "retention" in m.metrics else None,
                 )
                 candidates.append((art, info))
-        row_id = row.id
         facts = dict(
             session_id=row.id,
             tenant_id=row.tenant_id,
             turn_count=row.turn_count,
             retention_s=min(row.retention_s, policy.ceiling_s),
         )
-        return (
+        return _Registered(
             name,
             served,
             new_tokens,
@@ -258,7 +257,7 @@ class TurnPreparation:
             foreign,
             last,
             candidates,
-            row_id,
+            row.id,
             facts,
         )
 
@@ -281,24 +280,10 @@ class TurnPreparation:
             default_ceiling_s=settings.retention_ceiling_s,
         )
         if snapshot is not None and not _reads_mappers(turn, snapshot):
-            got = self._registered(turn, _SnapshotReads(snapshot))
+            reg = self._registered(turn, _SnapshotReads(snapshot))
         else:
             with ctx.sessions() as s:
-                got = self._registered(turn, _SessionReads(s, turn.tenant_id, settings))
-        (
-            name,
-            served,
-            new_tokens,
-            history,
-            view,
-            policy,
-            own_stored,
-            foreign,
-            last,
-            candidates,
-            row_id,
-            facts,
-        ) = got
+                reg = self._registered(turn, _SessionReads(s, turn.tenant_id, settings))
         # Store reads happen outside any SQL transaction: a store call may deliver audit records to the
         # SQL sink, so holding a SQLite write lock across it could wait on itself.
         reuse = find_reuse(
@@ -307,69 +292,69 @@ class TurnPreparation:
             ctx.sessions,
             self.compute,
             tenant=turn.tenant_id,
-            session_id=row_id,
-            served=served,
-            history=history,
-            new_tokens=new_tokens,
-            last_model=last,
+            session_id=reg.row_id,
+            served=reg.served,
+            history=reg.history,
+            new_tokens=reg.new_tokens,
+            last_model=reg.last,
             decoded=self.decoded,
             digests=self.digests,
             retained=self._retained,
         )
         prefix = reuse.prefix
-        if foreign and prefix.n_tokens < len(history):
-            prefix = dataclasses.replace(prefix, miss_reason=_foreign_reason(served, foreign, prefix))
+        if reg.foreign and prefix.n_tokens < len(reg.history):
+            prefix = dataclasses.replace(prefix, miss_reason=_foreign_reason(reg.served, reg.foreign, prefix))
         sender = sender_prefix = None
         infos: list[MapperInfo] = []
         artifacts: dict[str, MapperArtifact] = {}
-        if last is not None and last != name:
-            sender = self.registry.get(last)
+        if reg.last is not None and reg.last != reg.name:
+            sender = self.registry.get(reg.last)
             if sender is not None:
                 sender_prefix = read_prefix(
                     self.store,
                     ctx.sessions,
                     tenant=turn.tenant_id,
                     served=sender,
-                    history=history,
+                    history=reg.history,
                     compute=self.compute,
                 )
-                for art, info in candidates:
+                for art, info in reg.candidates:
                     # A mapper that cannot run on this node is as good as none: plan without it.
-                    if self.mappers.usable(art, sender, served):
+                    if self.mappers.usable(art, sender, reg.served):
                         artifacts[art.mapper_id] = art
                         infos.append(info)
-        elif candidates:
+        elif reg.candidates:
             sender, sender_prefix = self._content_sender(
-                turn, served, history + new_tokens, prefix, candidates
+                turn, reg.served, reg.history + reg.new_tokens, prefix, reg.candidates
             )
             if sender is not None:
-                for art, info in candidates:
+                for art, info in reg.candidates:
                     if art.sender_model == sender.name:
                         artifacts[art.mapper_id] = art
                         infos.append(info)
-        if history:
+        if reg.history:
             # The metric counts lookups of a history (hit: all of it stored); a new session's lookup of its
             # prompt by content shows in its plan's reason and counts instead.
-            ctx.metrics.child(ctx.metrics.cache_lookups, result=lookup_result(prefix, len(history))).inc()
+            ctx.metrics.child(ctx.metrics.cache_lookups, result=lookup_result(prefix, len(reg.history))).inc()
         region = self.store.config.region
-        may_persist = policy.may_store_in(region)
+        may_persist = reg.policy.may_store_in(region)
         note = (
             ""
             if may_persist
-            else f"residency: tenant {turn.tenant_id} allows regions {list(policy.allowed_regions)}, "
+            else f"residency: tenant {turn.tenant_id} allows regions {list(reg.policy.allowed_regions)}, "
             f"this node is in {region!r}; served without persisting"
         )
-        inventory = dataclasses.replace(prefix.inventory(), own_prefix=min(own_stored, prefix.n_tokens))
+        inventory = dataclasses.replace(prefix.inventory(), own_prefix=min(reg.own_stored, prefix.n_tokens))
         plan = plan_turn(
-            view,
-            model=name,
-            geometry=served.geometry,
+            reg.view,
+            model=reg.name,
+            geometry=reg.served.geometry,
             cache=inventory,
-            sender_cache=_sender_inventory(sender_prefix, new_session=not history),
+            sender_cache=_sender_inventory(sender_prefix, new_session=not reg.history),
             pool=reuse.pool,
             pooled=reuse.pooled,
             mappers=infos,
-            costs=self.costs.for_model(name),
+            costs=self.costs.for_model(reg.name),
             may_persist=may_persist,
             persist_note=note,
         )
@@ -385,13 +370,13 @@ class TurnPreparation:
             reused = dict(zip(loaded.ranges, loaded.blobs, strict=True))
             reused_hashes = dict(zip(loaded.ranges, loaded.payload_hashes(), strict=True))
         return TurnFacts(
-            **facts,
-            history=history,
+            **reg.facts,
+            history=reg.history,
             plan=plan,
-            served=served,
-            new_tokens=new_tokens,
+            served=reg.served,
+            new_tokens=reg.new_tokens,
             prefix=prefix,
-            own_stored=min(own_stored, loaded.n_tokens),
+            own_stored=min(reg.own_stored, loaded.n_tokens),
             sender_prefix=sender_prefix,
             sender=sender,
             full_hit_state=reuse.full_hit_state if plan.path == ResumePath.FULL_HIT else None,

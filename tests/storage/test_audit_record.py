@@ -127,19 +127,9 @@ def test_rocks_audit_sink_detects_truncated_tail(tmp_path) -> None:
 
 
 def _seal_reference(event: AuditEvent, *, seq: int, ts_us: int, prev_hash: str) -> AuditRecord:
-    """The slow twin of `seal`: an unsealed record, its body from `dataclasses.fields`, then the hash."""
-    unsealed = AuditRecord(
-        seq=seq,
-        ts_us=ts_us,
-        actor=event.actor,
-        action=event.action,
-        tenant=event.tenant,
-        subject=event.subject,
-        reason=event.reason,
-        nbytes=event.nbytes,
-        prev_hash=prev_hash,
-        hash="",
-    )
+    """The slow twin of `seal`: an unsealed record from the event's `dataclasses.asdict` and the chain
+    fields, its body from `dataclasses.fields`, then the hash."""
+    unsealed = AuditRecord(**dataclasses.asdict(event), seq=seq, ts_us=ts_us, prev_hash=prev_hash, hash="")
     body = {f.name: getattr(unsealed, f.name) for f in dataclasses.fields(unsealed) if f.name != "hash"}
     body["action"] = str(unsealed.action)
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

@@ -17,6 +17,8 @@ from typing import Any
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.dml import ValuesBase
 
+from orchestrator.db.repositories.driver_binds import DriverBinds, compile_for_driver
+
 __all__ = ["DriverDML"]
 
 
@@ -31,35 +33,14 @@ class DriverDML:
     """
 
     def __init__(self, stmt: ValuesBase | Any, dialect: Dialect, keys: Sequence[str] | None = None) -> None:
-        compiled = stmt.compile(dialect=dialect, column_keys=list(keys) if keys is not None else None)
-        if "POSTCOMPILE" in compiled.string or any(b.expanding for b in compiled.binds.values()):
-            raise ValueError("DriverDML takes no expanding (IN-list) parameters")
+        compiled = compile_for_driver(stmt, dialect, "DriverDML", list(keys) if keys is not None else None)
         if compiled.returning:
             raise ValueError("DriverDML takes no RETURNING statement")
         self.sql = compiled.string
         self.keys = frozenset(keys) if keys is not None else None
         defaults = {c.key: c.default for c in compiled.insert_prefetch}
         defaults.update({c.key: c.onupdate for c in compiled.update_prefetch})
-        self._binds: list[tuple[str, Any, bool, Any, Any]] = []
-        for name in compiled.positiontup or []:
-            bind = compiled.binds[name]
-            proc = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            self._binds.append((name, bind.value, bind.required, proc, defaults.get(name)))
-
-    def _params(self, values: Mapping[str, Any]) -> list[Any]:
-        out = []
-        for name, fixed, required, proc, default in self._binds:
-            if name in values:
-                value = values[name]
-            elif default is not None:
-                # SQLAlchemy wraps a column default's callable to take the execution context (unused here)
-                value = default.arg(None) if default.is_callable else default.arg
-            elif required:
-                raise KeyError(f"parameter {name!r} is required")
-            else:
-                value = fixed
-            out.append(proc(value) if proc is not None and value is not None else value)
-        return out
+        self._params = DriverBinds(compiled, dialect, defaults).params
 
     def execute(self, raw: Any, values: Mapping[str, Any]) -> int:
         """Run once on `raw` (a sqlite3 connection); the number of rows it matched."""

@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import Select
 from sqlalchemy.engine import Dialect
 
+from orchestrator.db.repositories.driver_binds import DriverBinds, compile_for_driver
+
 __all__ = ["DriverSelect"]
 
 
@@ -27,31 +29,12 @@ class DriverSelect:
     """
 
     def __init__(self, stmt: Select[Any], dialect: Dialect) -> None:
-        compiled = stmt.compile(dialect=dialect)
-        if "POSTCOMPILE" in compiled.string or any(b.expanding for b in compiled.binds.values()):
-            raise ValueError("DriverSelect takes no expanding (IN-list) parameters")
+        compiled = compile_for_driver(stmt, dialect, "DriverSelect")
         self.sql = compiled.string
-        names = compiled.positiontup or []
-        self._binds = []
-        for name in names:
-            bind = compiled.binds[name]
-            proc = bind.type.dialect_impl(dialect).bind_processor(dialect)
-            self._binds.append((name, bind.value if not bind.required else None, bind.required, proc))
+        self._params = DriverBinds(compiled, dialect).params
         columns = list(stmt.selected_columns)
         self._row = namedtuple("Row", [c.key for c in columns], rename=True)  # type: ignore[misc]
         self._results = [c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns]
-
-    def _params(self, params: Mapping[str, Any]) -> list[Any]:
-        out = []
-        for name, fixed, required, proc in self._binds:
-            if name in params:
-                value = params[name]
-            elif required:
-                raise KeyError(f"parameter {name!r} is required")
-            else:
-                value = fixed
-            out.append(proc(value) if proc is not None and value is not None else value)
-        return out
 
     def rows(self, raw: Any, params: Mapping[str, Any]) -> list[Any]:
         """Run on `raw` (a DBAPI connection or cursor: anything with `execute(sql, params)`)."""
