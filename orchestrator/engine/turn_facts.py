@@ -270,16 +270,17 @@ class TurnPreparation:
         """
         ctx = self._ctx
         settings = ctx.settings
-        # The session, its history, the tenant's policy and the session's segments in one read
-        # transaction, Core rows (no ORM objects): on SQLite through the driver (`TurnReads`) unless the
-        # turn also reads mapper rows (a switch, a new session), which read in one Session with the rest.
+        # The session, its history, the tenant's policy, the session's segments and (a switch, a new
+        # session) the mappers to the turn's model in one read transaction, Core rows (no ORM objects):
+        # on SQLite through the driver (`TurnReads`), elsewhere in one Session.
         snapshot = self._turn_reads.read(
             turn.session_id,
             tenant_id=turn.tenant_id,
             default_floor_s=settings.retention_floor_s,
             default_ceiling_s=settings.retention_ceiling_s,
+            model=turn.model,
         )
-        if snapshot is not None and not _reads_mappers(turn, snapshot):
+        if snapshot is not None:
             reg = self._registered(turn, _SnapshotReads(snapshot))
         else:
             with ctx.sessions() as s:
@@ -431,8 +432,7 @@ class _SessionReads:
 
 
 class _SnapshotReads:
-    """The same reads answered from a `TurnSnapshot` (read before, in one transaction); a turn that reads
-    mapper rows never gets here (`_reads_mappers`)."""
+    """The same reads answered from a `TurnSnapshot` (read before, in one transaction)."""
 
     def __init__(self, snapshot: TurnSnapshot) -> None:
         self._snap = snapshot
@@ -450,19 +450,11 @@ class _SnapshotReads:
     def spans(self, session_id: str) -> list[Any]:
         return self._snap.spans
 
-    def mappers(self, **filters: str) -> list[Any]:
-        raise AssertionError("a turn that reads mapper rows reads through a Session")
-
-
-def _reads_mappers(turn: TurnInput, snapshot: TurnSnapshot) -> bool:
-    """Whether `_registered` would read mapper rows for this snapshot: a switch of an open session to
-    another model, or a new session (its prompt may be stored under another model)."""
-    row = snapshot.row
-    if row is None or row.status != SessionStatus.OPEN:
-        return False
-    name = turn.model or row.model
-    last = row.model if row.turn_count else None
-    return (last is not None and last != name) or not snapshot.history
+    def mappers(self, *, receiver_model: str, sender_model: str | None = None) -> list[Any]:
+        # the snapshot read every mapper to the turn's model when `_registered` reads any (`reads_mappers`)
+        rows = self._snap.mappers
+        assert rows is not None, "the snapshot holds no mapper rows: TurnReads and _registered disagree"
+        return [m for m in rows if sender_model is None or m.sender_model == sender_model]
 
 
 def _sender_inventory(prefix: StoredPrefix | None, *, new_session: bool) -> CacheInventory | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import MapperRow
@@ -49,6 +49,15 @@ class MapperRegistration:
                 f"gate {self.gate_threshold}, so it cannot have passed"
             )
         object.__setattr__(self, "metrics", {str(k): float(v) for k, v in self.metrics.items()})
+
+
+# Every mapper to one receiver in `list`'s order, as Core rows (`TurnReads` runs it through the driver).
+_MAPPERS = MapperRow.__table__
+_OF_RECEIVER = (
+    select(_MAPPERS)
+    .where(_MAPPERS.c.receiver_model == bindparam("rm"))
+    .order_by(_MAPPERS.c.sender_model, _MAPPERS.c.receiver_model, _MAPPERS.c.id)
+)
 
 
 class MapperRepository:

@@ -1,7 +1,8 @@
 """A turn's registry reads in one read transaction on SQLite through the driver: the session's facts, its
-history, the tenant's effective policy and the session's segment spans, as `SessionRepository.facts` /
-`history`, `PolicyRepository.effective` and `SegmentRepository.spans_of` give them in a Session (their
-tested twins), with the same statements (`DriverSelect`: same SQL text and type processing).
+history, the tenant's effective policy, the session's segment spans and, for a switch or a new session,
+the mappers to the turn's model, as `SessionRepository.facts` / `history`, `PolicyRepository.effective`,
+`SegmentRepository.spans_of` and `MapperRepository.list` give them in a Session (their tested twins),
+with the same statements (`DriverSelect`: same SQL text and type processing).
 
 Why: every turn reads these before it plans; through a Session they cost a Session, a pool checkout with
 a BEGIN statement, four Core executions and a ROLLBACK, several times the driver calls. The reads run
@@ -17,22 +18,35 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db.models import blob_to_tokens
-from orchestrator.db.repositories import policies, segments, sessions
+from orchestrator.db.repositories import mappers, policies, segments, sessions
 from orchestrator.db.repositories.driver_select import DriverSelect
 from orchestrator.db.repositories.policies import EffectivePolicy, effective_policy
 
-__all__ = ["TurnReads", "TurnSnapshot"]
+__all__ = ["TurnReads", "TurnSnapshot", "reads_mappers"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TurnSnapshot:
     """What a turn read of the registry in one snapshot (`row` None: no such session of the tenant;
-    the rest is then empty)."""
+    the rest is then empty).
+
+    `mappers` holds every mapper row to the turn's model (`MapperRepository.list(receiver_model=...)`
+    as Core rows), read only when the turn reads mapper rows: a switch of the session to another model
+    or a session without history (`reads_mappers`); None otherwise.
+    """
 
     row: Any | None
     history: list[int] = field(default_factory=list)
     policy: EffectivePolicy | None = None
     spans: list[Any] = field(default_factory=list)
+    mappers: list[Any] | None = None
+
+
+def reads_mappers(row: Any, history: list[int], model: str) -> bool:
+    """Whether a turn of `model` on this session reads mapper rows: a switch from the model of its last
+    turn, or no history yet (its prompt may be stored under another model)."""
+    last = row.model if row.turn_count else None
+    return (last is not None and last != model) or not history
 
 
 class TurnReads:
@@ -55,10 +69,18 @@ class TurnReads:
             self._history = DriverSelect(sessions._HISTORY, dialect)
             self._policy = DriverSelect(policies._EFFECTIVE, dialect)
             self._spans = DriverSelect(segments._SPANS, dialect)
+            self._mappers = DriverSelect(mappers._OF_RECEIVER, dialect)
 
     def read(
-        self, session_id: str, *, tenant_id: str, default_floor_s: float, default_ceiling_s: float
+        self,
+        session_id: str,
+        *,
+        tenant_id: str,
+        default_floor_s: float,
+        default_ceiling_s: float,
+        model: str | None = None,
     ) -> TurnSnapshot | None:
+        """The snapshot of a turn of `model` (None: the session's model) on the session."""
         if self._engine is None:
             return None
         raw = self._engine.raw_connection()
@@ -69,7 +91,9 @@ class TurnReads:
                 # four reads, and no write lock taken.
                 cursor.execute("BEGIN")
                 try:
-                    return self._read(cursor, session_id, tenant_id, default_floor_s, default_ceiling_s)
+                    return self._read(
+                        cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
+                    )
                 finally:
                     cursor.execute("ROLLBACK")
             finally:
@@ -78,7 +102,13 @@ class TurnReads:
             raw.close()
 
     def _read(
-        self, cursor: Any, session_id: str, tenant_id: str, default_floor_s: float, default_ceiling_s: float
+        self,
+        cursor: Any,
+        session_id: str,
+        tenant_id: str,
+        default_floor_s: float,
+        default_ceiling_s: float,
+        model: str | None,
     ) -> TurnSnapshot:
         found = self._facts.rows(cursor, {"sid": session_id})
         row = found[0] if found else None
@@ -94,4 +124,7 @@ class TurnReads:
             default_ceiling_s=default_ceiling_s,
         )
         spans = self._spans.rows(cursor, {"sid": session_id})
-        return TurnSnapshot(row=row, history=blob_to_tokens(blob), policy=policy, spans=spans)
+        history = blob_to_tokens(blob)
+        name = model or row.model
+        found = self._mappers.rows(cursor, {"rm": name}) if reads_mappers(row, history, name) else None
+        return TurnSnapshot(row=row, history=history, policy=policy, spans=spans, mappers=found)

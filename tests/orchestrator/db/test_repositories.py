@@ -361,8 +361,8 @@ def test_turn_reads_equal_the_repositories_in_a_session_on_random_sessions(engin
 
     from sqlalchemy import select
 
-    from orchestrator.db import TurnReads
-    from orchestrator.db.models import SessionRow, SessionStatus
+    from orchestrator.db import MapperRegistration, MapperRepository, TurnReads, session_view
+    from orchestrator.db.models import MapperRow, SessionRow, SessionStatus
     from orchestrator.db.repositories.driver_select import DriverSelect
 
     rng = random.Random(secrets.randbits(64))
@@ -403,11 +403,31 @@ def test_turn_reads_equal_the_repositories_in_a_session_on_random_sessions(engin
                     ],
                 )
                 ids.append((sid, tenant))
+        models = ("small", "big", "tiny")
+        for i in range(rng.randrange(0, 7)):
+            sender, receiver = rng.sample(models, 2)
+            passed = rng.random() < 0.5
+            metrics = {"retention": rng.random(), "cos": rng.random()} if rng.random() < 0.7 else {}
+            MapperRepository(s).register(
+                MapperRegistration(
+                    mapper_id=f"m{i}-{rng.randrange(100)}",
+                    sender_model=sender,
+                    receiver_model=receiver,
+                    artifact_uri=f"file:///m{i}",
+                    artifact_sha256=secrets.token_hex(32) if rng.random() < 0.5 else "",
+                    kind=rng.choice(["ridge", "mlp"]),
+                    metrics={**metrics, "cos": 0.9} if passed else metrics,
+                    gate_metric="cos" if passed else "",
+                    gate_threshold=0.5 if passed else None,
+                    passed_gate=passed,
+                )
+            )
     fast = TurnReads(factory)
     asked = ids + [(sid, "hooli" if t == "acme" else "acme") for sid, t in ids] + [("nobody", "acme")]
     for sid, tenant in asked:
         defaults = dict(default_floor_s=rng.uniform(0, 5), default_ceiling_s=rng.uniform(10, 50))
-        got = fast.read(sid, tenant_id=tenant, **defaults)
+        model = rng.choice([None, "small", "big", "tiny"])
+        got = fast.read(sid, tenant_id=tenant, model=model, **defaults)
         with factory() as s:
             row = SessionRepository(s).facts(sid, tenant_id=tenant)
             if engine.dialect.name != "sqlite":
@@ -421,6 +441,19 @@ def test_turn_reads_equal_the_repositories_in_a_session_on_random_sessions(engin
             assert got.history == SessionRepository(s).history(sid) and len(got.history) == row.history_tokens
             assert got.policy == PolicyRepository(s).effective(row.tenant_id, **defaults)
             assert [tuple(r) for r in got.spans] == [tuple(r) for r in SegmentRepository(s).spans_of(sid)]
+            name = model or row.model
+            # the twin of reads_mappers: _registered's rule, spelled through session_view's last_model
+            last = session_view(row, new_tokens=1).last_model
+            if (last is not None and last != name) or not got.history:
+                cols = [c.key for c in MapperRow.__table__.columns]
+                want = [
+                    tuple(getattr(m, c) for c in cols) for m in MapperRepository(s).list(receiver_model=name)
+                ]
+                assert [tuple(r) for r in got.mappers] == want and all(
+                    r._fields == tuple(cols) for r in got.mappers
+                )
+            else:
+                assert got.mappers is None
     assert TurnReads(factory, driver=False).read("x", tenant_id="acme", **defaults) is None
     with pytest.raises(ValueError, match="expanding"):
         DriverSelect(select(SessionRow.id).where(SessionRow.id.in_(["a"])), engine.dialect)
