@@ -24,6 +24,7 @@ from storage.audit_record import (
     verify_chain,
 )
 from storage.audit_rocks import RocksAuditSink, read_only_audit
+from storage.chunk_key import token_bytes
 from storage.errors import (
     AuditRecordError,
     StorageError,
@@ -136,5 +137,6 @@ __all__ = [
     "read_only_audit",
     "repair_store",
     "seal",
+    "token_bytes",
     "verify_chain",
 ]

@@ -514,9 +514,19 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             return LookupResult(n_tokens=pos, spans=spans, miss=miss)
 
     def longest_valid_prefix(
-        self, tenant: str, model_fingerprint: str, token_ids: list[int] | bytes
+        self,
+        tenant: str,
+        model_fingerprint: str,
+        token_ids: list[int] | bytes,
+        *,
+        count_unstored: bool = True,
     ) -> PrefixResult:
         """Read and verify the stored chunks covering the longest prefix of `token_ids`.
+
+        Args:
+            count_unstored: count a history of which no chunk is stored (nothing read) in the miss
+                counters. False for a caller that used to `lookup` first and read only when it found a
+                chunk (`read_prefix`): its counters keep meaning what they meant, one index walk fewer.
 
         Returns:
             PrefixResult: payloads in order and where/why the prefix ends. A value that fails its
@@ -571,11 +581,16 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             for span in found.spans[: len(ranges)]:
                 self._index.touch(span.address)
             self._stats.chunk_hits += len(ranges)
-            if miss is not None:
+            if miss is not None and (count_unstored or found.spans):
                 self._stats.misses[miss.reason.value] += 1
         n_tokens = ranges[-1][1] if ranges else 0
         return PrefixResult(
-            n_tokens=n_tokens, ranges=ranges, payloads=payloads, miss=miss, checksums=checksums
+            n_tokens=n_tokens,
+            ranges=ranges,
+            payloads=payloads,
+            miss=miss,
+            checksums=checksums,
+            spans=found.spans,
         )
 
     def _on_bad_value(self, tenant: str, span: ChunkSpan, defect: str, nbytes: int) -> Miss:

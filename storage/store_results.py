@@ -52,6 +52,8 @@ class PrefixResult:
     Concatenating the ranges gives [0, n_tokens). `miss` is None when the whole history is covered.
     `checksums[i]` is the stored sha256 that payloads[i]'s value (header and payload) verified against:
     two equal checksums name the same bytes, so a digest of a payload may be kept by its checksum.
+    `spans` are the index's spans the read started from (the `lookup` it made: its first len(ranges)
+    spans are the ranges read; any after them were not read, or failed).
     """
 
     n_tokens: int
@@ -59,6 +61,7 @@ class PrefixResult:
     payloads: list[bytes]
     miss: Miss | None
     checksums: list[bytes] = field(default_factory=list)
+    spans: list[ChunkSpan] = field(default_factory=list)
 
 
 class RefusalKind(StrEnum):

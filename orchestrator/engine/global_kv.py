@@ -24,7 +24,7 @@ from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
-from storage import AuditRecord, GlobalKVStore, MissReason
+from storage import AuditRecord, GlobalKVStore, MissReason, token_bytes
 
 __all__ = ["StoredPrefix", "PersistOutcome", "read_prefix", "persist_chunks", "link_segments", "chunk_ranges"]
 
@@ -105,14 +105,15 @@ def read_prefix(
     name, fp = served.name, served.fingerprint_hex
     if not history:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
-    found = store.lookup(tenant, fp, list(history))
-    if not found.spans:
-        miss = found.miss
+    # One index walk: the read reports the spans it started from (an unstored history is not counted
+    # as a store miss, as when this looked the history up first and read only what it found).
+    verified = store.longest_valid_prefix(tenant, fp, list(history), count_unstored=False)
+    if not verified.spans:
+        miss = verified.miss
         assert miss is not None
         why = _miss_text(miss.reason, miss.at_token, miss.detail)
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=why)
-    verified = store.longest_valid_prefix(tenant, fp, list(history))
-    keys = [s.address for s in found.spans]
+    keys = [s.address for s in verified.spans]
     # A chunk serves while any session of the tenant that stored or read it is inside its granted
     # retention (ARCHITECTURE §1: past its retention is a miss).
     at = time.time() if now is None else now
@@ -129,7 +130,7 @@ def read_prefix(
     state = compute.new_state(served)
     blobs: list[bytes] = []
     ranges: list[tuple[int, int]] = []
-    by_range = {(s.start, s.end): s.address for s in found.spans}
+    by_range = {(s.start, s.end): s.address for s in verified.spans}
     checksums = verified.checksums if len(verified.checksums) == len(verified.payloads) else None
     for (start, end), payload in zip(verified.ranges, verified.payloads, strict=True):
         key = by_range.get((start, end))
@@ -268,8 +269,10 @@ def persist_chunks(
     digest = chunks_digest_of(every, [payload_hash(r) for r in every])
     new_bytes = 0
     claimed: list[AuditRecord] = []
+    # the ids as the store takes them (u32 little-endian), encoded once for the put and the lookup
+    ids = token_bytes(list(history))
     if payloads:
-        put = store.put_chunks(tenant, session_id, fp, list(history), payloads, audit_claim=claimed)
+        put = store.put_chunks(tenant, session_id, fp, ids, payloads, audit_claim=claimed)
         if put.refusal is not None:
             return PersistOutcome(
                 persisted=False,
@@ -278,7 +281,7 @@ def persist_chunks(
                 audit=tuple(claimed),
             )
         new_bytes = put.new_bytes
-    spans = store.lookup(tenant, fp, list(history)).spans
+    spans = store.lookup(tenant, fp, ids).spans
     sizes = {r: len(p) for r, p in payloads.items()}
     expires = dt.datetime.fromtimestamp(clock() + retention_s, dt.UTC)
     segments = tuple(

@@ -251,3 +251,49 @@ def test_longest_valid_prefix_returns_the_checksums_its_values_verified_against(
         value = store._db.get(b"C" + span.address)
         # the checksum closes the value: sha256 over everything before it
         assert value[-32:] == checksum == hashlib.sha256(value[:-32]).digest()
+
+
+def test_longest_valid_prefix_spans_and_count_unstored_keep_lookup_first_counters(make_store) -> None:
+    """`count_unstored=False` counts what the slow twin counted (`lookup` first, then the read only when
+    it found a chunk), and `spans` are the lookup's: random stored, partly stored, diverging, unstored
+    histories and unknown tenants."""
+    import secrets
+
+    rng = random.Random(secrets.randbits(64))
+    store = make_store()
+    stored = []
+    for i in range(4):
+        toks = _tokens(rng.randrange(1, 4 * CHUNK), seed=rng.randrange(1 << 30))
+        store.put_chunks(rng.choice(["tA", "tB"]), f"s{i}", FP, toks, payloads_for(toks))
+        stored.append(toks)
+
+    def twin(tenant: str, toks: list[int]) -> None:
+        if store.lookup(tenant, FP, toks).spans:
+            store.longest_valid_prefix(tenant, FP, toks)
+
+    for _ in range(40):
+        base = rng.choice(stored)
+        toks = rng.choice(
+            [
+                base,
+                base + _tokens(rng.randrange(1, 2 * CHUNK), seed=rng.randrange(99)),
+                base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(0, 99)] * rng.randrange(1, CHUNK),
+                _tokens(rng.randrange(1, 3 * CHUNK), seed=rng.randrange(1 << 30)),
+            ]
+        )
+        tenant = rng.choice(["tA", "tB", "tC"])
+        before = store.stats()
+        twin(tenant, toks)
+        mid = store.stats()
+        got = store.longest_valid_prefix(tenant, FP, toks, count_unstored=False)
+        after = store.stats()
+        assert got.spans == store.lookup(tenant, FP, toks).spans
+        assert [(s.start, s.end) for s in got.spans[: len(got.ranges)]] == got.ranges
+        assert after.chunk_hits - mid.chunk_hits == mid.chunk_hits - before.chunk_hits
+        assert {k: after.misses[k] - mid.misses[k] for k in after.misses} == {
+            k: mid.misses[k] - before.misses[k] for k in mid.misses
+        }
+        # counted by default: an unstored history is a miss at token 0
+        if not got.spans:
+            store.longest_valid_prefix(tenant, FP, toks)
+            assert sum(store.stats().misses.values()) == sum(after.misses.values()) + 1
