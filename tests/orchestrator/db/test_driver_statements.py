@@ -29,7 +29,8 @@ def _fill(conn, rng: random.Random) -> list[str]:
                 id=sid,
                 tenant_id="acme",
                 model="m",
-                status=rng.choice(list(SessionStatus)),
+                # one open session at least, so that some guarded moves can match
+                status=SessionStatus.OPEN if i == 0 else rng.choice(list(SessionStatus)),
                 retention_s=60.0,
                 node="n",
                 region="r",
@@ -67,15 +68,26 @@ def test_driver_dml_writes_what_core_writes_on_random_values(registry_copy) -> N
     index = 0
     matched: set[tuple[int, int]] = set()
     for _ in range(60):
-        sid = rng.choice(sids + ["absent"])
+        sid, tid, at = rng.choice(sids + ["absent"]), rng.choice(["acme", "other"]), rng.randrange(3)
+        if rng.random() < 0.3:
+            # a move that matches: an open session at its current turn count (random ones rarely do)
+            with core_eng.connect() as conn:
+                sid, at = rng.choice(
+                    conn.execute(
+                        select(SessionRow.id, SessionRow.turn_count).where(
+                            SessionRow.status == SessionStatus.OPEN
+                        )
+                    ).all()
+                )
+            tid = "acme"
         adv = {
             "sid": sid,
-            "tid": rng.choice(["acme", "other"]),
+            "tid": tid,
             "next": rng.randrange(9),
             "grown": rng.randrange(99),
             "new_model": rng.choice(["m", "m2", "é"]),
             "open": SessionStatus.OPEN,
-            "at": rng.randrange(3),
+            "at": at,
         }
         index += 1
         turn = {
