@@ -25,6 +25,7 @@ from kernels.formats.spec import (
     BlockFormat,
 )
 from kernels.formats.weights import (
+    GEMM_MIN_ROWS,
     LINEAR_MATH,
     PreparedWeight,
     dequantize_fp4_weight,
@@ -43,6 +44,7 @@ __all__ = [
     "E4M3_MIN_SUBNORMAL",
     "FP4_E4M3",
     "FP8_UE8M0",
+    "GEMM_MIN_ROWS",
     "LINEAR_MATH",
     "MXFP4",
     "Backend",

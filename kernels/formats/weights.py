@@ -102,6 +102,11 @@ def dequantize_fp4_weight(
     return (values * scales).flatten(-2).to(dtype)
 
 
+# The row count from which MKL's fp32 GEMM computes every row alike (model/invariant.py, which pads the
+# model's other fp32 products the same way; its GEMM probe checks the 32-wide block shape).
+GEMM_MIN_ROWS = 4
+
+
 def _block_scaled_matmul(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
@@ -110,12 +115,20 @@ def _block_scaled_matmul(
     a fp32 [M, K] (FP8 values), a_scale fp32 [M, K/32], b fp32 [N, K] (FP8 or E2M1 values),
     b_scale fp32 [N, K/32] -> fp32 [M, N]. Same operations, in the same order, as the reference port.
     """
+    m = a.shape[0]
+    if 0 < m < GEMM_MIN_ROWS:
+        # MKL runs products of 1, 2 and 3 rows with kernels of their own, whose sums differ from a stacked
+        # row's now and then (an FP8 block's 32 products are not always exact in fp32: on an AMD EPYC Zen 4,
+        # 283 of 16000 one-row blocks differed): a few rows run inside a 4-row product, so a row's sums do
+        # not depend on how many rows share the call (lone decode = batched decode, chunked = one-shot).
+        a = torch.cat([a, a.new_zeros(GEMM_MIN_ROWS - m, a.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_zeros(GEMM_MIN_ROWS - m, a_scale.shape[1])])
     acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
     for k in range(a.shape[1] // WEIGHT_BLOCK):
         block = slice(k * WEIGHT_BLOCK, (k + 1) * WEIGHT_BLOCK)
         partial = a[:, block] @ b[:, block].T  # [M, N]
         acc += partial * a_scale[:, k : k + 1] * b_scale[:, k].unsqueeze(0)
-    return acc
+    return acc[:m]
 
 
 def _quantized_activation(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
