@@ -38,7 +38,13 @@ from orchestrator.db.repositories import (
     TurnSnapshot,
     TurnTimings,
 )
-from orchestrator.db.transactions import run_serializable, serializable_factory
+from orchestrator.db.transactions import (
+    connection_of,
+    run_serializable,
+    run_serializable_connection,
+    serializable_engine,
+    serializable_factory,
+)
 
 __all__ = [
     "DriverDML",
@@ -72,6 +78,7 @@ __all__ = [
     "TurnTimings",
     "downgrade",
     "collect_orphans",
+    "connection_of",
     "forget_gone_chunks",
     "heads_digest",
     "make_engine",
@@ -81,6 +88,8 @@ __all__ = [
     "reconcile_segments",
     "reconcile_with_prefixes",
     "run_serializable",
+    "run_serializable_connection",
+    "serializable_engine",
     "serializable_factory",
     "session_view",
     "upgrade",

@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, bindparam, insert, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import AuditHead, AuditRow
 from orchestrator.db.repositories.driver_dml import DriverDML
-from orchestrator.db.transactions import run_serializable, serializable_factory
+from orchestrator.db.transactions import connection_of, run_serializable, serializable_factory
 from storage import (
     GENESIS_HASH,
     AuditAction,
@@ -183,11 +183,11 @@ class SqlAuditSink(AuditSink):
         )
 
     def mirror_in(
-        self, session: Session, records: Sequence[AuditRecord], *, skip_known: bool = False
+        self, session: Session | Connection, records: Sequence[AuditRecord], *, skip_known: bool = False
     ) -> list[AuditRecord]:
         """Append store records as the next records of their tenants' chains inside `session`'s
-        transaction: same fields and timestamp, this database's seq and hashes, `source_hash` = the
-        store record's hash.
+        transaction (a Session's, or a Connection's of `run_serializable_connection`): same fields and
+        timestamp, this database's seq and hashes, `source_hash` = the store record's hash.
 
         Args:
             skip_known: first drop records whose hash is already a `source_hash` here (a delivery
@@ -228,7 +228,7 @@ class SqlAuditSink(AuditSink):
         return self._append_items(session, [(e, stamp, None) for e in events])
 
     def _append_items(
-        self, session: Session, items: Sequence[tuple[AuditEvent, int, str | None]]
+        self, session: Session | Connection, items: Sequence[tuple[AuditEvent, int, str | None]]
     ) -> list[AuditRecord]:
         if not items:
             return []
@@ -237,7 +237,7 @@ class SqlAuditSink(AuditSink):
             by_chain.setdefault(chain_of(event.tenant), []).append(i)
         sealed: list[AuditRecord | None] = [None] * len(items)
         rows: list[dict[str, object]] = []
-        conn = session.connection()
+        conn = connection_of(session)
         postgres = conn.dialect.name == "postgresql"
         if postgres:
             # Under SERIALIZABLE a sequential scan of audit_head (the planner's choice while it is small)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
-from sqlalchemy import bindparam, delete, select
+from sqlalchemy import Connection, bindparam, delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db.audit_sink import SqlAuditSink
 from orchestrator.db.models import CacheSegment, SessionSegment
 from orchestrator.db.repositories import SegmentRepository, SessionRepository
-from orchestrator.db.transactions import run_serializable
+from orchestrator.db.transactions import connection_of, run_serializable
 from storage import AuditAction, AuditRecord
 
 __all__ = [
@@ -157,7 +157,11 @@ def _gone_keys(records: Iterable[AuditRecord]) -> list[bytes]:
 
 
 def forget_gone_chunks(
-    session: Session, *, node: str, records: Iterable[AuditRecord], deleted: Collection[bytes] = ()
+    session: Session | Connection,
+    *,
+    node: str,
+    records: Iterable[AuditRecord],
+    deleted: Collection[bytes] = (),
 ) -> int:
     """Inside `session`'s transaction: delete this node's segment rows of the chunks that `records`
     (store records) say were expired, evicted, found corrupt or purged; returns rows deleted. Rows of
@@ -172,7 +176,7 @@ def forget_gone_chunks(
         return 0
     # Core, built once (`_FORGET`): this runs in the transaction of every turn whose write replaced a
     # tail chunk. The links go with the rows (ON DELETE CASCADE).
-    return session.connection().execute(_FORGET, {"keys": keys, "node": node}).rowcount
+    return connection_of(session).execute(_FORGET, {"keys": keys, "node": node}).rowcount
 
 
 def mirror_and_forget(

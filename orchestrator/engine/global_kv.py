@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, RetainedKeys, SegmentRepository
@@ -306,7 +307,7 @@ def persist_chunks(
 
 
 def link_segments(
-    s: Session, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
+    s: Session | Connection, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
 ) -> list[bytes]:
     """Link the session to its current chunks of `fingerprint` and unlink the ones the store superseded
     (a shorter tail), deleting rows no session links any more (a few Core statements, whatever the

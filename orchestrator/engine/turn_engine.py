@@ -41,6 +41,8 @@ from orchestrator.db import (
     TurnTimings,
     forget_gone_chunks,
     run_serializable,
+    run_serializable_connection,
+    serializable_engine,
 )
 from orchestrator.db.models import (
     ResumePathName,
@@ -219,6 +221,10 @@ class TurnEngine:
         )
         dialect = ctx.engine.dialect
         self._driver_finish = _DriverFinish(dialect) if dialect.name == "sqlite" else None
+        self._writer = serializable_engine(ctx.engine)
+        # SQLite's finish (driver statements, no reservation) runs on a Connection of `_writer` instead
+        # of an ORM Session; False runs it through `ctx.serializable`, its twin (tests compare the two).
+        self.finish_on_connection = True
         self._prep = TurnPreparation(
             ctx=ctx,
             registry=registry,
@@ -514,8 +520,9 @@ class TurnEngine:
         """The turn's one registry transaction: the finished turn row (inserted, or the reserved row
         closed), the session's new length and model, the segment links of what the store holds durably,
         and the store's audit records of this turn's write, mirrored into the tenant's chain. Core
-        statements. The audit records are acknowledged to the store after the commit, or handed back to
-        it when the transaction fails.
+        statements (driver statements on SQLite, run on a Connection without an ORM Session). The audit
+        records are acknowledged to the store after the commit, or handed back to it when the
+        transaction fails.
 
         Raises:
             PreconditionError: the session was deleted, closed or advanced during the turn.
@@ -544,8 +551,7 @@ class TurnEngine:
 
         driver = self._driver_finish if turn_id is None else None
 
-        def work(s):
-            conn = s.connection()
+        def work(conn: Any, s: Any) -> None:
             # The session moves on in one guarded statement (no read first); when it matches nothing, a
             # read says why (the rare path).
             if driver is not None:
@@ -580,7 +586,11 @@ class TurnEngine:
             # One transaction per finish. A SQLite group commit (savepoint per finish, one COMMIT; commit
             # 1c82e3a, then removed) cut commits per turn to 0.23 at 64 sessions but
             # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
-            run_serializable(self._ctx.serializable, work)
+            if driver is not None and self.finish_on_connection:
+                # Every statement is Core or driver SQL: the same transaction without an ORM Session
+                run_serializable_connection(self._writer, lambda conn: work(conn, conn))
+            else:
+                run_serializable(self._ctx.serializable, lambda s: work(s.connection(), s))
         except BaseException:
             self.store.release_audit(claimed)
             raise

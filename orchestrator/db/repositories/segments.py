@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from orchestrator.db.models import CacheSegment, SessionSegment
 from orchestrator.db.repositories.link_sqlite import link_current_sqlite
 from orchestrator.db.repositories.read_connection import read_connection
+from orchestrator.db.transactions import connection_of
 
 __all__ = ["SegmentRepository", "DurableSegment", "SegmentTotals"]
 
@@ -167,7 +168,11 @@ def _refuse_foreign(conn: Connection, untouched: Sequence[DurableSegment]) -> No
 
 
 class SegmentRepository:
-    def __init__(self, session: Session) -> None:
+    """Segment rows and links inside the caller's unit of work. A Core Connection (a turn's
+    `run_serializable_connection`) serves the `link_current*` methods, which run Core and driver
+    statements only; the others need the ORM Session."""
+
+    def __init__(self, session: Session | Connection) -> None:
         self._s = session
 
     def link(self, session_id: str, segment: DurableSegment) -> CacheSegment:
@@ -222,7 +227,7 @@ class SegmentRepository:
             ValueError: a store key already recorded for another tenant (raised after the upsert of the
                 others: the caller's transaction must not commit, as run_serializable ensures).
         """
-        conn = self._s.connection()
+        conn = connection_of(self._s)
         keys = [seg.store_key for seg in segments]
         if len(set(keys)) != len(keys) or conn.dialect.name not in _FAST.upsert:
             return self.link_current_reference(session_id, fingerprint, segments)
@@ -242,7 +247,7 @@ class SegmentRepository:
     ) -> list[bytes]:
         """`link_current` in SQLAlchemy Core statements (PostgreSQL's path; SQLite's twin); distinct
         store keys."""
-        conn = self._s.connection()
+        conn = connection_of(self._s)
         dialect = conn.dialect.name
         keys = [seg.store_key for seg in segments]
         ids: dict[bytes, int] = {}
@@ -269,7 +274,7 @@ class SegmentRepository:
         Raises:
             ValueError: a store key already recorded for another tenant (before anything is written).
         """
-        conn = self._s.connection()
+        conn = connection_of(self._s)
         keys = [seg.store_key for seg in segments]
         known: dict[bytes, tuple[int, str, dt.datetime]] = {}
         if keys:

@@ -71,16 +71,19 @@ def test_writers_take_turns_and_a_failed_one_hands_on(engine) -> None:
 
 
 class _Conn:
-    """The two things `WriterQueue.on_begin` uses of a SQLAlchemy Connection."""
+    """What `WriterQueue.on_begin` uses of a SQLAlchemy Connection: its info, its options and the
+    driver connection it begins on."""
 
     def __init__(self) -> None:
         self.info: dict = {}
         self.sql: list[str] = []
+        self.connection = self
+        self.driver_connection = self
 
     def get_execution_options(self) -> dict:
         return {WRITER_OPTION: True}
 
-    def exec_driver_sql(self, sql: str) -> None:
+    def execute(self, sql: str) -> None:
         self.sql.append(sql)
 
 
