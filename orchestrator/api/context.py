@@ -5,6 +5,7 @@ Built once per server by `build_context`; knows nothing of gRPC's server object.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,10 +26,12 @@ from orchestrator.db import (
     EffectivePolicy,
     Purger,
     SegmentRepository,
+    SessionCreate,
     SqlAuditSink,
     StorePurger,
     make_engine,
     make_session_factory,
+    serializable_engine,
     serializable_factory,
     upgrade,
 )
@@ -97,6 +100,16 @@ class ServiceContext:
     fit_jobs: FitJobService | None = None
     # The whole audit check (both chains, their agreement, the anchors); None: the SQL chains alone.
     audit_checker: AuditChecker | None = None
+
+    @functools.cached_property
+    def writer(self) -> Engine:
+        """`engine` as a serialisable writer (`serializable_engine`), for `run_serializable_connection`."""
+        return serializable_engine(self.engine)
+
+    @functools.cached_property
+    def session_create(self) -> SessionCreate | None:
+        """CreateSession's statements compiled for the driver on SQLite (None elsewhere: the ORM path)."""
+        return SessionCreate(self.engine.dialect) if self.engine.dialect.name == "sqlite" else None
 
     def close(self) -> None:
         self.engine.dispose()

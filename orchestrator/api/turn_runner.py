@@ -34,8 +34,14 @@ from orchestrator.api.turn_types import (
     TurnInput,
     TurnStatsEvent,
 )
-from orchestrator.db import PolicyRepository, SessionRepository, TenantRepository, run_serializable
-from orchestrator.db.models import SessionRow, SessionStatus
+from orchestrator.db import (
+    PolicyRepository,
+    SessionRepository,
+    TenantRepository,
+    run_serializable,
+    run_serializable_connection,
+)
+from orchestrator.db.models import SessionRow, SessionStatus, utcnow
 
 __all__ = ["create_session", "generation_spec", "owned_session", "run_turn"]
 
@@ -69,24 +75,33 @@ def create_session(
     model: str,
     retention_hint_s: float | None,
     convert: Callable[[SessionRow], T],
+    driver: bool = True,
 ) -> tuple[T, float]:
     """Create a session of the tenant (registering the tenant on its first session) in one serializable
     transaction; returns `convert(row)` (called inside it) and the granted retention.
+
+    Args:
+        driver: on SQLite, run the statements through the driver (`SessionCreate`, on a Connection
+            without an ORM Session); False runs the repositories in a Session, its twin (tests compare
+            the two). Other databases always take the Session path.
 
     Raises:
         ResourceExhaustedError: the tenant holds `max_sessions_per_tenant` sessions (reason SESSION_LIMIT).
     """
     settings = ctx.settings
 
-    def work(s: Any) -> tuple[T, float, str]:
-        tenant = TenantRepository(s).ensure(tenant_id)
-        repo = SessionRepository(s)
-        if repo.count(tenant_id=tenant.id) >= settings.max_sessions_per_tenant:
+    def refuse_at_limit(tenant: str, count: int) -> None:
+        if count >= settings.max_sessions_per_tenant:
             raise ResourceExhaustedError(
-                f"tenant {tenant.id} has {settings.max_sessions_per_tenant} sessions, the limit",
+                f"tenant {tenant} has {settings.max_sessions_per_tenant} sessions, the limit",
                 reason="SESSION_LIMIT",
                 retry_after_s=60.0,
             )
+
+    def work(s: Any) -> tuple[T, float, str]:
+        tenant = TenantRepository(s).ensure(tenant_id)
+        repo = SessionRepository(s)
+        refuse_at_limit(tenant.id, repo.count(tenant_id=tenant.id))
         policy = PolicyRepository(s).effective(
             tenant.id,
             default_floor_s=settings.retention_floor_s,
@@ -103,7 +118,36 @@ def create_session(
         )
         return convert(row), granted, row.id
 
-    converted, granted, session_id = run_serializable(ctx.serializable, work)
+    creator = ctx.session_create if driver else None
+
+    def work_on_driver(conn: Any) -> tuple[T, float, str]:
+        assert creator is not None
+        raw = conn.connection.driver_connection
+        creator.ensure_tenant(raw, tenant_id)
+        refuse_at_limit(tenant_id, creator.count(raw, tenant_id))
+        policy = creator.effective_policy(
+            raw,
+            tenant_id,
+            default_floor_s=settings.retention_floor_s,
+            default_ceiling_s=settings.retention_ceiling_s,
+        )
+        granted = policy.clip_retention(retention_hint_s)
+        row = creator.create(
+            raw,
+            tenant_id=tenant_id,
+            model=model,
+            retention_s=granted,
+            retention_hint_s=retention_hint_s,
+            node=ctx.node,
+            region=settings.region,
+            clock=utcnow,
+        )
+        return convert(row), granted, row.id
+
+    if creator is not None:
+        converted, granted, session_id = run_serializable_connection(ctx.writer, work_on_driver)
+    else:
+        converted, granted, session_id = run_serializable(ctx.serializable, work)
     ctx.owners.remember(session_id, tenant_id)
     return converted, granted
 

@@ -6,6 +6,7 @@ from orchestrator.db.repositories.mappers import MapperRegistration, MapperRepos
 from orchestrator.db.repositories.policies import EffectivePolicy, PolicyRepository
 from orchestrator.db.repositories.retained_keys import RetainedKeys
 from orchestrator.db.repositories.segments import DurableSegment, SegmentRepository, SegmentTotals
+from orchestrator.db.repositories.session_create import SessionCreate
 from orchestrator.db.repositories.sessions import SessionRepository
 from orchestrator.db.repositories.tenants import TenantRepository
 from orchestrator.db.repositories.turn_reads import TurnReads, TurnSnapshot
@@ -23,6 +24,7 @@ __all__ = [
     "RetainedKeys",
     "SegmentRepository",
     "SegmentTotals",
+    "SessionCreate",
     "SessionRepository",
     "TenantRepository",
     "TurnCounts",

@@ -63,9 +63,11 @@ def twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         n = next(counters.setdefault(current["node"], itertools.count()))
         return SimpleNamespace(hex=f"{n:032x}")
 
+    import orchestrator.db.repositories.session_create as session_create_module
     import orchestrator.db.repositories.sessions as sessions_module
 
-    monkeypatch.setattr(sessions_module, "uuid", SimpleNamespace(uuid4=uuid4))
+    for module in (sessions_module, session_create_module):
+        monkeypatch.setattr(module, "uuid", SimpleNamespace(uuid4=uuid4))
     salt = secrets.token_bytes(32)
     # the store's own tenant salt too (its chunk keys)
     import storage.kv_store as kv_store_module
