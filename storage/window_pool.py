@@ -109,6 +109,14 @@ class WindowPool:
         self._bytes = 0
         self._drop_listeners: list[Callable[[str, str, bytes], None]] = []
         self._hits = self._absent = self._expired_misses = self._evicted = self._expired = self._refused = 0
+        # Every put and refresh stamps its entry now + ttl_s and moves it to the end, so while the clock
+        # never goes back the expiries rise along the recency order and the expired entries are the
+        # oldest ones: a sweep stops at the first live entry instead of reading the whole pool on every
+        # put. `_in_order` is False once a stamp went below the latest (a clock that went back); sweeps
+        # then scan everything, as `ordered_sweep = False` always does (the twin tests compare).
+        self.ordered_sweep = True
+        self._in_order = True
+        self._latest_expiry = -math.inf
 
     def on_drop(self, listener: Callable[[str, str, bytes], None]) -> None:
         """Call `listener(tenant, session, value)` whenever an entry leaves the pool (replaced by a put,
@@ -142,7 +150,7 @@ class WindowPool:
                 self._drop(key)
                 self._evicted += 1
                 evicted += 1
-            self._entries[(tenant, session)] = (bytes(value), now + self.config.ttl_s)
+            self._entries[(tenant, session)] = (bytes(value), self._stamp(now))
             self._bytes += size
             if content is not None:
                 self._content[(tenant, session)] = content
@@ -164,7 +172,7 @@ class WindowPool:
                 self._expired += 1
                 self._expired_misses += 1
                 return PoolMiss.EXPIRED
-            self._entries[key] = (value, now + self.config.ttl_s)
+            self._entries[key] = (value, self._stamp(now))
             self._entries.move_to_end(key)
             self._hits += 1
             return value
@@ -200,7 +208,7 @@ class WindowPool:
                         self._drop(key)
                         self._expired += 1
                         continue
-                    self._entries[key] = (value, now + self.config.ttl_s)
+                    self._entries[key] = (value, self._stamp(now))
                     self._entries.move_to_end(key)
                     self._hits += 1
                     return PrefixMatch(session=session, n_tokens=n, value=value)
@@ -267,10 +275,41 @@ class WindowPool:
             listener(key[0], key[1], entry[0])
         return True
 
+    def _stamp(self, now: float) -> float:
+        """The expiry of an entry put or refreshed at `now` (it goes to the end of the recency order)."""
+        expires_at = now + self.config.ttl_s
+        if expires_at < self._latest_expiry:
+            self._in_order = False
+        else:
+            self._latest_expiry = expires_at
+        return expires_at
+
     def _sweep(self, now: float) -> int:
-        # Expiry times are not in recency order after refreshes, so scan all; pools hold few entries.
+        if not (self.ordered_sweep and self._in_order):
+            return self._sweep_all(now)
+        dead = 0
+        entries = self._entries
+        while entries:
+            key, (_, expires_at) = next(iter(entries.items()))
+            if now < expires_at:
+                break
+            self._drop(key)
+            dead += 1
+        self._expired += dead
+        return dead
+
+    def _sweep_all(self, now: float) -> int:
+        """`_sweep`'s reference: every entry read. Afterwards the order holds again if the expiries left
+        rise along the recency order."""
         dead = [k for k, (_, expires_at) in self._entries.items() if now >= expires_at]
         for key in dead:
             self._drop(key)
         self._expired += len(dead)
+        latest = -math.inf
+        for _, expires_at in self._entries.values():
+            if expires_at < latest:
+                break
+            latest = expires_at
+        else:
+            self._in_order, self._latest_expiry = True, latest
         return len(dead)
