@@ -42,7 +42,6 @@ from orchestrator.db import (
     forget_gone_chunks,
     run_serializable,
     run_serializable_connection,
-    serializable_engine,
 )
 from orchestrator.db.models import (
     ResumePathName,
@@ -221,8 +220,7 @@ class TurnEngine:
         )
         dialect = ctx.engine.dialect
         self._driver_finish = _DriverFinish(dialect) if dialect.name == "sqlite" else None
-        self._writer = serializable_engine(ctx.engine)
-        # SQLite's finish (driver statements, no reservation) runs on a Connection of `_writer` instead
+        # SQLite's finish (driver statements, no reservation) runs on a Connection of `ctx.writer` instead
         # of an ORM Session; False runs it through `ctx.serializable`, its twin (tests compare the two).
         self.finish_on_connection = True
         self._prep = TurnPreparation(
@@ -588,7 +586,7 @@ class TurnEngine:
             # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
             if driver is not None and self.finish_on_connection:
                 # Every statement is Core or driver SQL: the same transaction without an ORM Session
-                run_serializable_connection(self._writer, lambda conn: work(conn, conn))
+                run_serializable_connection(self._ctx.writer, lambda conn: work(conn, conn))
             else:
                 run_serializable(self._ctx.serializable, lambda s: work(s.connection(), s))
         except BaseException:
