@@ -52,6 +52,7 @@ def model_load(
     turns: int,
     first_tokens: int = 64,
     generated: int = 4,
+    model_process: str = "inline",
 ) -> dict[str, Any]:
     """One load run; raises RuntimeError when any turn fails."""
     settings = Settings(
@@ -66,6 +67,7 @@ def model_load(
         max_sessions_per_tenant=100000,
         max_running_turns=max(96, sessions),
         scheduler=scheduler,
+        model_process=model_process,
     )
     registry = _registry(checkpoint)
     node = build_node(settings, registry=registry, preload=True)
@@ -120,6 +122,7 @@ def model_load(
     tq = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else ttfts * 99
     return {
         "scheduler": scheduler,
+        "model_process": model_process,
         "sessions": sessions,
         "turns": len(latencies),
         "wall_s": wall,

@@ -106,6 +106,10 @@ class Settings:
     # token in one batch-invariant pass per step, plus prefill chunks under `step_token_budget`) or
     # "serial" (each forward pass alone, one at a time: the baseline). Both give identical tokens and bytes.
     scheduler: str = "batching"
+    # Where the served models compute: "inline" (in this process) or "separate" (a model process of
+    # their own, orchestrator/model_process/: the model's ops and the service's Python then do not share
+    # one GIL). Same tokens and bytes either way (the model process's fingerprints are checked).
+    model_process: str = "inline"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step.
     max_batch_sequences: int = 64
     step_token_budget: int = 256
@@ -189,6 +193,8 @@ class Settings:
             raise ValueError(f"model_math={self.model_math!r} must be 'exact' or 'fast'")
         if self.scheduler not in ("batching", "serial"):
             raise ValueError(f"scheduler={self.scheduler!r} must be 'batching' or 'serial'")
+        if self.model_process not in ("inline", "separate"):
+            raise ValueError(f"model_process={self.model_process!r} must be 'inline' or 'separate'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

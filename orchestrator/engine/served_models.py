@@ -282,6 +282,10 @@ class ModelRegistry:
         )
 
     @property
+    def device(self) -> str:
+        return self._device
+
+    @property
     def kernel_backend(self) -> str:
         return self._kernel_backend
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+import torch
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -35,6 +36,7 @@ from orchestrator.engine.served_models import ModelRegistry, ServedModelSpec
 from orchestrator.engine.swap import ArtifactMappers, KVMapperApplier
 from orchestrator.engine.turn_engine import TurnEngine
 from orchestrator.jobs import FitJobService
+from orchestrator.model_process import ProcessCompute
 from orchestrator.planner import CostTable
 from orchestrator.scheduler import MetricsObserver, build_scheduler
 from orchestrator.settings import Settings
@@ -190,6 +192,12 @@ def _drop_stale_turns(ctx: ServiceContext) -> int:
     return run_serializable(ctx.serializable, work)
 
 
+def _swap_state_builder(compute: ModelCompute) -> Callable[..., object] | None:
+    """Where a model swap builds its receiver state: in the model process when there is one (its states
+    live there), else here."""
+    return compute.state_from_global if isinstance(compute, ProcessCompute) else None
+
+
 @dataclass(kw_only=True)
 class NodeService:
     """Everything one node runs; `close` releases the store and the registry engine."""
@@ -206,6 +214,9 @@ class NodeService:
         if self.ctx.fit_jobs is not None:
             self.ctx.fit_jobs.close()
         self.engine.scheduler.close()
+        close_compute = getattr(self.engine.compute, "close", None)
+        if close_compute is not None:
+            close_compute()  # the model process (model_process = "separate")
         if self.ctx.audit_checker is not None:
             # A last anchor while the store is still open: a clean stop leaves no unanchored tail.
             self.ctx.audit_checker.stop()
@@ -313,7 +324,12 @@ def build_node(
     costs = (
         CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
     )
-    compute = compute if compute is not None else TorchCompute()
+    if compute is None:
+        compute = (
+            ProcessCompute.from_registry(registry, threads=torch.get_num_threads())
+            if settings.model_process == "separate"
+            else TorchCompute()
+        )
     scheduler = build_scheduler(
         settings.scheduler,
         compute,
@@ -328,7 +344,7 @@ def build_node(
         store=store,
         pool=pool,
         costs=costs,
-        mappers=mappers if mappers is not None else ArtifactMappers(),
+        mappers=mappers if mappers is not None else ArtifactMappers(build_state=_swap_state_builder(compute)),
         clock=clock,
         compute=compute,
         prefill_chunk_tokens=prefill_chunk_tokens,

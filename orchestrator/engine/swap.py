@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -99,7 +99,11 @@ class ArtifactMappers:
     Loaded artifacts are cached by (uri, digest).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, build_state: Callable[..., Any] | None = None) -> None:
+        """`build_state(receiver, tokens, blobs)`: where the receiver state is built from the mapped
+        chunks (default: here, `model.state_from_global`; a model process's `ProcessCompute` builds it
+        there, with the same function)."""
+        self._build_state = build_state
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], KVMapper | None] = {}
         self._alternates: dict[bytes, frozenset[str]] = {}
@@ -185,6 +189,8 @@ class ArtifactMappers:
             raise ValueError(
                 f"mapper produced {mapped.n_tokens} tokens of global KV, the plan needs {n_tokens}"
             )
+        if self._build_state is not None:
+            return self._build_state(receiver, list(history[:n_tokens]), list(mapped.blobs))
         return state_from_global(receiver.model, tokens, list(mapped.blobs), fingerprint=receiver.fingerprint)
 
 

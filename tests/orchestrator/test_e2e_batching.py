@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.orchestrator.engine.node_harness import md, registry, run_turn, start_node, uninterrupted_greedy
+from tests.orchestrator.engine.node_harness import continued_greedy, md, registry, run_turn, start_node
 
 SESSIONS = 8
 TURNS = 3
@@ -28,9 +28,14 @@ def _script(i: int) -> list[list[int]]:
     return [first] + [[rng.randrange(16, 512) for _ in range(3 + i)] for _ in range(TURNS - 1)]
 
 
-def _serve(tmp_path: Path, models, scheduler: str, *, together: bool):
+def _serve(tmp_path: Path, models, scheduler: str, *, together: bool, model_process: str = "inline"):
     node = start_node(
-        tmp_path, models, scheduler=scheduler, step_token_budget=48, max_sessions_per_tenant=50
+        tmp_path,
+        models,
+        scheduler=scheduler,
+        step_token_budget=48,
+        max_sessions_per_tenant=50,
+        model_process=model_process,
     )
     pb = node.pb
     results: dict[int, list] = {}
@@ -73,7 +78,13 @@ def test_batched_sessions_equal_serial_sessions_small(tmp_path: Path) -> None:
     _compare(tmp_path, small=True)
 
 
-def _compare(tmp_path: Path, small: bool = False) -> None:
+def test_sessions_in_a_model_process_equal_serial_sessions_here(tmp_path: Path) -> None:
+    """model_process = "separate": the batched sessions' passes run in the model process, with their
+    states held there; tokens, paths and stored bytes equal the serial in-process run."""
+    _compare(tmp_path, small=True, model_process="separate")
+
+
+def _compare(tmp_path: Path, small: bool = False, model_process: str = "inline") -> None:
     global SESSIONS, TURNS
     saved = SESSIONS, TURNS
     if small:
@@ -82,18 +93,20 @@ def _compare(tmp_path: Path, small: bool = False) -> None:
         torch.set_num_threads(1)
         models = registry()
         alone, alone_stored = _serve(tmp_path / "serial", models, "serial", together=False)
-        batched, batched_stored = _serve(tmp_path / "batching", models, "batching", together=True)
+        batched, batched_stored = _serve(
+            tmp_path / "batching", models, "batching", together=True, model_process=model_process
+        )
         for i in range(SESSIONS):
             assert [t.tokens for t in batched[i]] == [t.tokens for t in alone[i]], f"session {i}"
             assert [t.path for t in batched[i]] == [t.path for t in alone[i]]
             assert batched_stored[i] == alone_stored[i], f"stored bytes of session {i} differ"
             assert batched_stored[i][0] > 0
-            # the later turns are full hits, equal to the uninterrupted computation
-            history: list[int] = []
-            for new, t in zip(_script(i), batched[i], strict=True):
-                if t.path == "FULL_HIT":
-                    assert t.tokens == uninterrupted_greedy(models, "a", history + new, len(t.tokens))
-                history += new + t.tokens
+            # the later turns are full hits, equal to the uninterrupted computation: the session with
+            # its state kept in memory (ARCHITECTURE §1; a cold prefill of the whole history equals it
+            # only up to floating-point reordering: on an AMD EPYC Zen 4 a decoded token's one-row
+            # products differ from the same row of a prefill's)
+            turns = [(new, len(t.tokens)) for new, t in zip(_script(i), batched[i], strict=True)]
+            assert [t.tokens for t in batched[i]] == continued_greedy(models, "a", turns), f"session {i}"
             assert {t.path for t in batched[i][1:]} == {"FULL_HIT"}
     finally:
         SESSIONS, TURNS = saved

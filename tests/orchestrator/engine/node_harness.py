@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from model import greedy
+from model import decode, greedy, prefill
 from orchestrator.api import RunningServer, build_server
 from orchestrator.engine import ModelRegistry, NodeService, ServedModelSpec, build_node, repo_root
 from orchestrator.settings import Settings
@@ -178,6 +178,28 @@ def uninterrupted_greedy(models: ModelRegistry, name: str, prompt: list[int], n:
     served = models.get(name)
     assert served is not None
     return greedy(served.model, torch.tensor([prompt]), n)
+
+
+@torch.inference_mode()
+def continued_greedy(models: ModelRegistry, name: str, turns: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Greedy tokens of a session that keeps its state in memory from turn to turn (ARCHITECTURE §1: the
+    computation a full hit must equal bit for bit): each turn's new tokens prefilled (`ced`) onto the
+    state, `n` tokens decoded, and the last one run through the model too, as the service does before it
+    stores the turn. `turns`: (new tokens, generated count) per turn."""
+    served = models.get(name)
+    assert served is not None
+    model, state, history, out = served.model, None, 0, []
+    for new, n in turns:
+        history += len(new)
+        step = prefill(model, torch.tensor([new]), state, mode="ced", prompt_end=history)
+        state, logits, tokens = step.state, step.logits, []
+        for _ in range(n):
+            tokens.append(int(logits[0].argmax()))
+            step = decode(model, torch.tensor([tokens[-1]]), state)
+            state, logits = step.state, step.logits
+        history += n
+        out.append(tokens)
+    return out
 
 
 def replay_start(stored: int, window: int = WINDOW, group: int = 2) -> int:

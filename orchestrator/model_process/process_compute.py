@@ -1,0 +1,397 @@
+"""`ProcessCompute`: the turn engine's model operations (`engine.ModelCompute`, plus the schedulers'
+batched passes) run in the model process (`worker.py`), with each cache state held there and named here
+by a `RemoteState` handle.
+
+Same results as `TorchCompute` bit for bit: the model process loads the same models (the parent's specs,
+device, kernels, cpu path and math, under the parent's numerics environment, which it inherits) and runs
+the same calls; each model's fingerprint is checked against the parent's before the first call that uses
+it, so a process that would compute differently is refused, not used. Tests compare the two on fresh
+random turns.
+
+Failure: when the model process dies (killed, out of memory), the calls in flight and any call naming one
+of its states raise `ModelProcessError` (the turns fail; nothing they had stored is touched), and the
+next call starts a new model process. When this process dies, the model process sees its stdin close and
+exits.
+
+Connections: up to `connections` at once (one per concurrent call: a scheduler step, a turn's import or
+export), each served by a thread of its own in the model process.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from model import PassOutput
+from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, unpack_logits
+from orchestrator.model_process.worker import WorkerConfig
+
+__all__ = ["ModelProcessError", "ProcessCompute", "RemoteState"]
+
+log = structlog.get_logger(__name__)
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ModelProcessError(RuntimeError):
+    """The model process died or could not start, or a state it held is gone with it."""
+
+
+class RemoteState:
+    """A cache state held by the model process: its id there, the process generation it belongs to, and
+    its length (kept current by every call that changes it). `clone()` copies it there."""
+
+    __slots__ = ("_owner", "generation", "state_id", "n_tokens", "__weakref__")
+    batch = 1
+
+    def __init__(self, owner: ProcessCompute, generation: int, state_id: int, n_tokens: int) -> None:
+        self._owner = owner
+        self.generation = generation
+        self.state_id = state_id
+        self.n_tokens = n_tokens
+
+    def clone(self) -> RemoteState:
+        return self._owner.clone(self)
+
+    def __repr__(self) -> str:
+        return f"RemoteState(id={self.state_id}, generation={self.generation}, n_tokens={self.n_tokens})"
+
+
+class _Process:
+    """One model process and its connections."""
+
+    def __init__(self, config: WorkerConfig, generation: int, connections: int, python: str,
+                 start_timeout_s: float) -> None:  # fmt: skip
+        self.generation = generation
+        self.dead = False
+        # models whose fingerprint this process was checked for
+        self.checked: set[str] = set()
+        self._config = config
+        self._max = connections
+        self._made = 0
+        self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [python, "-m", "orchestrator.model_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_REPO_ROOT, env=os.environ.copy(),
+        )  # fmt: skip
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(dumps(config).hex().encode() + b"\n")
+        self.proc.stdin.flush()
+        ready: queue.Queue[bytes] = queue.Queue()
+        threading.Thread(target=lambda: ready.put(self.proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
+        try:
+            line = ready.get(timeout=start_timeout_s).decode(errors="replace").strip()
+        except queue.Empty:
+            line = ""
+        if not line.startswith("ready "):
+            self.kill()
+            raise ModelProcessError(
+                f"the model process did not start (exit code {self.proc.poll()}, said {line[:200]!r}); "
+                "its stderr is this process's"
+            )
+        self.address = line.removeprefix("ready ")
+
+    def checkout(self) -> Connection:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            make = self._made < self._max
+            if make:
+                self._made += 1
+        if make:
+            try:
+                return Client(self.address, family="AF_UNIX", authkey=self._config.authkey)
+            except (OSError, EOFError) as exc:
+                with self._lock:
+                    self._made -= 1
+                raise ModelProcessError(f"cannot reach the model process: {exc}") from exc
+        return self._idle.get()
+
+    def checkin(self, conn: Connection) -> None:
+        self._idle.put(conn)
+
+    def kill(self) -> None:
+        self.dead = True
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()  # the model process's lifeline: it exits on its own
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                break
+
+
+class ProcessCompute:
+    """Model operations in a model process of their own (see the module docstring).
+
+    Args:
+        specs, device, kernel_backend, cpu_path, linear_math: the served models, as the parent's
+            `ModelRegistry` has them (`from_registry` takes them from one).
+        threads: torch intra-op threads of the model process.
+        connections: most calls in flight at once.
+        start_timeout_s: how long a start may take (importing torch, loading the models).
+    """
+
+    def __init__(
+        self,
+        *,
+        specs: Mapping[str, Any],
+        device: str = "cpu",
+        kernel_backend: str = "torch",
+        cpu_path: str = "portable",
+        linear_math: str = "exact",
+        threads: int = 1,
+        connections: int = 8,
+        python: str | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections={connections} must be >= 1")
+        self._config_args = dict(
+            specs=dict(specs), device=device, kernel_backend=kernel_backend, cpu_path=cpu_path,
+            linear_math=linear_math, threads=threads,
+        )  # fmt: skip
+        self._connections = connections
+        self._python = python or sys.executable
+        self._start_timeout_s = start_timeout_s
+        self._proc: _Process | None = None
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        # (generation, state id) of handles gone here; sent with the next call
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+
+    @classmethod
+    def from_registry(cls, registry: Any, *, threads: int = 1, connections: int = 8) -> ProcessCompute:
+        return cls(
+            specs={name: registry.spec(name) for name in registry.names},
+            device=registry.device,
+            kernel_backend=registry.kernel_backend,
+            cpu_path=registry.cpu_path,
+            linear_math=registry.linear_math,
+            threads=threads,
+            connections=connections,
+        )
+
+    # -- process and calls ----------------------------------------------------------------------------
+
+    def _process(self) -> _Process:
+        with self._lock:
+            if self._closed:
+                raise ModelProcessError("the model process was closed")
+            if self._proc is None or self._proc.dead:
+                self._generation += 1
+                self._freed.clear()
+                config = WorkerConfig(authkey=os.urandom(32), **self._config_args)  # type: ignore[arg-type]
+                self._proc = _Process(
+                    config, self._generation, self._connections, self._python, self._start_timeout_s
+                )
+                log.info("model_process_started", pid=self._proc.proc.pid, generation=self._generation)
+            return self._proc
+
+    def _call(self, op: str, *args: Any, served: Any = None, states: Sequence[Any] = ()) -> Any:
+        return self._call_at(op, *args, served=served, states=states)[0]
+
+    def _call_at(
+        self, op: str, *args: Any, served: Any = None, states: Sequence[Any] = ()
+    ) -> tuple[Any, int]:
+        """Run `op(*args)` there; its value and the generation of the process that ran it.
+
+        `served`: the model the call uses (its fingerprint is checked once per model process);
+        `states`: the handles named in `args`, which must belong to this very process.
+        """
+        proc = self._process()
+        for state in states:
+            if state is not None and state.generation != proc.generation:
+                raise ModelProcessError(
+                    f"state {state.state_id} was held by an earlier model process, which ended"
+                )
+        if served is not None and served.name not in proc.checked:
+            theirs = self._send(proc, "fingerprint", (served.name,))
+            if theirs != served.fingerprint:
+                raise ModelProcessError(
+                    f"model {served.name}: the model process computes under fingerprint "
+                    f"{theirs.hex()[:16]}, this process under {served.fingerprint.hex()[:16]} "
+                    "(numerics or weights differ)"
+                )
+            proc.checked.add(served.name)
+        return self._send(proc, op, args), proc.generation
+
+    def _send(self, proc: _Process, op: str, args: tuple[Any, ...]) -> Any:
+        frees = []
+        while self._freed:
+            try:
+                gen, sid = self._freed.popleft()
+            except IndexError:
+                break
+            if gen == proc.generation:
+                frees.append(sid)
+        payload = dumps((op, args, frees))
+        conn = proc.checkout()
+        try:
+            conn.send_bytes(payload)
+            reply: Reply = loads(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            conn.close()
+            self._died(proc, f"{type(exc).__name__}: {exc}")
+            raise ModelProcessError(
+                f"the model process ended during {op} (exit code {proc.proc.poll()}); its states are lost"
+            ) from exc
+        proc.checkin(conn)
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def _died(self, proc: _Process, why: str) -> None:
+        with self._lock:
+            if proc.dead:
+                return
+            log.error("model_process_died", pid=proc.proc.pid, generation=proc.generation, error=why)
+            proc.kill()
+
+    # -- states ---------------------------------------------------------------------------------------
+
+    def _handle(self, state_id: int, n_tokens: int, generation: int) -> RemoteState:
+        handle = RemoteState(self, generation, state_id, n_tokens)
+        weakref.finalize(handle, self._freed.append, (generation, state_id))
+        return handle
+
+    def _sid(self, state: RemoteState | None) -> int | None:
+        """The id of `state` there (None: no state)."""
+        if state is None:
+            return None
+        if not isinstance(state, RemoteState):
+            # every state of a node with a model process is made there (a model swap's mapped state by
+            # `state_from_global`), so this is a wiring bug, not a turn's input
+            raise TypeError(f"{type(state).__name__} is not a state of the model process")
+        return state.state_id
+
+    def _output(self, wire: WireOutput, state: RemoteState | None, generation: int) -> PassOutput:
+        if state is not None and wire.state_id == state.state_id:
+            state.n_tokens = wire.n_tokens
+            handle = state
+        else:
+            handle = self._handle(wire.state_id, wire.n_tokens, generation)
+        return PassOutput(logits=unpack_logits(wire.logits), state=handle, stats=wire.stats)  # type: ignore[arg-type]
+
+    def clone(self, state: RemoteState) -> RemoteState:
+        (sid, n), generation = self._call_at("clone", self._sid(state), states=(state,))
+        return self._handle(sid, n, generation)
+
+    def state_from_global(self, served: Any, tokens: Sequence[int], blobs: Sequence[bytes]) -> RemoteState:
+        """`model.state_from_global` there: a batch-1 state holding the global KV of `tokens` from
+        consecutive chunks, windows absent (a model swap's receiver state). Raises CacheFormatError."""
+        (sid, n), generation = self._call_at(
+            "state_from_global", served.name, list(tokens), list(blobs), served=served
+        )
+        return self._handle(sid, n, generation)
+
+    def held_states(self) -> int:
+        """How many states the model process holds (tests: handles dropped here are freed there)."""
+        return int(self._call("held"))
+
+    def stats(self) -> dict[str, Any]:
+        """The model process's own accounting (`worker._Worker.op_stats`)."""
+        return self._call("stats")
+
+    # -- engine.ModelCompute ---------------------------------------------------------------------------
+
+    def new_state(self, served: Any) -> RemoteState:
+        (sid, n), generation = self._call_at("new_state", served.name, served=served)
+        return self._handle(sid, n, generation)
+
+    def import_chunk(self, served: Any, state: RemoteState, blob: bytes) -> int:
+        end, state.n_tokens = self._call(
+            "import_chunk", served.name, self._sid(state), blob, served=served, states=(state,)
+        )
+        return int(end)
+
+    def import_chunks(self, served: Any, state: RemoteState, blobs: Sequence[bytes]) -> tuple[int, Any]:
+        done, error, state.n_tokens = self._call(
+            "import_chunks", served.name, self._sid(state), list(blobs), served=served, states=(state,)
+        )
+        return done, error
+
+    def seal_prefix(self, served: Any, state: RemoteState, tokens: Sequence[int]) -> None:
+        state.n_tokens = self._call(
+            "seal_prefix", served.name, self._sid(state), list(tokens), served=served, states=(state,)
+        )
+
+    def import_windows(self, served: Any, state: RemoteState, blob: bytes) -> None:
+        state.n_tokens = self._call(
+            "import_windows", served.name, self._sid(state), blob, served=served, states=(state,)
+        )
+
+    def export_global(self, served: Any, state: RemoteState, start: int, end: int) -> bytes:
+        return self._call(
+            "export_global", served.name, self._sid(state), start, end, served=served, states=(state,)
+        )
+
+    def export_windows(self, served: Any, state: RemoteState) -> bytes:
+        return self._call("export_windows", served.name, self._sid(state), served=served, states=(state,))
+
+    def prefill(
+        self, served: Any, tokens: Sequence[int], state: RemoteState | None, *, prompt_end: int
+    ) -> PassOutput:
+        wire, generation = self._call_at(
+            "prefill", served.name, list(tokens), self._sid(state), prompt_end, served=served, states=(state,)
+        )
+        return self._output(wire, state, generation)
+
+    def decode(self, served: Any, token: int, state: RemoteState) -> PassOutput:
+        wire, generation = self._call_at(
+            "decode", served.name, int(token), self._sid(state), served=served, states=(state,)
+        )
+        return self._output(wire, state, generation)
+
+    def decode_many(
+        self, served: Any, tokens: Sequence[int], states: Sequence[RemoteState]
+    ) -> list[PassOutput]:
+        sids = [self._sid(s) for s in states]
+        wires, generation = self._call_at(
+            "decode_many", served.name, [int(t) for t in tokens], sids, served=served, states=states
+        )
+        return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+    def prefill_many(
+        self,
+        served: Any,
+        chunks: Sequence[Sequence[int]],
+        states: Sequence[RemoteState | None],
+        prompt_ends: Sequence[int],
+    ) -> list[PassOutput]:
+        sids = [self._sid(s) for s in states]
+        wires, generation = self._call_at(
+            "prefill_many", served.name, [list(c) for c in chunks], sids, list(prompt_ends),
+            served=served, states=states,
+        )  # fmt: skip
+        return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()

@@ -1,0 +1,243 @@
+"""The model process: the served models, their cache states and every torch operation on them, in a
+process of its own (`python -m orchestrator.model_process`), so that the model's many small ops do
+not share one GIL with the service's Python (vLLM v1 runs its EngineCore apart from the API server for
+the same reason).
+
+Measured before it existed (AMD EPYC Zen 4, 2 cores, 64 sessions of v41-sib-s, in-process): the step
+loop was busy 98% of the run's wall time but ran on the CPU only 67% of it; the rest it waited for the
+GIL after each op while the turn threads ran (a GIL convoy), so steps took 1.5x their CPU time.
+
+Start-up: the parent writes one line to stdin, the hex of a pickled `WorkerConfig`, and keeps stdin open:
+its end (the parent exited, or was killed) ends this process at once, so no orphan keeps running. This
+process answers with one stdout line, `ready <socket path>`, and then accepts connections on that
+AF_UNIX socket (authenticated with the config's key), one thread per connection. Each call on a
+connection is one request `(op, args, frees)` and one `wire.Reply`; `frees` are ids of states the
+parent no longer holds.
+
+States are kept by id; a forward pass updates its input state in place (model.PassOutput), so its output
+keeps the input's id, and a pass that starts from nothing gets a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, pack_error, pack_logits
+
+__all__ = ["WorkerConfig", "serve_forever"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What the model process needs to load the same models under the same numerics as its parent."""
+
+    specs: Mapping[str, Any]  # name -> orchestrator.engine.ServedModelSpec
+    device: str
+    kernel_backend: str
+    cpu_path: str
+    linear_math: str
+    threads: int
+    authkey: bytes
+
+
+class _Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        # torch only here, after the parent's numerics environment (inherited) is in force
+        from model import configure_torch
+        from orchestrator.engine.model_compute import TorchCompute
+        from orchestrator.engine.served_models import ModelRegistry
+
+        configure_torch(config.cpu_path, threads=config.threads)
+        self.registry = ModelRegistry(
+            config.specs,
+            device=config.device,
+            kernel_backend=config.kernel_backend,
+            cpu_path=config.cpu_path,
+            linear_math=config.linear_math,
+        )
+        self.compute = TorchCompute()
+        self._states: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        # op -> [calls, thread CPU seconds, wall seconds] (`op_stats`: where the model process's time goes)
+        self._op_times: dict[str, list[float]] = {}
+
+    # -- the state table --------------------------------------------------------------------------------
+
+    def _keep(self, state: Any) -> int:
+        with self._lock:
+            sid = next(self._ids)
+            self._states[sid] = state
+            return sid
+
+    def _state(self, sid: int | None) -> Any:
+        if sid is None:
+            return None
+        with self._lock:
+            state = self._states.get(sid)
+        if state is None:
+            raise ValueError(f"model process: no state {sid} (freed, or kept by an earlier model process)")
+        return state
+
+    def free(self, sids: Sequence[int]) -> None:
+        with self._lock:
+            for sid in sids:
+                self._states.pop(sid, None)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+    def _served(self, model: str) -> Any:
+        served = self.registry.get(model)
+        if served is None:
+            raise ValueError(f"model process: model {model!r} is not served")
+        return served
+
+    def _output(self, out: Any, sid: int | None) -> WireOutput:
+        # the pass updated its input state in place; one that started from nothing made a new state
+        if sid is None or self._state(sid) is not out.state:
+            sid = self._keep(out.state)
+        return WireOutput(
+            state_id=sid, n_tokens=out.state.n_tokens, logits=pack_logits(out.logits), stats=out.stats
+        )
+
+    # -- operations (`op_<name>`), each one call ------------------------------------------------------
+
+    def op_fingerprint(self, model: str) -> bytes:
+        return self._served(model).fingerprint
+
+    def op_held(self) -> int:
+        return self.held()
+
+    def op_stats(self) -> dict[str, Any]:
+        """Calls, thread CPU and wall seconds per operation, and the process's CPU seconds."""
+        with self._lock:
+            ops = {op: tuple(v) for op, v in self._op_times.items()}
+        t = os.times()
+        return {"ops": ops, "process_cpu_s": t.user + t.system, "states": self.held()}
+
+    def op_new_state(self, model: str) -> tuple[int, int]:
+        state = self.compute.new_state(self._served(model))
+        return self._keep(state), state.n_tokens
+
+    def op_state_from_global(
+        self, model: str, tokens: Sequence[int], blobs: Sequence[bytes]
+    ) -> tuple[int, int]:
+        import torch
+
+        from model import state_from_global
+
+        served = self._served(model)
+        device = served.model.head.weight.device
+        history = torch.tensor([list(tokens)], dtype=torch.int64, device=device)
+        state = state_from_global(served.model, history, list(blobs), fingerprint=served.fingerprint)
+        return self._keep(state), state.n_tokens
+
+    def op_clone(self, sid: int) -> tuple[int, int]:
+        state = self._state(sid).clone()
+        return self._keep(state), state.n_tokens
+
+    def op_import_chunk(self, model: str, sid: int, blob: bytes) -> tuple[int, int]:
+        state = self._state(sid)
+        end = self.compute.import_chunk(self._served(model), state, blob)
+        return end, state.n_tokens
+
+    def op_import_chunks(self, model: str, sid: int, blobs: Sequence[bytes]) -> tuple[int, Any, int]:
+        state = self._state(sid)
+        done, error = self.compute.import_chunks(self._served(model), state, blobs)
+        return done, error, state.n_tokens
+
+    def op_seal_prefix(self, model: str, sid: int, tokens: Sequence[int]) -> int:
+        state = self._state(sid)
+        self.compute.seal_prefix(self._served(model), state, tokens)
+        return state.n_tokens
+
+    def op_import_windows(self, model: str, sid: int, blob: bytes) -> int:
+        state = self._state(sid)
+        self.compute.import_windows(self._served(model), state, blob)
+        return state.n_tokens
+
+    def op_export_global(self, model: str, sid: int, start: int, end: int) -> bytes:
+        return self.compute.export_global(self._served(model), self._state(sid), start, end)
+
+    def op_export_windows(self, model: str, sid: int) -> bytes:
+        return self.compute.export_windows(self._served(model), self._state(sid))
+
+    def op_prefill(self, model: str, tokens: Sequence[int], sid: int | None, prompt_end: int) -> WireOutput:
+        out = self.compute.prefill(self._served(model), tokens, self._state(sid), prompt_end=prompt_end)
+        return self._output(out, sid)
+
+    def op_decode(self, model: str, token: int, sid: int) -> WireOutput:
+        return self._output(self.compute.decode(self._served(model), token, self._state(sid)), sid)
+
+    def op_decode_many(self, model: str, tokens: Sequence[int], sids: Sequence[int]) -> list[WireOutput]:
+        states = [self._state(s) for s in sids]
+        outs = self.compute.decode_many(self._served(model), tokens, states)
+        return [self._output(o, s) for o, s in zip(outs, sids, strict=True)]
+
+    def op_prefill_many(
+        self,
+        model: str,
+        chunks: Sequence[Sequence[int]],
+        sids: Sequence[int | None],
+        prompt_ends: Sequence[int],
+    ) -> list[WireOutput]:
+        states = [self._state(s) for s in sids]
+        outs = self.compute.prefill_many(self._served(model), chunks, states, prompt_ends)
+        return [self._output(o, s) for o, s in zip(outs, sids, strict=True)]
+
+    def _account(self, op: str, cpu: float, wall: float) -> None:
+        with self._lock:
+            entry = self._op_times.setdefault(op, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += cpu
+            entry[2] += wall
+
+    # -- serving --------------------------------------------------------------------------------------
+
+    def serve(self, conn: Connection) -> None:
+        import torch
+
+        with conn, torch.inference_mode():
+            while True:
+                try:
+                    request = conn.recv_bytes()
+                except (EOFError, OSError):
+                    return  # the parent closed this connection
+                try:
+                    op, args, frees = loads(request)
+                    if frees:
+                        self.free(frees)
+                    handler = getattr(self, f"op_{op}", None)
+                    if handler is None:
+                        raise ValueError(f"model process: unknown operation {op!r}")
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    reply = Reply(value=handler(*args))
+                    self._account(op, time.thread_time() - c0, time.perf_counter() - w0)
+                except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+                    reply = Reply(error=pack_error(exc))
+                try:
+                    conn.send_bytes(dumps(reply))
+                except (EOFError, OSError):
+                    return
+
+
+def serve_forever(config: WorkerConfig) -> None:
+    """Load the models, print the ready line, and serve connections until the process ends."""
+    worker = _Worker(config)
+    listener = Listener(family="AF_UNIX", authkey=config.authkey)
+    print(f"ready {listener.address}", flush=True)
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # noqa: BLE001 - a client that failed authentication, or went away at once
+            continue
+        threading.Thread(target=worker.serve, args=(conn,), name="kvresume-model-conn", daemon=True).start()

@@ -1,0 +1,203 @@
+"""The model process (`model_process = "separate"`): `ProcessCompute` gives what `TorchCompute` gives in
+this process, bit for bit, on fresh random prompts; it frees the states whose handles are gone, refuses a
+model process that computes under another fingerprint, survives the death of its model process (the
+states are lost, the next call starts a new one), and its model process ends when its parent is killed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import CacheFormatError, state_from_global
+from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def models() -> ModelRegistry:
+    return ModelRegistry({"a": ServedModelSpec(name="a", config="v41-tiny", seed=1)})
+
+
+@pytest.fixture(scope="module")
+def remote(models: ModelRegistry):
+    compute = ProcessCompute.from_registry(models, threads=1, connections=4)
+    yield compute
+    compute.close()
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remote: ProcessCompute) -> None:
+    torch.set_num_threads(1)
+    served = models.get("a")
+    local = TorchCompute()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [_prompt(rng, rng.randrange(5, 70)) for _ in range(3)]
+    mine = [local.prefill(served, p, None, prompt_end=len(p)) for p in prompts]
+    theirs = [remote.prefill(served, p, None, prompt_end=len(p)) for p in prompts]
+    for a, b in zip(mine, theirs, strict=True):
+        assert isinstance(b.state, RemoteState) and b.state.n_tokens == a.state.n_tokens
+        assert torch.equal(a.logits, b.logits), f"seed {seed}"
+        assert a.stats == b.stats
+    states_a, states_b = [o.state for o in mine], [o.state for o in theirs]
+    for _ in range(3):  # batched decode steps, then a batched prefill chunk each
+        tokens = [rng.randrange(16, 512) for _ in states_a]
+        outs_a = local.decode_many(served, tokens, states_a)
+        outs_b = remote.decode_many(served, tokens, states_b)
+        for a, b in zip(outs_a, outs_b, strict=True):
+            assert torch.equal(a.logits, b.logits), f"seed {seed}"
+        assert [s.n_tokens for s in states_b] == [s.n_tokens for s in states_a]
+    chunks = [_prompt(rng, rng.randrange(1, 9)) for _ in states_a]
+    ends = [s.n_tokens + len(c) for s, c in zip(states_a, chunks, strict=True)]
+    outs_a = local.prefill_many(served, chunks, states_a, ends)
+    outs_b = remote.prefill_many(served, chunks, states_b, ends)
+    for a, b in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(a.logits, b.logits), f"seed {seed}"
+        assert b.state is not None
+    for a, b in zip(states_a, states_b, strict=True):
+        n = a.n_tokens - a.n_tokens % 32
+        assert local.export_global(served, a, 0, n) == remote.export_global(served, b, 0, n)
+        assert local.export_windows(served, a) == remote.export_windows(served, b)
+
+
+def test_imports_clone_and_seal_equal_in_process_compute(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    served = models.get("a")
+    local = TorchCompute()
+    rng = random.Random()
+    prompt = _prompt(rng, 64 + rng.randrange(0, 30))
+    src = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    blobs = [local.export_global(served, src, i, i + 32) for i in (0, 32)]
+    windows = local.export_windows(served, src)
+    a, b = local.new_state(served), remote.new_state(served)
+    assert local.import_chunks(served, a, blobs)[0] == remote.import_chunks(served, b, blobs)[0] == 2
+    local.seal_prefix(served, a, prompt[:64])
+    remote.seal_prefix(served, b, prompt[:64])
+    assert b.n_tokens == a.n_tokens == 64
+    a2, b2 = a.clone(), b.clone()
+    assert isinstance(b2, RemoteState) and b2.state_id != b.state_id
+    step = prompt[64:] or [17]
+    out_a = local.prefill(served, step, a2, prompt_end=64 + len(step))
+    out_b = remote.prefill(served, step, b2, prompt_end=64 + len(step))
+    assert out_b.state is b2 and b2.n_tokens == a2.n_tokens
+    assert torch.equal(out_a.logits, out_b.logits)
+    # a corrupt chunk is the same CacheFormatError, raised here
+    fresh = remote.new_state(served)
+    done, error = remote.import_chunks(served, fresh, [blobs[0][:-3]])
+    assert done == 0 and isinstance(error, CacheFormatError)
+    with pytest.raises(CacheFormatError):
+        remote.import_windows(served, remote.new_state(served), windows[:-5])
+    # a model swap's receiver state is built there by model.state_from_global
+    history = torch.tensor([prompt[:32]], dtype=torch.int64)
+    local_state = state_from_global(served.model, history, blobs[:1], fingerprint=served.fingerprint)
+    remote_state = remote.state_from_global(served, prompt[:32], blobs[:1])
+    assert remote_state.n_tokens == 32
+    via_local = local.prefill(served, prompt[32:40], local_state, prompt_end=40)
+    via_remote = remote.prefill(served, prompt[32:40], remote_state, prompt_end=40)
+    assert via_remote.state is remote_state and remote_state.n_tokens == 40
+    assert torch.equal(via_local.logits, via_remote.logits)
+    with pytest.raises(CacheFormatError):
+        remote.state_from_global(served, prompt[:40], blobs[:1])  # chunks end at 32, not 40
+    with pytest.raises(TypeError, match="not a state of the model process"):
+        remote.decode(served, 20, local_state)
+
+
+def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessCompute) -> None:
+    served = models.get("a")
+    gc.collect()  # handles of earlier tests caught in reference cycles go now, not during the count
+    remote.held_states()
+    before = remote.held_states()
+    handles = [remote.new_state(served) for _ in range(5)]
+    assert remote.held_states() == before + 5
+    del handles
+    remote.held_states()  # the frees travel with the next call
+    assert remote.held_states() == before
+
+
+def test_a_model_process_under_another_fingerprint_is_refused(models: ModelRegistry) -> None:
+    other = ProcessCompute(
+        specs={"a": ServedModelSpec(name="a", config="v41-tiny", seed=2)}, cpu_path=models.cpu_path
+    )
+    try:
+        with pytest.raises(ModelProcessError, match="fingerprint"):
+            other.new_state(models.get("a"))
+    finally:
+        other.close()
+
+
+def test_the_death_of_the_model_process_fails_its_states_and_the_next_call_restarts(
+    models: ModelRegistry,
+) -> None:
+    served = models.get("a")
+    compute = ProcessCompute.from_registry(models, threads=1)
+    try:
+        state = compute.prefill(served, [20, 21, 22], None, prompt_end=3).state
+        pid = compute._proc.proc.pid  # noqa: SLF001 - the test kills it
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ModelProcessError):
+            compute.decode(served, 23, state)
+        with pytest.raises(ModelProcessError, match="earlier model process"):
+            compute.decode(served, 23, state)
+        out = compute.prefill(served, [20, 21, 22], None, prompt_end=3)
+        assert out.state.n_tokens == 3 and compute._proc.proc.pid != pid  # noqa: SLF001
+    finally:
+        compute.close()
+
+
+def test_the_model_process_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from model import configure_torch
+        from orchestrator.engine import ModelRegistry, ServedModelSpec
+        from orchestrator.model_process import ProcessCompute
+        reg = ModelRegistry({"a": ServedModelSpec(name="a", config="v41-tiny", seed=1)})
+        configure_torch(reg.cpu_path)
+        compute = ProcessCompute.from_registry(reg)
+        compute.new_state(reg.get("a"))
+        print(compute._proc.proc.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        while line and not line.strip().isdigit():  # log lines before it
+            line = parent.stdout.readline()
+        child = int(line)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child), "the model process outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
