@@ -9,7 +9,9 @@ Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhea
 one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the same run.
 (3) With `--model-load` (minutes; not part of any test suite): the real v41-sib-s checkpoint, many
 sessions at once (`benchmarks/service_model_load.py`), under the batching scheduler and under the
-serial baseline, side by side; and one session alone under the batching scheduler.
+serial baseline, side by side; one session alone under the batching scheduler; and the 64 sessions
+again with the models in a process of their own (`model_process = "separate"`, `c64_batching_separate`;
+the headline keys are the default, in-process runs).
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
@@ -412,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("c64_batching", "batching", args.model_sessions),
                 ("c64_serial", "serial", args.model_sessions),
                 ("c1_batching", "batching", 1),
+                ("c64_batching_separate", "batching", args.model_sessions),
             ):
                 load[name] = model_load(
                     root / f"load-{name}",
@@ -419,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     scheduler=scheduler,
                     sessions=n,
                     turns=args.model_turns,
+                    model_process="separate" if name.endswith("_separate") else "inline",
                 )
                 # each run takes minutes: its figures reach stderr at once, whatever happens later
                 print(f"model load {name}: {json.dumps(load[name])}", file=sys.stderr, flush=True)
@@ -528,13 +532,13 @@ def main(argv: list[str] | None = None) -> int:
     if load:
         print(f"\nreal-model load ({args.checkpoint.name}, 4 generated tokens per turn)", file=out)
         print(
-            f"{'run':<14s} {'turns':>6s} {'turns/s':>8s} {'p50 ms':>9s} {'p99 ms':>9s} {'ttft p99':>9s} "
+            f"{'run':<22s} {'turns':>6s} {'turns/s':>8s} {'p50 ms':>9s} {'p99 ms':>9s} {'ttft p99':>9s} "
             f"{'qwait ms':>9s} {'dec tok/s':>10s}",
             file=out,
         )
         for name, r in load.items():
             print(
-                f"{name:<14s} {r['turns']:>6d} {r['turns_per_s']:>8.2f} {r['p50_ms']:>9.0f} "
+                f"{name:<22s} {r['turns']:>6d} {r['turns_per_s']:>8.2f} {r['p50_ms']:>9.0f} "
                 f"{r['p99_ms']:>9.0f} {r['engine_ttft_p99_ms']:>9.0f} {r['queue_wait_mean_ms']:>9.1f} "
                 f"{r['decode_tokens_per_s']:>10.1f}",
                 file=out,

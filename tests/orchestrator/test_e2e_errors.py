@@ -21,11 +21,11 @@ from kvresume import error_details
 from orchestrator.db import SessionRepository, make_engine
 from tests.orchestrator.engine.node_harness import (
     admin_md,
+    continued_greedy,
     md,
     registry,
     run_turn,
     start_node,
-    uninterrupted_greedy,
 )
 
 
@@ -176,8 +176,11 @@ def test_abort_keep_partial_keeps_the_streamed_tokens(node) -> None:
             stats = event.stats
     assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
     assert stats.generated_tokens == len(streamed) < 60 and stats.request_id == "keep-me"
-    # the kept tokens are the uninterrupted computation's, and they joined the history
-    assert streamed == uninterrupted_greedy(node.service.registry, "a", history + new, len(streamed))
+    # the kept tokens are the uninterrupted computation's (the session's state kept in memory), and they
+    # joined the history
+    turns = [(_ids(30, 40), len(first.tokens)), (new, len(streamed)), (_ids(32, 5), 3)]
+    reference = continued_greedy(node.service.registry, "a", turns)
+    assert streamed == reference[1]
     kept = history + new + streamed
     assert _state(node, sid) == (2, kept)
     # the whole kept history is stored (a partial tail chunk too; the next turn supersedes it)
@@ -186,7 +189,7 @@ def test_abort_keep_partial_keeps_the_streamed_tokens(node) -> None:
     t = run_turn(node, sid, _ids(32, 5))
     assert t.path == "FULL_HIT" and t.stats.counts.cached == len(kept)
     assert t.plan.reason_code == pb.common.PLAN_REASON_WINDOWS_IN_POOL
-    assert t.tokens == uninterrupted_greedy(node.service.registry, "a", kept + _ids(32, 5), 3)
+    assert t.tokens == reference[2]
 
 
 def test_deadline_leaves_the_session_at_its_last_turn(node) -> None:
