@@ -379,7 +379,9 @@ def build_node(
     orphans.sweep()
     if preload:
         for name in registry.names:
-            registry.get(name)
+            served = registry.get(name)
+            if isinstance(compute, ProcessCompute):
+                compute.preload(served)  # the model process starts now, not inside a first turn
     ctx.metrics.set_served_models({n: _model_labels(registry, n, loaded=preload) for n in registry.names})
     if maintenance:
         store.start_maintenance()

@@ -80,7 +80,8 @@ class _Process:
         self._config = config
         self._max = connections
         self._made = 0
-        self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
+        # None: the process is dead (put by `kill`, so that waiting callers wake)
+        self._idle: queue.LifoQueue[Connection | None] = queue.LifoQueue()
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
             [python, "-m", "orchestrator.model_process"],
@@ -104,22 +105,30 @@ class _Process:
         self.address = line.removeprefix("ready ")
 
     def checkout(self) -> Connection:
+        """An idle connection, a new one while fewer than `connections` exist, else the next one given
+        back. Raises ModelProcessError once the process is dead (waiters are woken by `kill`)."""
+        if self.dead:
+            raise ModelProcessError("the model process ended; its states are lost")
         try:
-            return self._idle.get_nowait()
+            conn = self._idle.get_nowait()
         except queue.Empty:
-            pass
-        with self._lock:
-            make = self._made < self._max
+            conn = None
+            with self._lock:
+                make = self._made < self._max
+                if make:
+                    self._made += 1
             if make:
-                self._made += 1
-        if make:
-            try:
-                return Client(self.address, family="AF_UNIX", authkey=self._config.authkey)
-            except (OSError, EOFError) as exc:
-                with self._lock:
-                    self._made -= 1
-                raise ModelProcessError(f"cannot reach the model process: {exc}") from exc
-        return self._idle.get()
+                try:
+                    return Client(self.address, family="AF_UNIX", authkey=self._config.authkey)
+                except (OSError, EOFError) as exc:
+                    with self._lock:
+                        self._made -= 1
+                    raise ModelProcessError(f"cannot reach the model process: {exc}") from exc
+            conn = self._idle.get()
+        if conn is None:  # kill's wake-up: pass it on to the next waiter
+            self._idle.put(None)
+            raise ModelProcessError("the model process ended; its states are lost")
+        return conn
 
     def checkin(self, conn: Connection) -> None:
         self._idle.put(conn)
@@ -138,9 +147,12 @@ class _Process:
             self.proc.wait()
         while True:
             try:
-                self._idle.get_nowait().close()
+                conn = self._idle.get_nowait()
             except queue.Empty:
                 break
+            if conn is not None:
+                conn.close()
+        self._idle.put(None)
 
 
 class ProcessCompute:
@@ -307,6 +319,11 @@ class ProcessCompute:
             "state_from_global", served.name, list(tokens), list(blobs), served=served
         )
         return self._handle(sid, n, generation)
+
+    def preload(self, served: Any) -> None:
+        """Start the model process now (when it is not running) and load and check `served` there, so
+        that no turn waits for either."""
+        self._call("fingerprint", served.name, served=served)
 
     def held_states(self) -> int:
         """How many states the model process holds (tests: handles dropped here are freed there)."""
