@@ -188,7 +188,7 @@ def test_chunked_prefill_turns_equal_one_shot(tmp_path: Path, models) -> None:
         new = _ids(rng, 50)
         t = run_turn(node, sid.session_id, new)
         assert t.path == "FULL_HIT" and counts(t.stats.counts) == counts(t.plan.counts)
-        assert t.tokens == uninterrupted_greedy(models, "a", history + new, 3)
+        assert t.tokens == continued_greedy(models, "a", [(history[:80], 3), (new, 3)])[1]
         node.pool_clock.now += POOL_TTL_S + 1.0
         t = run_turn(node, sid.session_id, _ids(rng, 30))
         assert t.path == "GLOBAL_REPLAY" and counts(t.stats.counts) == counts(t.plan.counts)
