@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
 import structlog
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+U = TypeVar("U")
 log = structlog.get_logger(__name__)
 
 # PostgreSQL SQLSTATEs that mean "another transaction won; run yours again": serialization_failure,
@@ -81,19 +83,13 @@ def run_serializable(
         sqlalchemy.exc.DBAPIError: a non-retryable database error, or the last conflict after
             `attempts` tries.
     """
-    if attempts < 1:
-        raise ValueError(f"attempts={attempts} must be >= 1")
-    for attempt in range(1, attempts + 1):
-        try:
-            with factory() as session, session.begin():
-                return work(session)
-        except DBAPIError as exc:
-            if attempt == attempts or not is_retryable(exc):
-                raise
-            log.debug("serializable_retry", attempt=attempt, sqlstate=getattr(exc.orig, "sqlstate", None))
-            # Jittered exponential backoff so that racing replicas do not collide again in lockstep.
-            time.sleep(backoff_s * (2 ** min(attempt, 8)) * random.random())
-    raise AssertionError("unreachable")
+
+    @contextmanager
+    def transaction() -> Iterator[Session]:
+        with factory() as session, session.begin():
+            yield session
+
+    return _with_retries(transaction, work, attempts=attempts, backoff_s=backoff_s)
 
 
 def run_serializable_connection(
@@ -113,15 +109,34 @@ def run_serializable_connection(
         ValueError: attempts < 1.
         sqlalchemy.exc.DBAPIError: as `run_serializable`.
     """
+
+    @contextmanager
+    def transaction() -> Iterator[Connection]:
+        with engine.connect() as conn, conn.begin():
+            yield conn
+
+    return _with_retries(transaction, work, attempts=attempts, backoff_s=backoff_s)
+
+
+def _with_retries(
+    transaction: Callable[[], AbstractContextManager[U]],
+    work: Callable[[U], T],
+    *,
+    attempts: int,
+    backoff_s: float,
+) -> T:
+    """`work(unit)` inside `transaction()` (which commits on a clean exit), rerun on retryable
+    conflicts, up to `attempts` times."""
     if attempts < 1:
         raise ValueError(f"attempts={attempts} must be >= 1")
     for attempt in range(1, attempts + 1):
         try:
-            with engine.connect() as conn, conn.begin():
-                return work(conn)
+            with transaction() as unit:
+                return work(unit)
         except DBAPIError as exc:
             if attempt == attempts or not is_retryable(exc):
                 raise
             log.debug("serializable_retry", attempt=attempt, sqlstate=getattr(exc.orig, "sqlstate", None))
+            # Jittered exponential backoff so that racing replicas do not collide again in lockstep.
             time.sleep(backoff_s * (2 ** min(attempt, 8)) * random.random())
     raise AssertionError("unreachable")
