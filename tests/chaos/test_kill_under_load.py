@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -59,10 +60,15 @@ def _oracle_model(source: str) -> Transformer:
     return load_model(source.removeprefix("checkpoint:")).eval()
 
 
+# Settings of every `serve` a test starts (a test sets it with monkeypatch), e.g. the model process.
+EXTRA_ENV: dict[str, str] = {}
+
+
 def _start(data_dir: Path, source: str = TINY) -> tuple[subprocess.Popen, str]:
     ready = data_dir / f"ready-{time.monotonic_ns()}.json"
     env = {
         **os.environ,
+        **EXTRA_ENV,
         "KVRESUME_TENANT_TOKENS": ",".join(f"{t}={k}" for t, k in TOKENS.items()),
         "KVRESUME_ADMIN_TOKEN": "tok-admin",
         "KVRESUME_SERVED_MODELS": f"a={source}",
@@ -327,3 +333,33 @@ def test_kills_during_the_64_session_load_of_the_trained_sibling(tmp_path: Path,
     figures = _run(tmp_path, n_sessions=64, kills=2, load_s=20.0, source=f"checkpoint:{SIBLING}")
     chaos_report.record("kill_under_load_sib_s_64", **figures)
     assert figures["sessions_unable_to_continue"] == 0
+
+
+@pytest.mark.slow
+def test_kills_during_concurrent_load_with_a_model_process_lose_nothing(
+    tmp_path: Path, chaos_report, monkeypatch
+) -> None:
+    # model_process = "separate": each kill -9 of serve must also end its model process (its stdin
+    # lifeline), and the sessions continue exactly as in-process
+    monkeypatch.setitem(EXTRA_ENV, "KVRESUME_MODEL_PROCESS", "separate")
+    figures = _run(tmp_path, n_sessions=8, kills=3, load_s=10.0)
+    chaos_report.record("kill_under_load_tiny_model_process_3", **figures)
+    log = (tmp_path / "node" / "serve.log").read_text(errors="replace")
+    pids = [
+        int(found.group(1))
+        for line in log.splitlines()
+        if "model_process_started" in line and (found := re.search(r'pid[=":\s]+(\d+)', line))
+    ]
+    assert len(pids) >= 3 + 2, f"model processes started: {pids}"  # every serve, the first and last too
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "a model process outlived its killed serve"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
