@@ -45,6 +45,7 @@ from model import (
     state_from_global,
 )
 from orchestrator.db import SessionRepository, make_engine
+from tests.processes import process_alive
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = {"acme": "tok-acme", "globex": "tok-globex"}
@@ -352,14 +353,6 @@ def test_kills_during_concurrent_load_with_a_model_process_lose_nothing(
     ]
     assert len(pids) >= 3 + 2, f"model processes started: {pids}"  # every serve, the first and last too
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)], "a model process outlived its killed serve"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [p for p in pids if process_alive(p)], "a model process outlived its killed serve"
