@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -194,3 +195,38 @@ def test_the_model_process_ends_when_its_parent_is_killed(tmp_path: Path) -> Non
         assert not process_alive(child), "the model process outlived its killed parent"
     finally:
         parent.kill()
+
+
+def test_callers_waiting_for_a_connection_wake_when_the_model_process_dies(models: ModelRegistry) -> None:
+    """One connection, two threads calling in a loop: when the model process is killed, the call in
+    flight fails with ModelProcessError and a caller waiting for the connection wakes (fails, or goes on
+    in the next model process); none hangs."""
+    served = models.get("a")
+    compute = ProcessCompute.from_registry(models, threads=1, connections=1)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                compute.prefill(served, list(range(16, 216)), None, prompt_end=200)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+                return
+
+    try:
+        compute.new_state(served)
+        pid = compute._proc.proc.pid  # noqa: SLF001 - the test kills it
+        threads = [threading.Thread(target=caller, daemon=True) for _ in range(2)]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        stop.set()
+        for th in threads:
+            th.join(timeout=30)
+        assert not any(th.is_alive() for th in threads), "a caller hung after the model process died"
+        assert errors and all(isinstance(e, ModelProcessError) for e in errors), errors
+    finally:
+        compute.close()
