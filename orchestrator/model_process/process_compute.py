@@ -112,7 +112,6 @@ class _Process:
         try:
             conn = self._idle.get_nowait()
         except queue.Empty:
-            conn = None
             with self._lock:
                 make = self._made < self._max
                 if make:

@@ -126,8 +126,11 @@ def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessC
     gc.collect()  # handles of earlier tests caught in reference cycles go now, not during the count
     remote.held_states()
     before = remote.held_states()
+    calls = remote.stats()["ops"].get("new_state", (0,))[0]
     handles = [remote.new_state(served) for _ in range(5)]
     assert remote.held_states() == before + 5
+    # the model process's own accounting counts every call
+    assert remote.stats()["ops"]["new_state"][0] == calls + 5
     del handles
     remote.held_states()  # the frees travel with the next call
     assert remote.held_states() == before
