@@ -14,12 +14,13 @@ import structlog
 
 from orchestrator.api.metrics import ServiceMetrics
 
-__all__ = ["RequestInterceptor", "REQUEST_ID_KEY"]
+__all__ = ["RequestInterceptor", "REQUEST_ID_KEY", "request_id_of"]
 
 REQUEST_ID_KEY = "x-request-id"
 
 
-def _request_id(context: grpc.ServicerContext) -> str:
+def request_id_of(context: Any) -> str:
+    """The caller's `x-request-id`, or a fresh one (a thread-pool or an asyncio context)."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY and value:
             return value if isinstance(value, str) else value.decode()
@@ -59,7 +60,7 @@ class RequestInterceptor(grpc.ServerInterceptor):
             inner = handler.unary_unary
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                structlog.contextvars.bind_contextvars(request_id=_request_id(context), rpc=method)
+                structlog.contextvars.bind_contextvars(request_id=request_id_of(context), rpc=method)
                 failed = True
                 try:
                     response = inner(request, context)
@@ -78,7 +79,7 @@ class RequestInterceptor(grpc.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                structlog.contextvars.bind_contextvars(request_id=_request_id(context), rpc=method)
+                structlog.contextvars.bind_contextvars(request_id=request_id_of(context), rpc=method)
                 failed = True
                 gone = False
                 try:

@@ -6,16 +6,19 @@ NOT_FOUND, so that ids do not leak across tenants).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import grpc
 import structlog
 
+from orchestrator.api.async_steps import END, AsyncSteps
 from orchestrator.api.context import ServiceContext
 from orchestrator.api.errors import (
     InvalidRequestError,
@@ -25,12 +28,12 @@ from orchestrator.api.errors import (
     model_not_served,
 )
 from orchestrator.api.running_turns import TurnHandle
-from orchestrator.api.status_table import stream_errors, unary_errors
-from orchestrator.api.turn_runner import create_session, generation_spec, owned_session, run_turn
-from orchestrator.api.turn_types import TurnInput
+from orchestrator.api.status_table import async_errors, stream_errors, unary_errors
+from orchestrator.api.turn_runner import create_session, generation_spec, owned_session, run_turn, turn_steps
+from orchestrator.api.turn_types import TurnEvent, TurnInput
 from orchestrator.db import SessionRepository, run_serializable
 
-__all__ = ["SessionsServicer", "servicer_class"]
+__all__ = ["AsyncSessionsServicer", "SessionsServicer", "servicer_class"]
 
 log = structlog.get_logger(__name__)
 _DEFAULT_PAGE = 50
@@ -53,9 +56,15 @@ def _after(token: str) -> tuple[dt.datetime, str] | None:
         raise InvalidRequestError(f"bad page_token {token!r}", field="page_token") from exc
 
 
-def servicer_class(ctx: ServiceContext) -> type:
-    """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED."""
+def servicer_class(ctx: ServiceContext, *, asyncio_server: bool = False) -> type:
+    """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED.
+
+    Args:
+        asyncio_server: the class for the asyncio server (`AsyncSessionsServicer`: Turn a coroutine).
+    """
     base = ctx.stubs.sessions_grpc.SessionsServicer
+    if asyncio_server:
+        return type("SessionsServicer", (AsyncSessionsServicer, base), {})
     return type("SessionsServicer", (SessionsServicer, base), {})
 
 
@@ -276,3 +285,37 @@ class SessionsServicer:
 
         for event in run_turn(self._ctx, turn, on_start=on_start):
             yield convert.turn_event(event, request_id=turn.request_id)
+
+
+class AsyncSessionsServicer(SessionsServicer):
+    """The Sessions service of the asyncio server. Turn is a coroutine on the event loop: the turn's
+    blocking stretches run on `executor` and its waits for the scheduler are awaited (`AsyncSteps`), so a
+    waiting turn holds no thread. The other methods are SessionsServicer's, run on worker threads by the
+    server's interceptor (`aio_interceptor.py`)."""
+
+    def __init__(self, ctx: ServiceContext, executor: Executor) -> None:
+        super().__init__(ctx)
+        self._executor = executor
+
+    @async_errors
+    async def Turn(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        # Cheap checks on the loop (no registry access): auth, limits, generation parameters.
+        caller = self._ctx.auth.tenant(context)
+        turn = self._turn_input(request, caller.tenant_id, context.time_remaining())
+        convert = self._ctx.convert
+        loop = asyncio.get_running_loop()
+
+        def on_start(handle: TurnHandle) -> None:
+            # Runs on a worker thread; the callback itself runs on the loop when the call ends.
+            loop.call_soon_threadsafe(
+                context.add_done_callback, lambda _ctx: handle.cancel("client cancelled")
+            )
+
+        steps: AsyncSteps[TurnEvent] = AsyncSteps(
+            turn_steps(self._ctx, turn, on_start=on_start), self._executor
+        )
+        try:
+            while (event := await steps.next()) is not END:
+                await context.write(convert.turn_event(event, request_id=turn.request_id))
+        finally:
+            await steps.close()

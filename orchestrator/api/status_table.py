@@ -38,6 +38,7 @@ __all__ = [
     "status_for",
     "unary_errors",
     "stream_errors",
+    "async_errors",
 ]
 
 log = structlog.get_logger(__name__)
@@ -183,6 +184,11 @@ _MAX_DETAIL_CHARS = 1024
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    context.abort_with_status(_caller_status(exc, method))
+
+
+def _caller_status(exc: BaseException, method: str) -> grpc.Status:
+    """The status a caller gets for `exc` (logged: INTERNAL with its traceback, others as a rejection)."""
     err = error_for(exc)
     if len(err.message) > _MAX_DETAIL_CHARS:
         cut = err.message[:_MAX_DETAIL_CHARS] + f"... ({len(err.message)} characters)"
@@ -191,7 +197,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         log.exception("rpc_failed", method=method, code=err.code.name)
     else:
         log.info("rpc_rejected", method=method, code=err.code.name, reason=err.reason, detail=err.message)
-    context.abort_with_status(rich_status(err))
+    return rich_status(err)
 
 
 def unary_errors(method: F) -> F:
@@ -219,5 +225,24 @@ def stream_errors(method: F) -> F:
             yield from method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every exception is mapped, unknown ones to INTERNAL
             _abort(context, exc, method.__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def async_errors(method: F) -> F:
+    """Like `unary_errors` for a coroutine method of the asyncio server (a stream written with
+    `context.write`): the status goes out with `await context.abort`, its code also set on the context
+    for the RPC count."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every exception is mapped, unknown ones to INTERNAL
+            status = _caller_status(exc, method.__name__)
+            context.set_code(status.code)
+            await context.abort(status.code, status.details, status.trailing_metadata)
 
     return wrapper  # type: ignore[return-value]

@@ -43,7 +43,11 @@ from orchestrator.db import (
 )
 from orchestrator.db.models import SessionRow, SessionStatus, utcnow
 
-__all__ = ["create_session", "generation_spec", "owned_session", "run_turn"]
+# The module, not the package root: the scheduler package imports orchestrator.api (its errors), and the
+# api package imports this module while it initializes.
+from orchestrator.scheduler.pass_wait import PassWait, wait_inline
+
+__all__ = ["create_session", "generation_spec", "owned_session", "run_turn", "turn_steps"]
 
 T = TypeVar("T")
 
@@ -189,7 +193,17 @@ def generation_spec(
 def run_turn(
     ctx: ServiceContext, turn: TurnInput, *, on_start: Callable[[TurnHandle], None] | None = None
 ) -> Iterator[TurnEvent]:
-    """Run one turn: yields its PlanEvent, TokenChunkEvents and TurnStatsEvent (the TurnHandler contract).
+    """`turn_steps`, this thread waiting out each forward pass: the turn's events only."""
+    return wait_inline(turn_steps(ctx, turn, on_start=on_start))
+
+
+def turn_steps(
+    ctx: ServiceContext, turn: TurnInput, *, on_start: Callable[[TurnHandle], None] | None = None
+) -> Iterator[TurnEvent | PassWait]:
+    """Run one turn: yields its PlanEvent, TokenChunkEvents and TurnStatsEvent (the TurnHandler contract),
+    and, between them, a PassWait wherever the turn waits for a forward pass (a handler with
+    `turn_steps`); the caller resumes the steps once that pass is done (`wait_inline`, or the asyncio
+    server's `async_steps`).
 
     Args:
         on_start: called with the turn's handle once it is registered (a front door hooks its client's
@@ -232,7 +246,11 @@ def run_turn(
     try:
         if on_start is not None:
             on_start(handle)
-        for event in handler.run_turn(turn, handle):
+        as_steps = getattr(handler, "turn_steps", None)
+        for event in as_steps(turn, handle) if as_steps is not None else handler.run_turn(turn, handle):
+            if isinstance(event, PassWait):
+                yield event
+                continue
             # The stream contract (plan first, stats last) is what callers parse; enforce it here.
             if (plan_event is None) != isinstance(event, PlanEvent) or stats is not None:
                 raise RuntimeError(f"turn engine broke the event order with {type(event).__name__}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import structlog
@@ -61,7 +61,14 @@ from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
-from orchestrator.scheduler import SerialScheduler, TurnScheduler, WorkOwner
+from orchestrator.scheduler import (
+    PassWait,
+    SerialScheduler,
+    TurnScheduler,
+    WorkOwner,
+    await_pass,
+    wait_inline,
+)
 from storage import ContentKey, GlobalKVStore, WindowPool
 
 __all__ = ["TurnEngine", "actual_counts"]
@@ -341,7 +348,7 @@ class TurnEngine:
         turn: TurnInput,
         handle: TurnHandle,
         owner: WorkOwner,
-    ) -> tuple[torch.Tensor, Any, list[PassStats]]:
+    ) -> Generator[PassWait, None, tuple[torch.Tensor, Any, list[PassStats]]]:
         start = state.n_tokens if state is not None else 0
         passes: list[PassStats] = []
         logits = None
@@ -349,7 +356,10 @@ class TurnEngine:
         while pos < len(prompt):
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
-            out = self.scheduler.prefill(served, prompt[pos:end], state, prompt_end=len(prompt), owner=owner)
+            chunk = prompt[pos:end]
+            out = yield from await_pass(
+                self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner)
+            )
             state, logits = out.state, out.logits
             passes.append(out.stats)
             pos = end
@@ -357,6 +367,13 @@ class TurnEngine:
         return logits, state, passes
 
     def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent]:
+        """The turn's events, this thread waiting out each forward pass (`turn_steps`, driven inline)."""
+        return wait_inline(self.turn_steps(turn, handle))
+
+    def turn_steps(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent | PassWait]:
+        """The turn as steps: its events, and a PassWait wherever it waits for a forward pass. The driver
+        resumes the steps once that pass is done (blocking a thread, or awaiting the future on an event
+        loop); the steps hold no lock and no connection across a PassWait."""
         started = time.perf_counter()
         self._check(turn, handle)
         f = self._prep.prepare(turn)
@@ -367,7 +384,7 @@ class TurnEngine:
 
     def _run_admitted(
         self, turn: TurnInput, handle: TurnHandle, f: TurnFacts, owner: WorkOwner, started: float
-    ) -> Iterator[TurnEvent]:
+    ) -> Iterator[TurnEvent | PassWait]:
         self._check(turn, handle)
         turn_id, index = self._reserve(f)
         status = TurnStatus.FAILED
@@ -379,7 +396,7 @@ class TurnEngine:
             state = self._start_state(f)
             loaded = state.n_tokens if state is not None else 0
             prompt = f.history + f.new_tokens
-            logits, state, passes = self._prefill(served, prompt, state, turn, handle, owner)
+            logits, state, passes = yield from self._prefill(served, prompt, state, turn, handle, owner)
             counts = actual_counts(
                 plan.path, loaded=loaded, history_len=len(f.history), prompt_len=len(prompt), passes=passes
             )
@@ -403,7 +420,7 @@ class TurnEngine:
                     finish = FinishReason.ABORTED
                     break
                 self._check(turn, handle)
-                out = self.scheduler.decode(served, token, state, owner=owner)
+                out = yield from await_pass(self.scheduler.submit_decode(served, token, state, owner=owner))
                 state = out.state
                 token = sampler(out.logits)
             decode_s = time.perf_counter() - decode_started
@@ -415,7 +432,8 @@ class TurnEngine:
             if plan.persist:
                 # The last sampled token has not run through the model yet; run it so the stored
                 # global KV covers the whole history the next turn resumes.
-                state = self.scheduler.decode(served, output[-1], state, owner=owner).state
+                last = self.scheduler.submit_decode(served, output[-1], state, owner=owner)
+                state = (yield from await_pass(last)).state
                 self._check(turn, handle, finishing_partial=partial)
                 outcome = persist_chunks(
                     self.store,

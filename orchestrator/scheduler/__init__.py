@@ -10,6 +10,7 @@ from orchestrator.scheduler.admission import Admission
 from orchestrator.scheduler.batching import BatchingScheduler
 from orchestrator.scheduler.fair_order import FairOrder
 from orchestrator.scheduler.metrics_observer import MetricsObserver
+from orchestrator.scheduler.pass_wait import PassWait, await_pass, wait_inline
 from orchestrator.scheduler.serial import SerialScheduler
 from orchestrator.scheduler.work import NullObserver, PassRequest, SchedulerObserver, StepCompute, WorkOwner
 
@@ -20,6 +21,9 @@ __all__ = [
     "MetricsObserver",
     "NullObserver",
     "PassRequest",
+    "PassWait",
+    "await_pass",
+    "wait_inline",
     "SchedulerObserver",
     "SerialScheduler",
     "StepCompute",

@@ -5,7 +5,8 @@ Each step takes every waiting decode token (up to `max_batch_sequences`, in fair
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
 budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
 decode: a long prompt costs everyone one bounded chunk per step, not its whole length). Turns wait in
-their own threads on a future per pass. One step runs at a time: the loop thread's, or, when the loop is
+on a future per pass (in their own threads, or on the asyncio server's loop without a thread: the
+turn engine yields a `PassWait`). One step runs at a time: the loop thread's, or, when the loop is
 idle and nothing waits, the asking turn's own (the step the loop would have run: that request alone,
 without the two thread handoffs). Cancellation, deadlines and disconnects are checked by the turn
 between passes, so they take effect at the next step, and a step is bounded by the budget.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,7 +52,8 @@ class _ModelLoop:
         self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
         self._thread.start()
 
-    def submit(self, request: PassRequest) -> Any:
+    def submit(self, request: PassRequest) -> Future:
+        """Queue the request (or run it now, below); its future holds the pass's result or error."""
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the scheduler of model {self.model} is closed")
@@ -74,7 +77,7 @@ class _ModelLoop:
                     self._busy = False
                     if self._waiting or self._closed:
                         self._cond.notify_all()
-        return request.future.result()
+        return request.future
 
     def waiting(self) -> int:
         with self._cond:
@@ -257,16 +260,30 @@ class BatchingScheduler:
             owner=owner, served=served, state=state, seq=seq, enqueued_at=time.perf_counter(), **work
         )
 
-    def prefill(
+    def submit_prefill(
         self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
-    ) -> Any:
+    ) -> Future:
+        """Queue a prefill chunk; the future gets the compute's output (or its error) after its step."""
         request = self._request(owner, served, state, tokens=list(tokens), prompt_end=prompt_end)
         return self._loop(served.name).submit(request)
 
-    def decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Any:
+    def submit_decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Future:
+        """Queue one decode token.
+
+        Raises:
+            ValueError: no state to continue.
+        """
         if state is None:
             raise ValueError("decode needs the state of the prompt it continues")
         return self._loop(served.name).submit(self._request(owner, served, state, token=int(token)))
+
+    def prefill(
+        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
+    ) -> Any:
+        return self.submit_prefill(served, tokens, state, prompt_end=prompt_end, owner=owner).result()
+
+    def decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Any:
+        return self.submit_decode(served, token, state, owner=owner).result()
 
     def close(self) -> None:
         with self._lock:

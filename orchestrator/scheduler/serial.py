@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -13,6 +14,16 @@ from orchestrator.scheduler.admission import Admission
 from orchestrator.scheduler.work import NullObserver, SchedulerObserver, StepCompute, WorkOwner
 
 __all__ = ["SerialScheduler"]
+
+
+def _ran(call: Any, *args: Any, **kwargs: Any) -> Future:
+    """A done future holding what `call` returned or raised."""
+    future: Future = Future()
+    try:
+        future.set_result(call(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the waiting turn gets it from the future
+        future.set_exception(exc)
+    return future
 
 
 class SerialScheduler:
@@ -38,6 +49,16 @@ class SerialScheduler:
 
     def decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Any:
         return self.compute.decode(served, token, state)
+
+    # The serial scheduler has no queue: a submitted pass runs now, in the asking thread, and its future
+    # is done when it returns (the one-at-a-time baseline holds its thread through its passes).
+    def submit_prefill(
+        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
+    ) -> Future:
+        return _ran(self.prefill, served, tokens, state, prompt_end=prompt_end, owner=owner)
+
+    def submit_decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Future:
+        return _ran(self.decode, served, token, state, owner=owner)
 
     def running(self, model: str) -> int:
         return self._admission.running(model)

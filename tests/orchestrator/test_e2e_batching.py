@@ -28,7 +28,9 @@ def _script(i: int) -> list[list[int]]:
     return [first] + [[rng.randrange(16, 512) for _ in range(3 + i)] for _ in range(TURNS - 1)]
 
 
-def _serve(tmp_path: Path, models, scheduler: str, *, together: bool, model_process: str = "inline"):
+def _serve(
+    tmp_path: Path, models, scheduler: str, *, together: bool, model_process: str = "inline", **server
+):
     node = start_node(
         tmp_path,
         models,
@@ -36,13 +38,15 @@ def _serve(tmp_path: Path, models, scheduler: str, *, together: bool, model_proc
         step_token_budget=48,
         max_sessions_per_tenant=50,
         model_process=model_process,
+        **server,
     )
     pb = node.pb
     results: dict[int, list] = {}
     try:
         sids = [
-            node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="a"), metadata=md())
-            .session.session_id
+            node.sessions.CreateSession(
+                pb.sessions.CreateSessionRequest(model="a"), metadata=md()
+            ).session.session_id
             for _ in range(SESSIONS)
         ]
 
@@ -84,7 +88,14 @@ def test_sessions_in_a_model_process_equal_serial_sessions_here(tmp_path: Path) 
     _compare(tmp_path, small=True, model_process="separate")
 
 
-def _compare(tmp_path: Path, small: bool = False, model_process: str = "inline") -> None:
+def test_sessions_on_the_asyncio_server_equal_serial_sessions(tmp_path: Path) -> None:
+    """grpc_server = "async" with 2 worker threads for 4 concurrent streams: the turns waiting for the
+    scheduler hold no thread, so all four share steps; tokens, paths and stored bytes equal the serial
+    run on the thread-pool server."""
+    _compare(tmp_path, small=True, grpc_server="async", grpc_workers=2)
+
+
+def _compare(tmp_path: Path, small: bool = False, model_process: str = "inline", **server) -> None:
     global SESSIONS, TURNS
     saved = SESSIONS, TURNS
     if small:
@@ -94,7 +105,7 @@ def _compare(tmp_path: Path, small: bool = False, model_process: str = "inline")
         models = registry()
         alone, alone_stored = _serve(tmp_path / "serial", models, "serial", together=False)
         batched, batched_stored = _serve(
-            tmp_path / "batching", models, "batching", together=True, model_process=model_process
+            tmp_path / "batching", models, "batching", together=True, model_process=model_process, **server
         )
         for i in range(SESSIONS):
             assert [t.tokens for t in batched[i]] == [t.tokens for t in alone[i]], f"session {i}"
