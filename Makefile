@@ -21,10 +21,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Test processes (pytest-xdist): the CI machine's 2 cores; TEST_WORKERS=0 runs the suite in one process.
+# loadgroup: tests marked xdist_group(name) run on one worker, so they can share a module fixture.
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-all: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

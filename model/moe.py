@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.invariant import fp32_linear, rowwise_linear
+from model.invariant import fp32_linear, rows_apart, rowwise_linear
 from model.linear import Linear
 
 
@@ -48,6 +48,12 @@ class Gate(nn.Module):
         """
         linear = rowwise_linear if rowwise else fp32_linear
         scores = linear(x.float(), self.weight.float()) / self.gate_temp  # [N, E]
+        if rowwise:
+            # Each row a contiguous run of its own, as in a one-row pass: the score functions are
+            # elementwise and transcendental (softplus, sigmoid), and torch computes a run's part past its
+            # last full SIMD block with the scalar function, one bit apart; a lone row of 8 experts is all
+            # remainder, the same row inside [N, 8] is not (seen: one gate weight, then the whole decode).
+            scores = rows_apart(scores)
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":

@@ -26,6 +26,7 @@ from model import (
 )
 from model.batched_attention import batchable
 from model.invariant import fp32_linear, fp32_rows_free, rowwise_linear
+from model.moe import Gate
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,25 @@ def test_rowwise_linear_equals_one_row_products() -> None:
         alone = torch.cat([fp32_linear(x[i : i + 1], w) for i in range(37)])
         assert torch.equal(rowwise_linear(x, w), alone), (k, n)
         assert torch.equal(rowwise_linear(x[:1], w), fp32_linear(x[:1], w))
+
+
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_a_rowwise_gate_routes_each_row_as_a_one_row_gate(score_func: str) -> None:
+    """The router of a batched decode: every row's weights and experts equal the row's gate alone, bit for
+    bit, for few experts (a lone row of 8 scores is all SIMD remainder, the scalar softplus; the same row
+    inside [N, 8] runs vectorized, one bit apart, unless the rows lie apart)."""
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    for n_experts, topk in ((8, 2), (4, 1), (6, 2), (16, 4)):
+        gate = Gate(64, n_experts, topk, score_func, 1.0, True, 2.5)
+        with torch.no_grad():
+            gate.weight.copy_(torch.randn(n_experts, 64, generator=gen).bfloat16())
+            gate.bias.copy_(torch.randn(n_experts, generator=gen) * 0.1)
+        x = torch.randn(512, 64, generator=gen).bfloat16()
+        weights, indices = gate(x, rowwise=True)
+        alone = [gate(x[i : i + 1]) for i in range(x.size(0))]
+        assert torch.equal(indices, torch.cat([a[1] for a in alone])), (seed, n_experts)
+        assert torch.equal(weights, torch.cat([a[0] for a in alone])), (seed, n_experts)
 
 
 def test_fp32_linear_gives_small_products_the_rows_of_a_large_one() -> None:
