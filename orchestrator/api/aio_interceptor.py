@@ -18,6 +18,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
@@ -65,6 +66,8 @@ class ThreadContext:
     def __init__(self, context: grpc.aio.ServicerContext, loop: asyncio.AbstractEventLoop) -> None:
         self._context = context
         self._loop = loop
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] | None = []
 
     def invocation_metadata(self) -> Any:
         return self._context.invocation_metadata()
@@ -93,11 +96,27 @@ class ThreadContext:
         return None if name is None or name == "OK" else grpc.StatusCode[name]
 
     def is_active(self) -> bool:
-        return not self._context.done()
+        return self._callbacks is not None and not self._context.done()
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
-        self._loop.call_soon_threadsafe(self._context.add_done_callback, lambda _ctx: callback())
+        """Run `callback` when the call ends; False (and never run) when it already has, as grpc's."""
+        with self._lock:
+            if self._callbacks is None:
+                return False
+            first = not self._callbacks
+            self._callbacks.append(callback)
+        if first:
+            self._loop.call_soon_threadsafe(self._context.add_done_callback, lambda _ctx: self.ended())
         return True
+
+    def ended(self) -> None:
+        """The call is over: run the callbacks, once. grpc.aio runs done callbacks only after the handler
+        has returned, so the hosting wrapper calls this as soon as it is cancelled (the client went away),
+        which is when the thread-pool server runs its termination callbacks."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
 
     def peer(self) -> str:
         return self._context.peer()
@@ -180,10 +199,13 @@ class AsyncRequestInterceptor(grpc.aio.ServerInterceptor):
 
         async def hosted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             loop = asyncio.get_running_loop()
-            run = functools.partial(
-                contextvars.copy_context().run, inner, request, ThreadContext(context, loop)
-            )
-            return await loop.run_in_executor(executor, run)
+            thread_context = ThreadContext(context, loop)
+            run = functools.partial(contextvars.copy_context().run, inner, request, thread_context)
+            try:
+                return await loop.run_in_executor(executor, run)
+            except asyncio.CancelledError:
+                thread_context.ended()
+                raise
 
         return hosted
 
@@ -201,6 +223,9 @@ class AsyncRequestInterceptor(grpc.aio.ServerInterceptor):
             try:
                 while (item := await steps.next()) is not END:
                     await context.write(item)
+            except asyncio.CancelledError:
+                thread_context.ended()
+                raise
             finally:
                 await steps.close()
 

@@ -88,13 +88,15 @@ class AsyncSteps(Generic[T]):
         if self._done and pending is None:
             return
         finished, self._done = self._done, True
-        closing = self._executor.submit(self._context.run, self._close_after, pending, finished)
+        closing = self._executor.submit(self._close_after, pending, finished)
         # The close runs to its end on its thread even when this caller is cancelled again (server stop).
         await asyncio.shield(asyncio.wrap_future(closing))
 
     def _close_after(self, pending: Future | None, finished: bool) -> None:
+        # Waited for outside the steps' context: the stretch in flight is still inside it (a context can
+        # be entered by one thread at a time).
         if pending is not None:
             wait_all([pending])
         close = getattr(self._steps, "close", None)
         if not finished and close is not None:
-            close()
+            self._context.run(close)

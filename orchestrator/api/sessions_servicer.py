@@ -305,8 +305,13 @@ class AsyncSessionsServicer(SessionsServicer):
         convert = self._ctx.convert
         loop = asyncio.get_running_loop()
 
+        started: list[TurnHandle] = []
+
         def on_start(handle: TurnHandle) -> None:
-            # Runs on a worker thread; the callback itself runs on the loop when the call ends.
+            # Runs on a worker thread. grpc.aio runs done callbacks only once this coroutine has returned,
+            # so a client's cancel reaches the turn through the CancelledError below; the callback covers
+            # the other ends of the call (the server stopping).
+            started.append(handle)
             loop.call_soon_threadsafe(
                 context.add_done_callback, lambda _ctx: handle.cancel("client cancelled")
             )
@@ -317,5 +322,11 @@ class AsyncSessionsServicer(SessionsServicer):
         try:
             while (event := await steps.next()) is not END:
                 await context.write(convert.turn_event(event, request_id=turn.request_id))
+        except asyncio.CancelledError:
+            # The client went away (grpc.aio cancels this task): the turn stops at its next step, as the
+            # thread-pool server's termination callback makes it, before `close` waits for its stretch.
+            for handle in started:
+                handle.cancel("client cancelled")
+            raise
         finally:
             await steps.close()
