@@ -1,5 +1,6 @@
 """backend="triton" wiring: refused on CPU without the interpreter; the interpreter-mode comparison with
-the torch reference (test_formats_triton_backend.py) runs in a separate process with TRITON_INTERPRET=1."""
+the torch reference (test_formats_triton_backend.py) runs in the interpreter's child process with the
+other kernels' (test_triton_interpreter.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 
 import kernels
 
-BACKEND_TESTS = Path(__file__).with_name("test_formats_triton_backend.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,22 +24,6 @@ def test_triton_backend_refused_on_cpu_without_interpreter() -> None:
         kernels.quantize_mxfp4(x, backend="triton")
     with pytest.raises(kernels.KernelError, match="TRITON_INTERPRET=1"):
         kernels.qdq_fp8_ue8m0(x, backend="triton")
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the backend tests run in this process")
-def test_triton_interpreter_matches_torch_in_subprocess() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp"]
-        + [str(BACKEND_TESTS)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
 
 
 def test_importing_kernels_does_not_import_triton() -> None:
