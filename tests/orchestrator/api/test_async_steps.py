@@ -42,18 +42,19 @@ class _Steps:
             self.closed.set()
 
 
-def _drive(steps, executor) -> list[object]:
-    async def main() -> list[object]:
-        driven = AsyncSteps(steps, executor)
-        out = []
-        try:
-            while (item := await driven.next()) is not END:
-                out.append(item)
-        finally:
-            await driven.close()
-        return out
+async def _collect(steps, executor) -> list[object]:
+    driven = AsyncSteps(steps, executor)
+    out = []
+    try:
+        while (item := await driven.next()) is not END:
+            out.append(item)
+    finally:
+        await driven.close()
+    return out
 
-    return asyncio.run(main())
+
+def _drive(steps, executor) -> list[object]:
+    return asyncio.run(_collect(steps, executor))
 
 
 def _later(result: object, delay_s: float) -> Future:
@@ -102,18 +103,8 @@ def test_turns_waiting_for_passes_hold_no_thread() -> None:
             for future in passes:
                 future.set_exception(TimeoutError("not every turn reached its pass"))
 
-    async def one(i: int) -> list[object]:
-        driven = AsyncSteps(steps(i), executor)
-        out = []
-        try:
-            while (item := await driven.next()) is not END:
-                out.append(item)
-        finally:
-            await driven.close()
-        return out
-
     async def main() -> list[list[object]]:
-        return await asyncio.gather(*(one(i) for i in range(4)))
+        return await asyncio.gather(*(_collect(steps(i), executor) for i in range(4)))
 
     releaser = threading.Thread(target=release)
     releaser.start()
