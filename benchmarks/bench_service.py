@@ -3,7 +3,11 @@ and 64 concurrent sessions, with the model replaced by a NO-OP STAND-IN; (2) an 
 comparing, turn by turn, kvresume's time to first token against re-prefilling the whole history.
 
 Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhead-turns 4]
-[--model-load [--model-sessions 64] [--model-turns 20]]`.
+[--grpc-server threads|async|both] [--model-load [--model-sessions 64] [--model-turns 20]]`.
+
+`--grpc-server both` (the default) runs the no-op sweeps on the thread-pool server and on the asyncio
+server side by side (`overhead_by_grpc_server`), and with `--model-load` the 64 sessions once more on
+the server that is not the default (`c64_batching_<server>`); the headline keys are the default server's.
 
 (0) The anchors (`benchmarks/service_anchors.py`): a bare grpcio streaming no-op at 1 and 64 clients,
 one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the same run.
@@ -65,6 +69,8 @@ from orchestrator.settings import Settings
 TENANT, TOKEN = "bench", "tok-bench"
 POOL_TTL_S = 600.0
 CONCURRENCY = (1, 8, 64)
+# the gRPC server a node runs when its settings name none (the headline figures are its)
+DEFAULT_GRPC_SERVER = Settings.__dataclass_fields__["grpc_server"].default
 
 
 @dataclasses.dataclass
@@ -148,8 +154,9 @@ def _registry() -> ModelRegistry:
     return ModelRegistry({"m": ServedModelSpec(name="m", config="v41-tiny", seed=1)})
 
 
-def _settings(root: Path, workers: int) -> Settings:
+def _settings(root: Path, workers: int, grpc_server: str = DEFAULT_GRPC_SERVER) -> Settings:
     return Settings(
+        grpc_server=grpc_server,
         data_dir=root,
         tenant_tokens={TENANT: TOKEN},
         admin_token="bench-admin",
@@ -203,14 +210,14 @@ def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:
     return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state))
 
 
-def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
+def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
     registry = _registry()
     per_token, windows = _real_sizes(registry)
     served = registry.get("m")
     assert served is not None
     geo = served.geometry
     node = build_node(
-        _settings(root, max(8, concurrency)),
+        _settings(root, max(8, concurrency), grpc_server),
         registry=registry,
         compute=NoOpCompute(per_token, windows, geo.window, geo.group),
     )
@@ -249,6 +256,7 @@ def overhead(root: Path, concurrency: int, turns: int) -> dict[str, Any]:
     q = statistics.quantiles(samples, n=100, method="inclusive")
     return {
         "concurrency": concurrency,
+        "grpc_server": grpc_server,
         "turns_measured": len(samples),
         "p50_ms": statistics.median(samples) * 1e3,
         "p99_ms": q[98] * 1e3,
@@ -385,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-sessions", type=int, default=64, help="sessions of the load run")
     parser.add_argument("--model-turns", type=int, default=20, help="turns per session of the load run")
     parser.add_argument(
+        "--grpc-server",
+        choices=("threads", "async", "both"),
+        default="both",
+        help="gRPC server(s) of the no-op sweeps and the c64 model run (both: side by side)",
+    )
+    parser.add_argument(
         "--checkpoint", type=Path, default=Path("checkpoints/v41-sib-s"), help="model of the load run"
     )
     args = parser.parse_args(argv)
@@ -406,23 +420,34 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvresume-bench-") as tmp:
         root = Path(tmp)
         session_replay = replay(root / "replay", args.turns)
-        sweeps = [overhead(root / f"overhead-{c}", c, args.overhead_turns) for c in CONCURRENCY]
+        servers = ("threads", "async") if args.grpc_server == "both" else (args.grpc_server,)
+        # the headline figures are the served default's (or the one server asked for)
+        headline_server = DEFAULT_GRPC_SERVER if DEFAULT_GRPC_SERVER in servers else servers[0]
+        by_server = {
+            name: [overhead(root / f"overhead-{name}-{c}", c, args.overhead_turns, name) for c in CONCURRENCY]
+            for name in servers
+        }
+        sweeps = by_server[headline_server]
         anchors = measure_anchors(int(sweeps[0]["chunk_bytes_per_token"] * 256))
         load: dict[str, Any] = {}
         if args.model_load:
-            for name, scheduler, n in (
-                ("c64_batching", "batching", args.model_sessions),
-                ("c64_serial", "serial", args.model_sessions),
-                ("c1_batching", "batching", 1),
-                ("c64_batching_separate", "batching", args.model_sessions),
-            ):
+            other = [s for s in servers if s != headline_server]
+            runs = [
+                ("c64_batching", "batching", args.model_sessions, "inline", headline_server),
+                ("c64_serial", "serial", args.model_sessions, "inline", headline_server),
+                ("c1_batching", "batching", 1, "inline", headline_server),
+                ("c64_batching_separate", "batching", args.model_sessions, "separate", headline_server),
+                *[(f"c64_batching_{s}", "batching", args.model_sessions, "inline", s) for s in other],
+            ]
+            for name, scheduler, n, model_process, grpc_server in runs:
                 load[name] = model_load(
                     root / f"load-{name}",
                     args.checkpoint,
                     scheduler=scheduler,
                     sessions=n,
                     turns=args.model_turns,
-                    model_process="separate" if name.endswith("_separate") else "inline",
+                    model_process=model_process,
+                    grpc_server=grpc_server,
                 )
                 # each run takes minutes: its figures reach stderr at once, whatever happens later
                 print(f"model load {name}: {json.dumps(load[name])}", file=sys.stderr, flush=True)
@@ -451,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         "model_load": load,
         "model_for_overhead": "NO-OP STAND-IN (NoOpCompute: no model arithmetic, real byte sizes)",
         "model_for_replay": "v41-tiny random-init (seed 1), torch CPU, 1 thread, ced mode",
+        "grpc_server": headline_server,
         "overhead": sweeps,
+        # every server's sweeps, side by side (the headline's among them)
+        "overhead_by_grpc_server": by_server,
         "overhead_p50_ms": {str(s["concurrency"]): s["p50_ms"] for s in sweeps},
         "overhead_p99_ms": {str(s["concurrency"]): s["p99_ms"] for s in sweeps},
         # What a turn costs the registry and the store (every turn of a sweep, cold first turns included).
@@ -484,12 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
           file=out)
     print(
-        f"{'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} {'cpu ms':>7s} "
-        f"{'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
+        f"{'server':>7s} {'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} "
+        f"{'cpu ms':>7s} {'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
         file=out,
     )
-    for s in sweeps:
+    for s in (s for server_sweeps in by_server.values() for s in server_sweeps):
         print(
+            f"{s['grpc_server']:>7s} "
             f"{s['concurrency']:>8d} {s['turns_measured']:>6d} {s['p50_ms']:>9.1f} {s['p99_ms']:>9.1f} "
             f"{s['turns_per_s']:>8.1f} {s['cpu_ms_per_turn']:>7.1f} {s['sql_commits_per_turn']:>8.2f} "
             f"{s['sql_transactions_per_turn']:>6.2f} "

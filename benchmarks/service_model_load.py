@@ -53,6 +53,7 @@ def model_load(
     first_tokens: int = 64,
     generated: int = 4,
     model_process: str = "inline",
+    grpc_server: str = "threads",
 ) -> dict[str, Any]:
     """One load run; raises RuntimeError when any turn fails."""
     settings = Settings(
@@ -68,6 +69,7 @@ def model_load(
         max_running_turns=max(96, sessions),
         scheduler=scheduler,
         model_process=model_process,
+        grpc_server=grpc_server,
     )
     registry = _registry(checkpoint)
     node = build_node(settings, registry=registry, preload=True)
@@ -123,6 +125,7 @@ def model_load(
     return {
         "scheduler": scheduler,
         "model_process": model_process,
+        "grpc_server": grpc_server,
         "sessions": sessions,
         "turns": len(latencies),
         "wall_s": wall,

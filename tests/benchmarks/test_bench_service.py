@@ -31,3 +31,9 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     assert "cpu=auto" not in doc["numerics_profile"] and "cpu=" in doc["numerics_profile"]
     assert doc["model_load"]["c64_serial"]["scheduler"] == "serial"
     assert doc["model_load"]["c64_batching"]["turns"] == 4
+    # both gRPC servers side by side: the headline's sweeps are the default server's
+    assert set(doc["overhead_by_grpc_server"]) == {"threads", "async"}
+    assert {s["grpc_server"] for s in doc["overhead"]} == {doc["grpc_server"]}
+    (other,) = {"threads", "async"} - {doc["grpc_server"]}
+    assert doc["model_load"][f"c64_batching_{other}"]["grpc_server"] == other
+    assert doc["model_load"]["c64_batching"]["grpc_server"] == doc["grpc_server"]
