@@ -8,6 +8,7 @@ Also the row-invariance of the products the batched step relies on."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -204,3 +205,18 @@ def test_decode_many_refuses_bad_batches(model: Transformer) -> None:
     with pytest.raises(ValueError, match="must lie in"):
         decode_many(model, [cfg_vocab := model.cfg.vocab_size], [state])
     assert cfg_vocab > 0
+
+
+
+def test_the_experts_silu_gives_stacked_rows_their_lone_bits() -> None:
+    """The premise of the batched passes' experts: SiLU over stacked contiguous rows gives each row the bits
+    of the row alone when rows start on SIMD block boundaries (torch runs a contiguous run's full blocks of
+    2 x 8 floats, 2 x 16 under AVX-512, vectorized and its tail scalar). moe_inter_dim is a multiple of 32
+    by the config's rule for FP8/FP4 groups, so it always holds."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    for width in (32, 96, 128, 2304):
+        x = torch.randn(64, width, generator=gen) * 4
+        alone = torch.cat([F.silu(x[i : i + 1]) for i in range(x.size(0))])
+        assert torch.equal(F.silu(x), alone), width
+    with pytest.raises(ValueError, match="moe_inter_dim must be a multiple of 32"):
+        dataclasses.replace(load_preset("v41-tiny"), moe_inter_dim=72)
