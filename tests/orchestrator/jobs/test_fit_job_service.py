@@ -50,6 +50,11 @@ _FAKE = textwrap.dedent(
         time.sleep(60)
     emit(event="progress", rows_done=total, rows_total=total)
     emit(event="phase", phase="evaluating")
+    # optionally stay in evaluating until the test lets go (a watcher polls: a phase that passes at once
+    # may never be seen)
+    release = what.get("release")
+    while release and not Path(release).exists():
+        time.sleep(0.02)
     emit(event="result", passed_gate=what["passed"], failures=what.get("failures", []),
          metrics={{"attn_cosine_mean": 0.95}}, artifact_dir="/nowhere", registration=what["registration"])
     """
@@ -130,8 +135,13 @@ def test_a_rejected_artifact_is_not_registered_and_a_passing_one_is(service) -> 
     assert job.metrics == {"attn_cosine_mean": 0.95} and job.rows_done == job.rows_total == 512
     with svc._sessions() as s:
         assert MapperRepository(s).list() == []
-    _behave(d, kind="done", passed=True, registration=_registration(True))
-    views = list(svc.watch(svc.start(_request(), actor="admin").job_id))
+    release = d / "release-evaluation"
+    _behave(d, kind="done", passed=True, registration=_registration(True), release=str(release))
+    views = []
+    for view in svc.watch(svc.start(_request(), actor="admin").job_id):
+        views.append(view)
+        if view.phase == FitJobPhase.EVALUATING:
+            release.touch()
     phases = [v.phase for v in views]
     assert phases[-1] == FitJobPhase.SUCCEEDED and FitJobPhase.EVALUATING in phases
     assert views[-1].mapper_id == "s->r@abc" and views[-1].reason == "registered s->r@abc"
