@@ -8,6 +8,8 @@ Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhea
 `--grpc-server both` (the default) runs the no-op sweeps on the thread-pool server and on the asyncio
 server side by side (`overhead_by_grpc_server`), and with `--model-load` the 64 sessions once more on
 the server that is not the default (`c64_batching_<server>`); the headline keys are the default server's.
+The thread-pool server gets a worker per session (it holds one per stream); the asyncio server a pool
+of 8 at every concurrency (its turns hold none while they wait for passes).
 
 (0) The anchors (`benchmarks/service_anchors.py`): a bare grpcio streaming no-op at 1 and 64 clients,
 one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the same run.
@@ -210,6 +212,17 @@ def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:
     return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state))
 
 
+# The asyncio server's pool at every concurrency: its turns hold no thread while they wait for passes.
+ASYNC_POOL_WORKERS = 8
+
+
+def _workers(grpc_server: str, concurrency: int) -> int:
+    """Each server's pool as it needs it: the thread-pool server holds a thread per stream for the whole
+    turn, so it gets one per session (at least 8); the asyncio server keeps a pool of 8 whatever the
+    concurrency (measured: 2, 8 and 64 workers gave it the same turns/s at 64 sessions, within noise)."""
+    return max(8, concurrency) if grpc_server == "threads" else ASYNC_POOL_WORKERS
+
+
 def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
     registry = _registry()
     per_token, windows = _real_sizes(registry)
@@ -217,7 +230,7 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     assert served is not None
     geo = served.geometry
     node = build_node(
-        _settings(root, max(8, concurrency), grpc_server),
+        _settings(root, _workers(grpc_server, concurrency), grpc_server),
         registry=registry,
         compute=NoOpCompute(per_token, windows, geo.window, geo.group),
     )
@@ -257,6 +270,7 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     return {
         "concurrency": concurrency,
         "grpc_server": grpc_server,
+        "grpc_workers": _workers(grpc_server, concurrency),
         "turns_measured": len(samples),
         "p50_ms": statistics.median(samples) * 1e3,
         "p99_ms": q[98] * 1e3,

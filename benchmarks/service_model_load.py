@@ -64,7 +64,8 @@ def model_load(
         metrics_enabled=False,
         kv_chunk_tokens=256,
         pool_budget_bytes=2 << 30,
-        grpc_workers=max(16, 2 * sessions),
+        # the thread-pool server holds a thread per stream; the asyncio server none while a turn waits
+        grpc_workers=max(16, 2 * sessions) if grpc_server == "threads" else 8,
         max_sessions_per_tenant=100000,
         max_running_turns=max(96, sessions),
         scheduler=scheduler,
@@ -126,6 +127,7 @@ def model_load(
         "scheduler": scheduler,
         "model_process": model_process,
         "grpc_server": grpc_server,
+        "grpc_workers": settings.grpc_workers,
         "sessions": sessions,
         "turns": len(latencies),
         "wall_s": wall,

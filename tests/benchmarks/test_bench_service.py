@@ -37,3 +37,6 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     (other,) = {"threads", "async"} - {doc["grpc_server"]}
     assert doc["model_load"][f"c64_batching_{other}"]["grpc_server"] == other
     assert doc["model_load"]["c64_batching"]["grpc_server"] == doc["grpc_server"]
+    # the asyncio server keeps its small pool at every concurrency; the thread-pool server a thread a stream
+    assert {s["grpc_workers"] for s in doc["overhead_by_grpc_server"]["async"]} == {bench.ASYNC_POOL_WORKERS}
+    assert [s["grpc_workers"] for s in doc["overhead_by_grpc_server"]["threads"]] == [8, 8, 64]
