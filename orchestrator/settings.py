@@ -76,7 +76,8 @@ class Settings:
     calibration_file: Path | None = None
     # The gRPC server: "threads" (grpc's thread-pool server: each stream holds a worker for its whole
     # turn) or "async" (grpc.aio on an event loop thread: a turn waiting for the scheduler holds no
-    # thread, orchestrator/api/async_steps.py; opt-in until its whole suite passes, see the issue notes).
+    # thread, orchestrator/api/async_steps.py). Opt-in: it passes the whole suite but costs more per turn
+    # on 2 cores (orchestrator/README.md, threading model).
     grpc_server: str = "threads"
     # Worker threads. "async": they run the RPCs' blocking stretches (registry, store, sampling) and the
     # other methods; "threads": they serve RPCs, a turn's thread waiting on the scheduler between steps,

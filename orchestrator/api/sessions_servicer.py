@@ -303,28 +303,19 @@ class AsyncSessionsServicer(SessionsServicer):
         caller = self._ctx.auth.tenant(context)
         turn = self._turn_input(request, caller.tenant_id, context.time_remaining())
         convert = self._ctx.convert
-        loop = asyncio.get_running_loop()
-
+        # Set on a worker thread once the turn is registered. grpc.aio runs a call's done callbacks only
+        # after this coroutine has returned; it cancels this task instead when the client goes away, the
+        # deadline passes or the server stops, so that is where the turn learns of it.
         started: list[TurnHandle] = []
-
-        def on_start(handle: TurnHandle) -> None:
-            # Runs on a worker thread. grpc.aio runs done callbacks only once this coroutine has returned,
-            # so a client's cancel reaches the turn through the CancelledError below; the callback covers
-            # the other ends of the call (the server stopping).
-            started.append(handle)
-            loop.call_soon_threadsafe(
-                context.add_done_callback, lambda _ctx: handle.cancel("client cancelled")
-            )
-
         steps: AsyncSteps[TurnEvent] = AsyncSteps(
-            turn_steps(self._ctx, turn, on_start=on_start), self._executor
+            turn_steps(self._ctx, turn, on_start=started.append), self._executor
         )
         try:
             while (event := await steps.next()) is not END:
                 await context.write(convert.turn_event(event, request_id=turn.request_id))
         except asyncio.CancelledError:
-            # The client went away (grpc.aio cancels this task): the turn stops at its next step, as the
-            # thread-pool server's termination callback makes it, before `close` waits for its stretch.
+            # The turn stops at its next step, as the thread-pool server's termination callback makes it,
+            # before `close` waits out its stretch in flight.
             for handle in started:
                 handle.cancel("client cancelled")
             raise
