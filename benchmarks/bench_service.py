@@ -61,7 +61,7 @@ from benchmarks.concurrency import run_clients
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
 from benchmarks.service_anchors import measure_anchors
-from benchmarks.service_model_load import model_load
+from benchmarks.service_model_load import ASYNC_POOL_WORKERS, model_load
 from model import CacheFormatError, NumericsProfile, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
@@ -212,14 +212,9 @@ def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:
     return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state))
 
 
-# The asyncio server's pool at every concurrency: its turns hold no thread while they wait for passes.
-ASYNC_POOL_WORKERS = 8
-
-
 def _workers(grpc_server: str, concurrency: int) -> int:
     """Each server's pool as it needs it: the thread-pool server holds a thread per stream for the whole
-    turn, so it gets one per session (at least 8); the asyncio server keeps a pool of 8 whatever the
-    concurrency (measured: 2, 8 and 64 workers gave it the same turns/s at 64 sessions, within noise)."""
+    turn, so it gets one per session (at least 8); the asyncio server keeps its small pool."""
     return max(8, concurrency) if grpc_server == "threads" else ASYNC_POOL_WORKERS
 
 
