@@ -46,7 +46,6 @@ def _queue_wait(metrics: Any) -> tuple[float, int]:
     return total, int(count)
 
 
-
 def model_load(
     root: Path,
     checkpoint: Path,
