@@ -3,6 +3,7 @@
 Knows nothing of models, caches or storage. See kernels/README.md for the derivations.
 """
 
+from kernels.bf16_gemm import bf16_linear, pack_bf16_weight
 from kernels.errors import KernelError
 from kernels.formats import (
     E2M1_MAX,
@@ -51,6 +52,7 @@ __all__ = [
     "BlockFormat",
     "PreparedWeight",
     "KernelError",
+    "bf16_linear",
     "candidate_blocks",
     "candidate_ids",
     "dequantize_fp4_e4m3",
@@ -60,6 +62,7 @@ __all__ = [
     "dequantize_mxfp4",
     "fp4_linear",
     "fp8_linear",
+    "pack_bf16_weight",
     "prepare_fp4_weight",
     "prepare_fp8_weight",
     "prepared_linear",

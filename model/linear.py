@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import LINEAR_MATH, PreparedWeight, prepare_fp4_weight, prepare_fp8_weight, prepared_linear
+from kernels import (
+    LINEAR_MATH,
+    PreparedWeight,
+    bf16_linear,
+    pack_bf16_weight,
+    prepare_fp4_weight,
+    prepare_fp8_weight,
+    prepared_linear,
+)
 from model.invariant import fp32_linear
 
 # K block of the FP8 activation scales and of both weight formats' scales
@@ -67,6 +75,8 @@ class Linear(nn.Module):
         self.math = "exact"
         self._prepared: PreparedWeight | None = None
         self._prepared_for: tuple | None = None
+        self._packed: torch.Tensor | None = None
+        self._packed_for: tuple | None = None
 
     @property
     def quantized(self) -> bool:
@@ -79,8 +89,27 @@ class Linear(nn.Module):
         """
         if self.scale is None:
             # fp32 weights (the compressor's) take the model's one fp32 product (model/invariant.py)
-            return fp32_linear(x, self.weight) if x.dtype == torch.float32 else F.linear(x, self.weight)
+            if x.dtype == torch.float32:
+                return fp32_linear(x, self.weight)
+            if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+                # bitwise F.linear; the compiled CPU path where it reproduces torch (kernels/bf16_gemm)
+                return bf16_linear(x, self.weight, self._packed_bf16())
+            return F.linear(x, self.weight)
         return prepared_linear(x, self.prepared_weight(), out_dtype=torch.bfloat16, math=self.math)
+
+    def _packed_bf16(self) -> torch.Tensor | None:
+        """The bf16 weight converted to fp32 once (`pack_bf16_weight`), rebuilt when the weight changes;
+        None for inference tensors (no version counter) and off the CPU: `bf16_linear` then packs itself
+        or runs F.linear."""
+        w = self.weight
+        if w.is_inference() or w.device.type != "cpu":
+            return None
+        key = (w.data_ptr(), w._version)
+        if self._packed is None or self._packed_for != key:
+            with torch.no_grad():
+                self._packed = pack_bf16_weight(w.detach())
+            self._packed_for = key
+        return self._packed
 
     def prepared_weight(self) -> PreparedWeight:
         """The decoded weight (and, under math "fast", its folded form), rebuilt only when the stored

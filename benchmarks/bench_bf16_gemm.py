@@ -1,0 +1,141 @@
+"""The compiled bf16 linear (kernels/bf16_gemm) against torch's F.linear, side by side in one process:
+the products of the served models' widths, then v41-sib-s's batched passes with the compiled path on and
+off on the same states (`prefill_many` of ragged 16-32-token chunks, `decode_many` of many sequences).
+
+Run: `python -m benchmarks.bench_bf16_gemm [--checkpoint checkpoints/v41-sib-s] [--sequences 64]
+[--chunks 10] [--repeats 30] [--json PATH|-]`. Before timing, every product is checked bit for bit against
+F.linear and every pass's logits against the torch run's; the benchmark refuses to report otherwise.
+Reported: median wall time (us or ms), the ratio torch / compiled, 1 thread. FLOP model: none (the
+compiled path changes how the same sums are scheduled, not how many there are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "v41-sib-s"
+# (rows, K, N): a 10-chunk prefill step's projections and MoE of v41-sib-s, a 64-sequence decode step's,
+# and its vocabulary head over a chunk
+SHAPES = ((240, 96, 96), (240, 96, 192), (240, 64, 128), (64, 96, 96), (64, 64, 64), (32, 96, 4096))
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def products(repeats: int) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels import bf16_linear, pack_bf16_weight
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for m, k, n in SHAPES:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        packed = pack_bf16_weight(w)
+        if not torch.equal(bf16_linear(x, w, packed).view(torch.int16), F.linear(x, w).view(torch.int16)):
+            raise SystemExit(f"the compiled product differs from F.linear at {(m, k, n)}: not timing")
+        t_torch = _median_s(lambda: F.linear(x, w), repeats)  # noqa: B023 - called at once
+        t_ours = _median_s(lambda: bf16_linear(x, w, packed), repeats)  # noqa: B023
+        rows.append({"rows": m, "k": k, "n": n, "torch_us": t_torch * 1e6, "compiled_us": t_ours * 1e6,
+                     "speedup": t_torch / t_ours})  # fmt: skip
+    return rows
+
+
+def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
+    """Each step run twice on twin states, compiled path on and off (interleaved, so load changes hit
+    both alike)."""
+    import torch
+
+    import kernels.bf16_gemm as bf16_gemm
+    from benchmarks.bench_decode_step import _states
+    from model import decode_many, load_model, prefill_many
+
+    model = load_model(checkpoint).eval()
+    rng = random.Random(1)
+    vocab = model.cfg.vocab_size
+    usable = bf16_gemm.usable
+    out = {}
+    with torch.inference_mode():
+        for kind, n in (("prefill_many", chunks), ("decode_many", sequences)):
+            base = _states(model, n, 0)
+            on, off = [s.clone() for s in base], [s.clone() for s in base]
+            t_on, t_off = [], []
+            try:
+                for _ in range(steps):
+                    if kind == "decode_many":
+                        toks = [rng.randrange(16, vocab) for _ in base]
+                        run = lambda states, toks=toks: decode_many(model, toks, states)  # noqa: E731
+                    else:
+                        lengths = [rng.randint(16, 32) for _ in base]
+                        chunk = [
+                            torch.tensor([[rng.randrange(16, vocab) for _ in range(t)]]) for t in lengths
+                        ]
+                        run = lambda states, chunk=chunk: prefill_many(model, chunk, states)  # noqa: E731
+                    bf16_gemm.usable = usable
+                    t0 = time.perf_counter()
+                    got = run(on)
+                    t_on.append(time.perf_counter() - t0)
+                    bf16_gemm.usable = lambda: False
+                    t0 = time.perf_counter()
+                    want = run(off)
+                    t_off.append(time.perf_counter() - t0)
+                    if not all(torch.equal(a.logits, b.logits) for a, b in zip(got, want, strict=True)):
+                        raise SystemExit(f"{kind} with the compiled linears differs from torch's: not timing")
+            finally:
+                bf16_gemm.usable = usable
+            on_s, off_s = statistics.median(t_on), statistics.median(t_off)
+            out[kind] = {"sequences": n, "compiled_ms": on_s * 1e3, "torch_ms": off_s * 1e3,
+                         "speedup": off_s / on_s}  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--chunks", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=30)
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    enter_numerics("auto", "benchmarks.bench_bf16_gemm", argv)
+    import torch
+
+    from kernels.bf16_gemm import cpu
+
+    torch.set_num_threads(1)
+    if not cpu.usable():
+        raise SystemExit("the compiled bf16 linear is not usable here (kernels/README.md): nothing to time")
+    out = table_stream(args.json)
+    doc = {"products": products(args.repeats), "passes": passes(args.checkpoint, args.sequences, args.chunks,
+           args.steps), "threads": 1, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
+    print(f"bench_bf16_gemm: 1 thread, {doc['cpu']}", file=out)
+    print(f"{'rows':>5} {'K':>5} {'N':>5} {'torch us':>9} {'compiled us':>12} {'speedup':>8}", file=out)
+    for r in doc["products"]:
+        print(f"{r['rows']:>5} {r['k']:>5} {r['n']:>5} {r['torch_us']:>9.0f} {r['compiled_us']:>12.0f} "
+              f"{r['speedup']:>7.2f}x", file=out)  # fmt: skip
+    for kind, r in doc["passes"].items():
+        print(f"{kind} of {r['sequences']} sequences (v41-sib-s): torch {r['torch_ms']:.1f} ms, compiled "
+              f"{r['compiled_ms']:.1f} ms: {r['speedup']:.2f}x", file=out)  # fmt: skip
+    write_json(doc, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

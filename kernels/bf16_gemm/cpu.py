@@ -1,0 +1,99 @@
+"""The compiled CPU path of bf16 linears (cpu_bf16_gemm.c): `F.linear(x, w)` on bf16 CPU tensors of two
+or more rows, bit for bit, with the weight converted to fp32 once (`pack_weight`) instead of on every
+call. Its slow twin is torch itself: the path is used only where torch computes with the AVX2 kernel whose
+order the C file reproduces (the pinned numerics profiles), and only after a probe on this process's
+torch agreed with it on wide-range inputs (`usable`).
+
+Knows nothing of modules or validation (kernels.bf16_gemm does both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.native import load_library
+
+__all__ = ["OUTPUTS_PER_BLOCK", "covers", "linear_packed", "pack_weight", "usable"]
+
+_SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+# outputs per transposed weight block (the C file's OUTS: one fp32 AVX2 vector)
+OUTPUTS_PER_BLOCK = 8
+# torch's CPU capability whose bf16 dot product the C file reproduces
+_CAPABILITY = "AVX2"
+# The probe's shapes: K from one tail step to several 64-wide chunks plus a tail, N not a multiple of 8.
+_PROBE_K = (16, 48, 64, 96, 128, 192, 320)
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_library(_SOURCE)
+    if lib is None:
+        return None
+    lib.linear_bf16.argtypes = [_P, _P, _I64, _I64, _INT, _P]
+    lib.linear_bf16.restype = _INT
+    return lib
+
+
+def covers(rows: int, k: int) -> bool:
+    """Whether the C order is the measured ATen order for this shape: K a positive multiple of 16 (ATen's
+    scalar tail was not measured) and two or more rows (one row goes to ATen's gemv, kept as it is)."""
+    return rows > 1 and k > 0 and k % 16 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> fp32 [ceil(N/8), K, 8]: blocks of 8 outputs, transposed (zeros past N)."""
+    n, k = weight.shape
+    blocks = -(-n // OUTPUTS_PER_BLOCK)
+    padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k, dtype=torch.float32)
+    padded[:n] = weight.float()
+    return padded.view(blocks, OUTPUTS_PER_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
+    """x [M, K] bf16 (contiguous CPU) times the packed weight of N outputs -> [M, N] bf16, or None when the
+    C code could not allocate its scratch memory (the caller then runs torch)."""
+    lib = _library()
+    assert lib is not None
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if lib.linear_bf16(x.data_ptr(), packed.data_ptr(), m, n, k, out.data_ptr()):
+        return None
+    return out
+
+
+def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values with random signs over 2^-6..2^6: the sums' order shows in far more outputs than with
+    normal values."""
+    exponent = torch.randint(-6, 7, shape, generator=gen).float()
+    sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+    return (sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))).bfloat16()
+
+
+@cache
+def _probe() -> bool:
+    gen = torch.Generator().manual_seed(20261203)
+    for k in _PROBE_K:
+        x, w = _wide(gen, 33, k), _wide(gen, 67, k)
+        got = linear_packed(x, pack_weight(w), 67)
+        if got is None or not torch.equal(got, F.linear(x, w)):
+            return False
+    return True
+
+
+def usable() -> bool:
+    """Whether the compiled path gives torch's bits in this process: torch on its AVX2 kernels with oneDNN
+    off (oneDNN's bf16 GEMM sums in another order), a library that builds, and a probe that agreed."""
+    return (
+        torch.backends.cpu.get_cpu_capability() == _CAPABILITY
+        and not torch.backends.mkldnn.enabled
+        and _library() is not None
+        and _probe()
+    )
