@@ -3,7 +3,7 @@
 Knows nothing of models, caches or storage. See kernels/README.md for the derivations.
 """
 
-from kernels.bf16_gemm import bf16_linear, pack_bf16_weight
+from kernels.bf16_gemm import bf16_linear, bf16_linear_takes_compiled_path, pack_bf16_weight
 from kernels.errors import KernelError
 from kernels.formats import (
     E2M1_MAX,
@@ -35,6 +35,7 @@ from kernels.formats import (
     quantize_mxfp4,
 )
 from kernels.index_score import index_score, index_score_at
+from kernels.sinkhorn import sinkhorn, sinkhorn_reference
 from kernels.sparse_attn import sparse_attn
 from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
 
@@ -53,6 +54,7 @@ __all__ = [
     "PreparedWeight",
     "KernelError",
     "bf16_linear",
+    "bf16_linear_takes_compiled_path",
     "candidate_blocks",
     "candidate_ids",
     "dequantize_fp4_e4m3",
@@ -76,5 +78,7 @@ __all__ = [
     "quantize_fp8_ue8m0",
     "quantize_mxfp4",
     "select_topk",
+    "sinkhorn",
+    "sinkhorn_reference",
     "sparse_attn",
 ]

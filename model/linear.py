@@ -19,6 +19,7 @@ from kernels import (
     LINEAR_MATH,
     PreparedWeight,
     bf16_linear,
+    bf16_linear_takes_compiled_path,
     pack_bf16_weight,
     prepare_fp4_weight,
     prepare_fp8_weight,
@@ -91,8 +92,8 @@ class Linear(nn.Module):
             # fp32 weights (the compressor's) take the model's one fp32 product (model/invariant.py)
             if x.dtype == torch.float32:
                 return fp32_linear(x, self.weight)
-            if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
-                # bitwise F.linear; the compiled CPU path where it reproduces torch (kernels/bf16_gemm)
+            if bf16_linear_takes_compiled_path(x, self.weight):
+                # bitwise F.linear, compiled where it reproduces torch (kernels/bf16_gemm)
                 return bf16_linear(x, self.weight, self._packed_bf16())
             return F.linear(x, self.weight)
         return prepared_linear(x, self.prepared_weight(), out_dtype=torch.bfloat16, math=self.math)

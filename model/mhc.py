@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import sinkhorn
 from model.invariant import rows_apart
 
 
@@ -49,12 +50,8 @@ def split_sinkhorn(
     post = 2 * torch.sigmoid(apart(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc]))
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = torch.exp(apart(comb - comb.amax(dim=-1, keepdim=True)))
-    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    # the official loop, bit for bit; compiled on CPU (kernels/sinkhorn: some 120 tiny ops otherwise)
+    return pre, post, sinkhorn(comb, iters, eps)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kernels import sinkhorn
 from model.invariant import fp32_linear, rows_apart
 
 __all__ = ["SIMD_STEP", "lone_runs", "ragged_mixes"]
@@ -99,10 +100,5 @@ def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tup
     pre = lone_runs(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc], runs) + eps
     post = 2 * lone_runs(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc], runs)
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = lone_runs(torch.exp, comb - comb.amax(dim=-1, keepdim=True), runs)
-    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    comb = sinkhorn(lone_runs(torch.exp, comb - comb.amax(dim=-1, keepdim=True), runs), iters, eps)
     return pre.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0)

@@ -18,6 +18,10 @@ __all__ = ["bf16_linear", "bf16_linear_takes_compiled_path", "pack_bf16_weight"]
 def bf16_linear_takes_compiled_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `bf16_linear(x, weight, ...)` runs the compiled path (else it is F.linear). Never where
     autograd records the product (training): the compiled path has no backward."""
+    k = x.size(-1) if x.dim() else 0
+    # cheapest first: most calls it refuses are one-row products (a lone decode's)
+    if x.numel() < 2 * k or k == 0:
+        return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
     return (
