@@ -35,7 +35,7 @@ from kernels.formats import (
     quantize_mxfp4,
 )
 from kernels.index_score import index_score, index_score_at
-from kernels.sinkhorn import sinkhorn, sinkhorn_reference
+from kernels.mhc import sinkhorn, sinkhorn_reference
 from kernels.sparse_attn import sparse_attn
 from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
 

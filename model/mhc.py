@@ -50,7 +50,7 @@ def split_sinkhorn(
     post = 2 * torch.sigmoid(apart(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc]))
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = torch.exp(apart(comb - comb.amax(dim=-1, keepdim=True)))
-    # the official loop, bit for bit; compiled on CPU (kernels/sinkhorn: some 120 tiny ops otherwise)
+    # the official loop, bit for bit; compiled on CPU (kernels/mhc: some 120 tiny ops otherwise)
     return pre, post, sinkhorn(comb, iters, eps)
 
 

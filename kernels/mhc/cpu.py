@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.mhc.reference import sinkhorn_reference
 from kernels.native import load_library
-from kernels.sinkhorn.reference import sinkhorn_reference
 
 __all__ = ["covers", "sinkhorn_cpu", "usable"]
 

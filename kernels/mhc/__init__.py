@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sinkhorn.cpu import covers, sinkhorn_cpu, usable
-from kernels.sinkhorn.reference import sinkhorn_reference
+from kernels.mhc.cpu import covers, sinkhorn_cpu, usable
+from kernels.mhc.reference import sinkhorn_reference
 
 __all__ = ["sinkhorn", "sinkhorn_reference"]
 

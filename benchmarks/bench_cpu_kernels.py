@@ -1,12 +1,14 @@
-"""The compiled bf16 linear (kernels/bf16_gemm) against torch's F.linear, side by side in one process:
-the products of the served models' widths, then v41-sib-s's batched passes with the compiled path on and
-off on the same states (`prefill_many` of ragged 16-32-token chunks, `decode_many` of many sequences).
+"""The compiled CPU kernels of the model's hot small ops against their torch twins, side by side in one
+process: the bf16 linear (kernels/bf16_gemm) at the served models' widths, the mHC Sinkhorn normalization
+(kernels/mhc) at 1, 64 and 240 combs, then v41-sib-s's passes with both compiled paths on and off on
+the same states (a lone `decode`, `prefill_many` of ragged 16-32-token chunks, `decode_many` of many
+sequences).
 
-Run: `python -m benchmarks.bench_bf16_gemm [--checkpoint checkpoints/v41-sib-s] [--sequences 64]
-[--chunks 10] [--repeats 30] [--json PATH|-]`. Before timing, every product is checked bit for bit against
-F.linear and every pass's logits against the torch run's; the benchmark refuses to report otherwise.
+Run: `python -m benchmarks.bench_cpu_kernels [--checkpoint checkpoints/v41-sib-s] [--sequences 64]
+[--chunks 10] [--repeats 30] [--json PATH|-]`. Before timing, every result is checked bit for bit against
+torch's and every pass's logits against the torch run's; the benchmark refuses to report otherwise.
 Reported: median wall time (us or ms), the ratio torch / compiled, 1 thread. FLOP model: none (the
-compiled path changes how the same sums are scheduled, not how many there are).
+compiled paths change how the same arithmetic is scheduled, not how much there is).
 """
 
 from __future__ import annotations
@@ -58,28 +60,59 @@ def products(repeats: int) -> list[dict]:
     return rows
 
 
+def sinkhorns(repeats: int) -> list[dict]:
+    import torch
+
+    from kernels import sinkhorn, sinkhorn_reference
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (1, 64, 240):
+        comb = torch.exp(torch.randn(1, n, 4, 4, generator=gen) * 3)
+        if not torch.equal(sinkhorn(comb, 20, 1e-6), sinkhorn_reference(comb, 20, 1e-6)):
+            raise SystemExit(f"the compiled Sinkhorn differs from the reference at {n} combs: not timing")
+        t_torch = _median_s(lambda: sinkhorn_reference(comb, 20, 1e-6), repeats)  # noqa: B023
+        t_ours = _median_s(lambda: sinkhorn(comb, 20, 1e-6), repeats)  # noqa: B023
+        rows.append({"combs": n, "torch_us": t_torch * 1e6, "compiled_us": t_ours * 1e6,
+                     "speedup": t_torch / t_ours})  # fmt: skip
+    return rows
+
+
+def _compiled(on: bool, usable: dict) -> None:
+    """Switch both compiled paths (their dispatchers' `usable`) on or off."""
+    import kernels.bf16_gemm as bf16_gemm
+    import kernels.mhc as mhc
+
+    for module in (bf16_gemm, mhc):
+        module.usable = usable[module.__name__] if on else (lambda: False)
+
+
 def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
-    """Each step run twice on twin states, compiled path on and off (interleaved, so load changes hit
+    """Each step run twice on twin states, compiled paths on and off (interleaved, so load changes hit
     both alike)."""
     import torch
 
     import kernels.bf16_gemm as bf16_gemm
+    import kernels.mhc as mhc
     from benchmarks.bench_decode_step import _states
-    from model import decode_many, load_model, prefill_many
+    from model import decode, decode_many, load_model, prefill_many
 
     model = load_model(checkpoint).eval()
     rng = random.Random(1)
     vocab = model.cfg.vocab_size
-    usable = bf16_gemm.usable
+    usable = {m.__name__: m.usable for m in (bf16_gemm, mhc)}
     out = {}
     with torch.inference_mode():
-        for kind, n in (("prefill_many", chunks), ("decode_many", sequences)):
+        for kind, n in (("decode", 1), ("prefill_many", chunks), ("decode_many", sequences)):
             base = _states(model, n, 0)
             on, off = [s.clone() for s in base], [s.clone() for s in base]
             t_on, t_off = [], []
             try:
                 for _ in range(steps):
-                    if kind == "decode_many":
+                    if kind == "decode":
+                        tok = torch.tensor([rng.randrange(16, vocab)])
+                        run = lambda states, tok=tok: [decode(model, tok, states[0])]  # noqa: E731
+                    elif kind == "decode_many":
                         toks = [rng.randrange(16, vocab) for _ in base]
                         run = lambda states, toks=toks: decode_many(model, toks, states)  # noqa: E731
                     else:
@@ -88,18 +121,18 @@ def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
                             torch.tensor([[rng.randrange(16, vocab) for _ in range(t)]]) for t in lengths
                         ]
                         run = lambda states, chunk=chunk: prefill_many(model, chunk, states)  # noqa: E731
-                    bf16_gemm.usable = usable
+                    _compiled(True, usable)
                     t0 = time.perf_counter()
                     got = run(on)
                     t_on.append(time.perf_counter() - t0)
-                    bf16_gemm.usable = lambda: False
+                    _compiled(False, usable)
                     t0 = time.perf_counter()
                     want = run(off)
                     t_off.append(time.perf_counter() - t0)
                     if not all(torch.equal(a.logits, b.logits) for a, b in zip(got, want, strict=True)):
-                        raise SystemExit(f"{kind} with the compiled linears differs from torch's: not timing")
+                        raise SystemExit(f"{kind} with the compiled kernels differs from torch's: not timing")
             finally:
-                bf16_gemm.usable = usable
+                _compiled(True, usable)
             on_s, off_s = statistics.median(t_on), statistics.median(t_off)
             out[kind] = {"sequences": n, "compiled_ms": on_s * 1e3, "torch_ms": off_s * 1e3,
                          "speedup": off_s / on_s}  # fmt: skip
@@ -115,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     add_json_flag(parser)
     args = parser.parse_args(argv)
-    enter_numerics("auto", "benchmarks.bench_bf16_gemm", argv)
+    enter_numerics("auto", "benchmarks.bench_cpu_kernels", argv)
     import torch
 
     from kernels.bf16_gemm import cpu
@@ -124,13 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu.usable():
         raise SystemExit("the compiled bf16 linear is not usable here (kernels/README.md): nothing to time")
     out = table_stream(args.json)
-    doc = {"products": products(args.repeats), "passes": passes(args.checkpoint, args.sequences, args.chunks,
-           args.steps), "threads": 1, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
-    print(f"bench_bf16_gemm: 1 thread, {doc['cpu']}", file=out)
+    passes_doc = passes(args.checkpoint, args.sequences, args.chunks, args.steps)
+    doc = {"products": products(args.repeats), "sinkhorn": sinkhorns(args.repeats), "passes": passes_doc,
+           "threads": 1, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
+    print(f"bench_cpu_kernels: 1 thread, {doc['cpu']}", file=out)
+    print("bf16 linear (kernels/bf16_gemm)", file=out)
     print(f"{'rows':>5} {'K':>5} {'N':>5} {'torch us':>9} {'compiled us':>12} {'speedup':>8}", file=out)
     for r in doc["products"]:
         print(f"{r['rows']:>5} {r['k']:>5} {r['n']:>5} {r['torch_us']:>9.0f} {r['compiled_us']:>12.0f} "
               f"{r['speedup']:>7.2f}x", file=out)  # fmt: skip
+    print("Sinkhorn normalization, 4 lanes, 20 rounds (kernels/mhc)", file=out)
+    for r in doc["sinkhorn"]:
+        print(f"{r['combs']:>5} combs: torch {r['torch_us']:.0f} us, compiled {r['compiled_us']:.0f} us: "
+              f"{r['speedup']:.1f}x", file=out)  # fmt: skip
     for kind, r in doc["passes"].items():
         print(f"{kind} of {r['sequences']} sequences (v41-sib-s): torch {r['torch_ms']:.1f} ms, compiled "
               f"{r['compiled_ms']:.1f} ms: {r['speedup']:.2f}x", file=out)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The compiled Sinkhorn normalization (kernels/sinkhorn/cpu.py) against its slow twin, the torch
+"""The compiled Sinkhorn normalization (kernels/mhc/cpu.py) against its slow twin, the torch
 reference: every value's bits on fresh random combs of the shapes the model passes (one row, a decode
 batch, a prefill stack, leading dims), other lane counts and round counts, views that are not contiguous,
 and the edges (values that underflow to zero, huge spreads)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import sinkhorn, sinkhorn_reference
-from kernels.sinkhorn import cpu
+from kernels.mhc import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.usable(), reason="no C compiler: the reference serves alone")
 

@@ -1,4 +1,4 @@
-/* Compiled Sinkhorn normalization of the mHC comb: bit for bit what kernels/sinkhorn/reference.py computes
+/* Compiled Sinkhorn normalization of the mHC comb: bit for bit what kernels/mhc/reference.py computes
  * with torch on CPU fp32 tensors.
  *
  * Why it is written out: the reference is 3 torch ops per half-round and 2 x 20 half-rounds per mix, some
