@@ -26,8 +26,10 @@ import sys
 # (K, N) of the model's fp32 products: the compressor (K = dim, small N), the 32-wide K blocks of the
 # block-scaled GEMMs, and the mHC mixes (K = hc * dim).
 _SHAPES = ((64, 32), (32, 128), (256, 128), (1024, 24), (96, 2), (96, 4096))
-_ROWS = 40
-_ROW_COUNTS = (2, 3, 4, 5, 7, 8, 16)
+# Row counts up to what a step stacks: a batched decode up to max_batch_sequences (64 by default) rows in
+# one product under strict, against a whole of 128 (it was 1-16 against 40, which left 17-64 unchecked).
+_ROWS = 128
+_ROW_COUNTS = (2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 48, 64, 65, 96)
 
 
 def probe() -> str | None:
