@@ -35,6 +35,8 @@ from kernels.formats import (
     quantize_mxfp4,
 )
 from kernels.index_score import index_score, index_score_at
+from kernels.mhc import collapse as mhc_collapse
+from kernels.mhc import expand as mhc_expand
 from kernels.mhc import sinkhorn, sinkhorn_reference
 from kernels.sparse_attn import sparse_attn
 from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
@@ -77,6 +79,8 @@ __all__ = [
     "quantize_fp4_e4m3",
     "quantize_fp8_ue8m0",
     "quantize_mxfp4",
+    "mhc_collapse",
+    "mhc_expand",
     "select_topk",
     "sinkhorn",
     "sinkhorn_reference",

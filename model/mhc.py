@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sinkhorn
+from kernels import mhc_collapse, mhc_expand, sinkhorn
 from model.invariant import rows_apart
 
 
@@ -55,12 +55,14 @@ def split_sinkhorn(
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Weighted lane sum: x [B, T, hc, d] bf16, pre [B, T, hc] fp32 -> [B, T, d] in x's dtype."""
-    return torch.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+    """Weighted lane sum: x [B, T, hc, d] bf16, pre [B, T, hc] fp32 -> [B, T, d] in x's dtype (the
+    official op order, compiled on CPU: kernels/mhc)."""
+    return mhc_collapse(x, pre)
 
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """new_lane_j = post_j * y + sum_i comb[i, j] * lane_i.
+    """new_lane_j = post_j * y + sum_i comb[i, j] * lane_i (the official op order, compiled on CPU:
+    kernels/mhc).
 
     Args:
         y: [B, T, d] bf16 sublayer output; residual: [B, T, hc, d] bf16 lanes;
@@ -69,8 +71,7 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
     Returns:
         [B, T, hc, d] in y's dtype.
     """
-    mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)  # [B, T, hc, d]
-    return (post.unsqueeze(-1) * y.unsqueeze(-2) + mixed).type_as(y)
+    return mhc_expand(y, residual, post, comb)
 
 
 def identity_pre(batch: int, rows: int, hc: int, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from kernels.mhc.reference import sinkhorn_reference
 from kernels.native import load_library
 
-__all__ = ["covers", "sinkhorn_cpu", "usable"]
+__all__ = ["collapse_cpu", "covers", "expand_cpu", "lanes_cover", "lanes_usable", "sinkhorn_cpu", "usable"]
 
 _SOURCE = Path(__file__).with_name("cpu_sinkhorn.c")
 
@@ -65,3 +65,83 @@ def usable() -> bool:
     """Whether the compiled path gives the reference's bits here: a library that builds and a probe that
     agreed."""
     return _library() is not None and _probe()
+
+
+_LANES_SOURCE = Path(__file__).with_name("cpu_lanes.c")
+# the C file's scratch per lane (MAX_D)
+_MAX_D = 8192
+
+
+@cache
+def _lanes() -> ctypes.CDLL | None:
+    lib = load_library(_LANES_SOURCE)
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.collapse_bf16.argtypes = [p, p, i64, i, i, p]
+    lib.expand_bf16.argtypes = [p, p, p, p, i64, i, i, p]
+    lib.collapse_bf16.restype = lib.expand_bf16.restype = i
+    return lib
+
+
+def lanes_cover(hc: int, d: int) -> bool:
+    """Whether the C order is torch's: lane sums of up to 4 lanes (measured; every model's hc_mult is 4)
+    and lanes that fit the C file's scratch."""
+    return 1 <= hc <= 4 and 1 <= d <= _MAX_D
+
+
+def collapse_cpu(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+    """`collapse_reference(x, pre)` for x [..., hc, d] bf16 and pre [..., hc] fp32 (CPU), or None when the
+    C code refused (the caller runs the reference)."""
+    lib = _lanes()
+    assert lib is not None
+    hc, d = x.shape[-2:]
+    x, pre = x.contiguous(), pre.contiguous()
+    out = torch.empty(*x.shape[:-2], d, dtype=torch.bfloat16)
+    if lib.collapse_bf16(x.data_ptr(), pre.data_ptr(), x.numel() // (hc * d), hc, d, out.data_ptr()):
+        return None
+    return out
+
+
+def expand_cpu(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor | None:
+    """`expand_reference(y, residual, post, comb)` for CPU tensors of its dtypes, or None when the C code
+    refused (the caller runs the reference)."""
+    lib = _lanes()
+    assert lib is not None
+    hc, d = residual.shape[-2:]
+    y, residual, post, comb = y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous()
+    out = torch.empty(residual.shape, dtype=torch.bfloat16)
+    rows = residual.numel() // (hc * d)
+    if lib.expand_bf16(y.data_ptr(), residual.data_ptr(), post.data_ptr(), comb.data_ptr(), rows, hc, d,
+                       out.data_ptr()):  # fmt: skip
+        return None
+    return out
+
+
+@cache
+def _lanes_probe() -> bool:
+    from kernels.mhc.reference import collapse_reference, expand_reference
+
+    gen = torch.Generator().manual_seed(20261203)
+    for rows in (1, 5):
+        x = torch.randn(1, rows, 4, 96, generator=gen).bfloat16()
+        pre = torch.rand(1, rows, 4, generator=gen)
+        comb = torch.rand(1, rows, 4, 4, generator=gen)
+        y = torch.randn(1, rows, 96, generator=gen).bfloat16()
+        got_c, got_e = collapse_cpu(x, pre), expand_cpu(y, x, pre, comb)
+        if got_c is None or not torch.equal(
+            got_c.view(torch.int16), collapse_reference(x, pre).view(torch.int16)
+        ):
+            return False
+        want_e = expand_reference(y, x, pre, comb)
+        if got_e is None or not torch.equal(got_e.view(torch.int16), want_e.view(torch.int16)):
+            return False
+    return True
+
+
+def lanes_usable() -> bool:
+    """Whether the compiled collapse / expand give the reference's bits here: a library that builds and a
+    probe that agreed."""
+    return _lanes() is not None and _lanes_probe()
