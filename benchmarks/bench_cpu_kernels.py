@@ -1,6 +1,6 @@
 """The compiled CPU kernels of the model's hot small ops against their torch twins, side by side in one
 process: the bf16 linear (kernels/bf16_gemm) at the served models' widths, the mHC Sinkhorn normalization
-(kernels/mhc) at 1, 64 and 240 combs, then v41-sib-s's passes with both compiled paths on and off on
+(kernels/mhc) at 1, 64 and 240 combs, then v41-sib-s's passes with every compiled path on and off on
 the same states (a lone `decode`, `prefill_many` of ragged 16-32-token chunks, `decode_many` of many
 sequences).
 
@@ -78,13 +78,14 @@ def sinkhorns(repeats: int) -> list[dict]:
     return rows
 
 
-def _compiled(on: bool, usable: dict) -> None:
-    """Switch both compiled paths (their dispatchers' `usable`) on or off."""
-    import kernels.bf16_gemm as bf16_gemm
-    import kernels.mhc as mhc
+# the dispatchers' `usable` checks, by module and name: switching them off runs every torch twin
+_SWITCHES = (("kernels.bf16_gemm", "usable"), ("kernels.mhc", "usable"), ("kernels.mhc", "lanes_usable"))
 
-    for module in (bf16_gemm, mhc):
-        module.usable = usable[module.__name__] if on else (lambda: False)
+
+def _compiled(on: bool, usable: dict) -> None:
+    """Switch every compiled path on or off."""
+    for name, attr in _SWITCHES:
+        setattr(sys.modules[name], attr, usable[(name, attr)] if on else (lambda: False))
 
 
 def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
@@ -92,15 +93,15 @@ def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
     both alike)."""
     import torch
 
-    import kernels.bf16_gemm as bf16_gemm
-    import kernels.mhc as mhc
+    import kernels.bf16_gemm  # noqa: F401 - registers the modules _SWITCHES names
+    import kernels.mhc  # noqa: F401
     from benchmarks.bench_decode_step import _states
     from model import decode, decode_many, load_model, prefill_many
 
     model = load_model(checkpoint).eval()
     rng = random.Random(1)
     vocab = model.cfg.vocab_size
-    usable = {m.__name__: m.usable for m in (bf16_gemm, mhc)}
+    usable = {(name, attr): getattr(sys.modules[name], attr) for name, attr in _SWITCHES}
     out = {}
     with torch.inference_mode():
         for kind, n in (("decode", 1), ("prefill_many", chunks), ("decode_many", sequences)):
