@@ -59,9 +59,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [M, K] bf16 (contiguous CPU) times the packed weight of N outputs -> [M, N] bf16, or None when the
-    C code could not allocate its scratch memory (the caller then runs torch)."""
+    C code could not allocate its scratch memory or the packed weight is not 32-byte aligned (torch's
+    allocations are; the caller then runs torch)."""
     lib = _library()
     assert lib is not None
+    if packed.data_ptr() % 32:
+        return None  # the C code loads whole AVX2 vectors of the packed weight (32-byte aligned)
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if lib.linear_bf16(x.data_ptr(), packed.data_ptr(), m, n, k, out.data_ptr()):

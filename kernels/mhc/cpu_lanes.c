@@ -15,6 +15,7 @@
  * [S, hc, d] bf16 bits.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -31,12 +32,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-#define MAX_D 8192
-
-/* Returns 0, or -1 for a lane width this file's scratch cannot hold (the caller runs the reference). */
+/* Both return 0, or -1 when scratch memory could not be allocated (the caller runs the reference). */
 int collapse_bf16(const uint16_t *x, const float *pre, int64_t s, int hc, int d, uint16_t *out) {
-    if (d > MAX_D) return -1;
-    float acc[MAX_D];
+    float *acc = malloc(sizeof(float) * (size_t)d);
+    if (!acc) return -1;
     for (int64_t t = 0; t < s; t++) {
         for (int k = 0; k < d; k++) acc[k] = 0.0f;
         for (int i = 0; i < hc; i++) {
@@ -49,13 +48,15 @@ int collapse_bf16(const uint16_t *x, const float *pre, int64_t s, int hc, int d,
         }
         for (int k = 0; k < d; k++) out[t * d + k] = f32_to_bf16(acc[k]);
     }
+    free(acc);
     return 0;
 }
 
 int expand_bf16(const uint16_t *y, const uint16_t *residual, const float *post, const float *comb, int64_t s,
                 int hc, int d, uint16_t *out) {
-    if (d > MAX_D) return -1;
-    float acc[MAX_D], yf[MAX_D];
+    float *acc = malloc(sizeof(float) * 2 * (size_t)d);
+    if (!acc) return -1;
+    float *yf = acc + d;
     for (int64_t t = 0; t < s; t++) {
         for (int k = 0; k < d; k++) yf[k] = bf16_to_f32(y[t * d + k]);
         for (int j = 0; j < hc; j++) {
@@ -76,5 +77,6 @@ int expand_bf16(const uint16_t *y, const uint16_t *residual, const float *post, 
             }
         }
     }
+    free(acc);
     return 0;
 }
