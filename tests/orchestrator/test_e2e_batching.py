@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,9 @@ def _script(i: int, turns: int) -> list[list[int]]:
 class _Run:
     turns: dict[int, list]  # session -> its turns' results
     stored: dict[int, tuple]  # session -> (stored prefix tokens, its payloads)
+    # the batched passes as they ran: (kind, each sequence's history length before it, rows each):
+    # what a failure message shows, so a divergence seen once (stop 25, an Intel CPU) names its step
+    steps: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ def _serve(
     )
     pb = node.pb
     results: dict[int, list] = {}
+    steps = _record_steps(node)
     try:
         sids = [
             node.sessions.CreateSession(
@@ -93,9 +97,27 @@ def _serve(
             history = [tok for new, t in zip(script, results[i], strict=True) for tok in new + t.tokens]
             prefix = node.service.store.longest_valid_prefix("acme", fp, history)
             stored[i] = (prefix.n_tokens, list(prefix.payloads))
-        return _Run(turns=results, stored=stored)
+        return _Run(turns=results, stored=stored, steps=steps)
     finally:
         node.stop()
+
+
+def _record_steps(node) -> list:
+    """Wrap the scheduler's batched passes of `node` to note each one's composition (not its results)."""
+    compute = node.service.engine.scheduler.compute
+    steps: list = []
+    for kind in ("decode_many", "prefill_many"):
+        real = getattr(compute, kind, None)
+        if real is None:
+            continue
+
+        def noted(served, work, states, *args, _real=real, _kind=kind, **kwargs):
+            rows = [1] * len(states) if _kind == "decode_many" else [len(w) for w in work]
+            steps.append((_kind, [0 if s is None else s.n_tokens for s in states], rows))
+            return _real(served, work, states, *args, **kwargs)
+
+        setattr(compute, kind, noted)
+    return steps
 
 
 def _baseline(tmp_path: Path, models, shape: tuple[int, int]) -> _Baseline:
@@ -160,8 +182,11 @@ def _compare(
         tmp_path / "batching", models, shape, "batching", together=True, model_process=model_process, **server
     )
     alone = baseline.serial
+    assert batched.steps, "no batched pass was noted: the failure messages below would name no step"
     for i in range(shape[0]):
-        assert [t.tokens for t in batched.turns[i]] == [t.tokens for t in alone.turns[i]], f"session {i}"
+        assert [t.tokens for t in batched.turns[i]] == [t.tokens for t in alone.turns[i]], (
+            f"session {i}; the batched passes (kind, history lengths, rows): {batched.steps}"
+        )
         assert [t.path for t in batched.turns[i]] == [t.path for t in alone.turns[i]]
         assert batched.stored[i] == alone.stored[i], f"stored bytes of session {i} differ"
         assert batched.stored[i][0] > 0
