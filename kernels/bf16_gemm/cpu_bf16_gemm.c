@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../native/bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "cpu_bf16_gemm.c needs AVX2 and FMA (the portable profile's instruction set)"
 #endif
@@ -38,17 +40,6 @@
 #define REGS 8   /* ATen's accumulator registers per 64-wide chunk */
 #define CHUNK (REGS * LANES)
 #define TAIL 16  /* ATen's tail step: one vector of 16 bf16, as two fp32 registers */
-
-/* 8 fp32 -> their bf16 round to nearest even (c10::BFloat16), as fp32 bit patterns (bf16 << 16); NaN ->
- * 0x7FC0 << 16. */
-static inline __m256i round_bf16_bits(__m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-    const __m256i bits = _mm256_slli_epi32(_mm256_srli_epi32(rounded, 16), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
-}
 
 /* ATen's horizontal sum of one register, here for 8 outputs at once: v[j] holds lane j of each. */
 static inline __m256 lanes_sum(__m256 *v) {
@@ -93,10 +84,7 @@ static inline __m256 dot_block(const float *xv, const __m256 *wt, int k) {
 int linear_bf16(const uint16_t *x, const float *wt, int64_t m, int64_t n, int k, uint16_t *out) {
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     if (!xf) return -1;
-    for (int64_t i = 0; i < m * k; i++) {
-        const uint32_t u = (uint32_t)x[i] << 16;
-        memcpy(&xf[i], &u, 4);
-    }
+    for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_f32(x[i]);
     const int64_t blocks = (n + OUTS - 1) / OUTS;
     for (int64_t b = 0; b < blocks; b++) {
         const __m256 *w = (const __m256 *)(wt + b * k * OUTS);

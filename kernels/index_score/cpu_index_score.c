@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../native/bf16.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "cpu_index_score.c needs AVX2 and FMA (the portable profile's instruction set)"
 #endif
@@ -37,24 +39,6 @@
 #define KEYS 8   /* keys per block: one fp32 AVX2 vector per dimension */
 #define LANES 8  /* ATen's fp32 vector width at the AVX2 level */
 #define REGS 8   /* ATen's accumulator registers per 64-wide chunk */
-
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* 8 fp32 -> their bf16 round to nearest even (c10::BFloat16), as fp32 bit patterns (bf16 << 16); NaN ->
- * 0x7FC0 << 16. */
-static inline __m256i round_bf16_bits(__m256 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-    const __m256i bits = _mm256_slli_epi32(_mm256_srli_epi32(rounded, 16), 16);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
-}
 
 static inline __m256 round_bf16(__m256 x) { return _mm256_castsi256_ps(round_bf16_bits(x)); }
 

@@ -18,19 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "../native/bf16.h"
 
 /* Both return 0, or -1 when scratch memory could not be allocated (the caller runs the reference). */
 int collapse_bf16(const uint16_t *x, const float *pre, int64_t s, int hc, int d, uint16_t *out) {

@@ -1,8 +1,9 @@
 """Build a kernel's C source into a shared library on first use, cached by content and host.
 
-Each compiled op (the block formats, the CPU index scores) keeps its C file beside its `cpu.py`. The
-library is compiled with the system C compiler (`$CC`, else `cc`) and the flags below into a cache folder
-(`$KVRESUME_KERNEL_CACHE`, else `~/.cache/kvresume/kernels`), keyed by the source's hash, the flags and
+Each compiled op (the block formats, the CPU index scores, the bf16 linear, the mHC ops) keeps its C file
+beside its `cpu.py`. The library is compiled with the system C compiler (`$CC`, else `cc`) and the flags
+below into a cache folder (`$KVRESUME_KERNEL_CACHE`, else `~/.cache/kvresume/kernels`), keyed by the
+source's hash (with the local headers it includes, `#include "..."`, such as `bf16.h` here), the flags and
 the host's CPU flags. Without a compiler, or when the build fails, `load_library` returns None and the
 caller keeps its torch reference.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +26,9 @@ from functools import cache
 from pathlib import Path
 
 __all__ = ["cpu_flags", "load_library"]
+
+# a local header: `#include "path"`, resolved beside the including file
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 _FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-shared", "-fPIC")
 
@@ -46,6 +51,24 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "kvresume" / "kernels"
 
 
+def _with_headers(source: Path, seen: frozenset[Path] = frozenset()) -> bytes | None:
+    """The source's bytes followed by those of every local header it includes (recursively, each once per
+    chain), so that editing a header changes the cache key; None when a header is missing."""
+    text = source.read_bytes()
+    parts = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = (source.parent / name.decode()).resolve()
+        if header in seen:
+            continue
+        if not header.is_file():
+            return None
+        more = _with_headers(header, seen | {header})
+        if more is None:
+            return None
+        parts.append(more)
+    return b"\0".join(parts)
+
+
 @cache
 def load_library(source: Path) -> ctypes.CDLL | None:
     """The compiled library of `source` (a .c file), building it on the first call; None without a
@@ -53,7 +76,9 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None or not source.is_file():
         return None
-    text = source.read_bytes()
+    text = _with_headers(source)
+    if text is None:
+        return None
     host = " ".join(sorted(cpu_flags()))
     digest = hashlib.sha256(text + " ".join(_FLAGS).encode() + host.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{digest}.so"
