@@ -22,6 +22,7 @@ still match bitwise with it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ __all__ = [
     "GEMM_MIN_ROWS",
     "fp32_linear",
     "fp32_rows_free",
+    "mkl_strict_mode",
     "rows_apart",
     "rowwise_linear",
     "set_fp32_rows_free",
@@ -44,14 +46,24 @@ __all__ = [
 # one-row problems reproduces a one-row product only above it (measured: K=96, N=2 differs).
 _BMM_OWN_LOOP_BELOW = 1024
 
+
+def mkl_strict_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether MKL_CBWR (default: this process's) asks for MKL's strict CNR mode."""
+    value = (os.environ if environ is None else environ).get("MKL_CBWR", "")
+    return value.upper().replace(" ", "").endswith(",STRICT")
+
+
 # Whether one row too may run inside a many-row product here: under MKL's strict CNR mode (the `strict`
 # numerics path) one row padded to GEMM_MIN_ROWS has the sums every stacked row has (its GEMM probe checks 1
-# to 16 rows against 40, and 1 against 2 threads; orchestrator/numerics_probe.py), so a batched decode
+# to 96 rows against 128, and 1 against 2 threads; orchestrator/numerics_probe.py), so a batched decode
 # stacks its sequences' rows into one plain product (faster, too). Elsewhere (the portable path) a lone
 # row keeps the matrix-vector kernel of the conformance vectors, which the bmm of one-row problems in
-# `rowwise_linear` reproduces. configure_torch sets it from the cpu path; the default reads the
-# environment MKL read at start.
-_FP32_ROWS_FREE = os.environ.get("MKL_CBWR", "").upper().replace(" ", "").endswith(",STRICT")
+# `rowwise_linear` reproduces there. It follows the mode MKL computes in, read from the environment MKL
+# reads once (configure_torch sets it again from the same reading, whatever the cpu path): under strict
+# MKL the bmm of one-row problems does NOT give a lone row's sums (a batched decode of v41-tiny then left
+# the serial one at its 3rd token on an Intel Xeon with AMX), so a `native` command run in a process whose
+# MKL is strict must keep stacking rows.
+_FP32_ROWS_FREE = mkl_strict_mode()
 
 
 def set_fp32_rows_free(rows_free: bool) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.invariant import set_fp32_rows_free
+from model.invariant import mkl_strict_mode, set_fp32_rows_free
 
 __all__ = [
     "BATCHING_MODES",
@@ -135,5 +135,7 @@ def configure_torch(cpu_path: str, *, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
     if cpu_path != "native":
         torch.backends.mkldnn.enabled = False
-    # strict's products are row- and thread-invariant (probed), so the batched paths stack rows freely
-    set_fp32_rows_free(cpu_path == "strict")
+    # Under MKL's strict mode (the strict path's MKL_CBWR) products are row- and thread-invariant (probed),
+    # so the batched paths stack rows freely. It is what MKL computes in that counts, not the path's name:
+    # `native` in a process whose MKL runs strict stacks rows too (its one-row kernels differ there).
+    set_fp32_rows_free(mkl_strict_mode())

@@ -54,3 +54,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _numerics_state() -> dict[str, object]:
+    """The process-wide settings a pass's bits depend on (threads aside: exports do not depend on them)."""
+    import torch
+
+    from model import fp32_rows_free
+
+    return {
+        "torch.backends.mkldnn.enabled": torch.backends.mkldnn.enabled,
+        "fp32_rows_free": fp32_rows_free(),
+        "default dtype": torch.get_default_dtype(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _numerics_state_is_left_as_found(request: pytest.FixtureRequest):
+    """Fail a test that leaves the process's numerics settings changed, and put them back.
+
+    A pytest worker runs hundreds of tests in one process: a test that runs a CLI command in-process
+    (`configure_torch` of another cpu path) once left batched decodes on the one-row kernels for every
+    later test of its worker, and tests comparing batched with serial passes failed far from the cause.
+    """
+    before = _numerics_state()
+    yield
+    after = _numerics_state()
+    if after == before:
+        return
+    import torch
+
+    from model.invariant import set_fp32_rows_free
+
+    torch.backends.mkldnn.enabled = before["torch.backends.mkldnn.enabled"]
+    set_fp32_rows_free(bool(before["fp32_rows_free"]))
+    torch.set_default_dtype(before["default dtype"])  # type: ignore[arg-type]
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    pytest.fail(f"{request.node.nodeid} left the numerics settings changed (before, after): {changed}")

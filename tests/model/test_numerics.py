@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import NumericsProfile, Transformer, configure_torch, init_random, load_preset, model_fingerprint
+from model import (
+    NumericsProfile,
+    Transformer,
+    configure_torch,
+    fp32_rows_free,
+    init_random,
+    load_preset,
+    model_fingerprint,
+)
+from model.invariant import mkl_strict_mode
 from model.numerics import CPU_PATHS, torch_cpu_problems
 from orchestrator import numerics_env
 from tests.shared_vectors import REPO
@@ -96,6 +105,23 @@ def test_configure_torch_turns_onednn_off_for_the_pinned_paths_only() -> None:
         configure_torch("avx512")
     with pytest.raises(ValueError, match="threads=-1"):
         configure_torch(PINNED, threads=-1)
+
+
+def test_configure_torch_stacks_rows_by_the_mode_mkl_computes_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether batched passes stack one-row products follows MKL's mode, not the cpu path's name: under
+    strict MKL the one-row kernels (bmm of one-row problems) do not give a lone row's sums, so a `native`
+    command run in such a process (an in-process CLI call) once made batched decodes leave serial ones."""
+    assert mkl_strict_mode({"MKL_CBWR": "AVX2,STRICT"}) and mkl_strict_mode({"MKL_CBWR": "avx2, strict"})
+    assert not mkl_strict_mode({"MKL_CBWR": "AVX2"}) and not mkl_strict_mode({})
+    for mkl_cbwr in ("AVX2,STRICT", "AVX2"):
+        monkeypatch.setenv("MKL_CBWR", mkl_cbwr)
+        try:
+            configure_torch("native")
+            assert fp32_rows_free() is mkl_strict_mode()
+        finally:
+            monkeypatch.undo()
+            configure_torch(PINNED)
+    assert fp32_rows_free() is (PINNED == "strict")
 
 
 def test_cache_from_a_fresh_process_is_a_bitwise_full_hit(tmp_path: Path) -> None:
