@@ -57,6 +57,7 @@ from storage.store_open import (
 )
 from storage.store_results import (
     ChunkSpan,
+    IndexedPrefix,
     LookupResult,
     MaintenanceReport,
     Miss,
@@ -92,6 +93,7 @@ __all__ = [
     "ContentKey",
     "GlobalKVStore",
     "HealthReason",
+    "IndexedPrefix",
     "LookupResult",
     "MaintenanceReport",
     "Miss",

@@ -151,6 +151,10 @@ class ChunkIndex:
         self.bytes_stored = 0
         self.tenant_bytes: dict[bytes, int] = {}
         self.tenant_chunks: dict[bytes, int] = {}
+        # The checksum (the value's last CHECKSUM_BYTES) of each indexed chunk's value as this process
+        # wrote it or last verified it by reading it; RAM only (empty after a restart until reads fill
+        # it), gone with the entry (`remove`). What `GlobalKVStore.indexed_prefix` reports.
+        self.checksums: dict[bytes, bytes] = {}
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -175,6 +179,7 @@ class ChunkIndex:
         meta = self.meta.pop(addr, None)
         if meta is None:
             return None
+        self.checksums.pop(addr, None)
         self.lru.pop(addr, None)
         if meta.is_tail:
             by_len = self.tails.get(meta.parent, {})

@@ -16,7 +16,7 @@ import structlog
 from rocksdict import WriteBatch
 
 from storage.audit_record import AuditAction, AuditEvent, AuditRecord
-from storage.chunk_format import ChunkHeader, encode_chunk
+from storage.chunk_format import CHECKSUM_BYTES, ChunkHeader, encode_chunk
 from storage.chunk_index import REF, ChunkMeta, index_keys, ref_key, session_key
 from storage.chunk_key import (
     ADDRESS_BYTES,
@@ -51,6 +51,7 @@ class _StagedChunk:
     end: int
     meta: ChunkMeta | None
     pending: ChunkMeta | None
+    checksum: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,7 +344,15 @@ class ChunkWriter:
                 )
             )
             items.append(
-                _StagedChunk(addr=addr, parent=parent, start=start, end=end, meta=meta, pending=None)
+                _StagedChunk(
+                    addr=addr,
+                    parent=parent,
+                    start=start,
+                    end=end,
+                    meta=meta,
+                    pending=None,
+                    checksum=value[-CHECKSUM_BYTES:],
+                )
             )
         try:
             self._commit(batch, events)
@@ -363,6 +372,7 @@ class ChunkWriter:
         session's reference) is deleted instead, with a PURGE record; its bytes leave with the next
         removal pass. Lock held."""
         stored: list[tuple[int, int]] = []
+        checksums: dict[tuple[int, int], bytes] = {}
         written = shared_count = 0
         drop = WriteBatch(raw_mode=True)
         events: list[AuditEvent] = []
@@ -394,6 +404,9 @@ class ChunkWriter:
             if mine is not None:
                 self._index.remove(item.addr)
                 self._index.add(item.addr, mine)
+                assert item.checksum is not None
+                self._index.checksums[item.addr] = item.checksum
+                checksums[(item.start, item.end)] = item.checksum
                 written += mine.value_len
                 self._stats.chunks_written += 1
                 self._stats.bytes_written += mine.value_len
@@ -407,7 +420,11 @@ class ChunkWriter:
         if events:
             self._commit(drop, events)
         return PutResult(
-            stored=stored, new_bytes=written, shared_chunks=shared_count, evicted_chunks=staged.evicted
+            stored=stored,
+            new_bytes=written,
+            shared_chunks=shared_count,
+            evicted_chunks=staged.evicted,
+            written=checksums,
         )
 
     @staticmethod

@@ -75,6 +75,7 @@ from storage.store_config import StoreConfig
 from storage.store_health import HealthReason, StoreHealth, WriteHealth
 from storage.store_results import (
     ChunkSpan,
+    IndexedPrefix,
     LookupResult,
     Miss,
     MissReason,
@@ -540,6 +541,9 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         miss = found.miss
         with self._lock:
             salt = self._salts.get(tenant)
+            # the entries the reads below run under: a checksum is kept only for a value read while its
+            # entry stayed (a removal, or a removal and a new write, in between is another value)
+            entries = [self._index.meta.get(span.address) for span in found.spans]
         ttag = tenant_tag(salt) if salt is not None else b""
         for span in found.spans:
             generation = self._generation
@@ -578,11 +582,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             # the value's last bytes are the checksum decode_chunk just verified
             checksums.append(bytes(value[-CHECKSUM_BYTES:]))
         with self._lock:
-            for span in found.spans[: len(ranges)]:
-                self._index.touch(span.address)
-            self._stats.chunk_hits += len(ranges)
-            if miss is not None and (count_unstored or found.spans):
-                self._stats.misses[miss.reason.value] += 1
+            for span, entry, checksum in zip(found.spans, entries, checksums, strict=False):
+                if entry is not None and self._index.meta.get(span.address) is entry:
+                    self._index.checksums[span.address] = checksum
+            self._count_served(found.spans[: len(ranges)], miss, count_unstored=count_unstored)
         n_tokens = ranges[-1][1] if ranges else 0
         return PrefixResult(
             n_tokens=n_tokens,
@@ -592,6 +595,39 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             checksums=checksums,
             spans=found.spans,
         )
+
+    def _count_served(self, spans: list[ChunkSpan], miss: Miss | None, *, count_unstored: bool) -> None:
+        """Count a prefix served from `spans` (their LRU recency too). Lock held."""
+        for span in spans:
+            self._index.touch(span.address)
+        self._stats.chunk_hits += len(spans)
+        if miss is not None and (count_unstored or spans):
+            self._stats.misses[miss.reason.value] += 1
+
+    def indexed_prefix(
+        self, tenant: str, model_fingerprint: str, token_ids: list[int] | bytes
+    ) -> IndexedPrefix:
+        """`lookup` with, per span, the checksum of the chunk's value as this process wrote it or last
+        verified it by reading it (None where it knows none: after a restart, before a read). Reads no
+        value, verifies nothing and counts nothing: for a caller that holds what the values decode to
+        (checked against these checksums) and so needs no payload; it reports what it served with
+        `record_served`, and reads with `longest_valid_prefix` whenever a checksum is unknown.
+
+        A known checksum says what was written or verified at that address while its index entry stood,
+        not that the bytes on disk are still intact: damage is found by the next read of the value.
+        """
+        found = self.lookup(tenant, model_fingerprint, token_ids)
+        with self._lock:
+            checksums = [self._index.checksums.get(span.address) for span in found.spans]
+        return IndexedPrefix(n_tokens=found.n_tokens, spans=found.spans, miss=found.miss, checksums=checksums)
+
+    def record_served(self, spans: list[ChunkSpan], miss: Miss | None) -> None:
+        """Count a prefix served from `indexed_prefix` spans as `longest_valid_prefix` counts its reads
+        (hits, LRU recency, the miss where the prefix ended; an unstored history is not a miss)."""
+        with self._lock:
+            held = [span for span in spans if span.address in self._index.meta]
+            self._count_served(held, miss, count_unstored=False)
+            self._stats.unread_chunk_hits += len(held)
 
     def _on_bad_value(self, tenant: str, span: ChunkSpan, defect: str, nbytes: int) -> Miss:
         """Quarantine a chunk whose stored bytes failed verification: remove it, audit, count."""

@@ -46,6 +46,14 @@ class LookupResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IndexedPrefix(LookupResult):
+    """A `lookup` with `checksums[i]`, the checksum of spans[i]'s value as this process wrote or last
+    verified it (None: not known; `GlobalKVStore.indexed_prefix`)."""
+
+    checksums: list[bytes | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PrefixResult:
     """Verified payloads of the longest valid stored prefix, in order: payloads[i] covers ranges[i].
 
@@ -81,13 +89,15 @@ class Refusal:
 @dataclass(frozen=True, kw_only=True)
 class PutResult:
     """Outcome of put_chunks. `stored` are the ranges now durable for this session (new or shared);
-    `new_bytes` counts values written; `refusal` is set when nothing more was persisted."""
+    `new_bytes` counts values written; `refusal` is set when nothing more was persisted. `written` maps
+    each range whose value this put wrote (not one it only shared) to that value's checksum."""
 
     stored: list[tuple[int, int]]
     new_bytes: int
     shared_chunks: int
     evicted_chunks: int
     refusal: Refusal | None = None
+    written: dict[tuple[int, int], bytes] = field(default_factory=dict)
 
     @property
     def persisted(self) -> bool:
@@ -140,6 +150,8 @@ class StoreStats:
     capacity_bytes: int = 0
     tenants: int = 0
     chunk_hits: int = 0
+    # of chunk_hits, those served without reading the value (`GlobalKVStore.record_served`)
+    unread_chunk_hits: int = 0
     misses: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in MissReason})
     corrupt_by_defect: dict[str, int] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in RefusalKind})

@@ -40,6 +40,9 @@ class StoredPrefix:
         blobs: the verified chunk payloads in order (what a mapper reads on a model swap).
         miss_reason: why the prefix stops before the end of the history (None when it covers it all).
         decoded: whether the state was filled from kept decoded KV instead of importing the chunks.
+        payloads_read: whether `blobs` holds the payloads (False: the prefix was served from kept
+            decoded KV without reading the values, `read_prefix(payloads_optional=True)`; `blobs` is
+            empty, `ranges` and `payload_hashes()` still describe every chunk).
     """
 
     model: str
@@ -50,6 +53,7 @@ class StoredPrefix:
     miss_reason: str | None = None
     lookup_result: str = "miss"
     decoded: bool = False
+    payloads_read: bool = True
     _hashes: list[bytes] | None = field(default=None, repr=False)
 
     def payload_hashes(self) -> list[bytes]:
@@ -83,6 +87,7 @@ def read_prefix(
     now: float | None = None,
     digests: PayloadDigests | None = None,
     retained: RetainedKeys | None = None,
+    payloads_optional: bool = False,
 ) -> StoredPrefix:
     """Read, verify and import the longest usable stored prefix of `history` for `served`.
 
@@ -101,11 +106,21 @@ def read_prefix(
             hashing every payload.
         retained: the registry's retention check to use instead of one through a `registry` session
             (`RetainedKeys`: one driver read on SQLite); read after the store calls all the same.
+        payloads_optional: the caller needs no payload bytes when `decoded` serves the prefix (a turn
+            continuing its own session's kept state): then the values are not read at all where the
+            store knows each chunk's checksum and `digests` each checksum's payload digest, and they
+            give `decoded`'s chunks digest (`_served_from_decoded`); otherwise everything is read.
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
     if not history:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
+    if payloads_optional and decoded is not None and digests is not None:
+        kept = _served_from_decoded(
+            store, registry, tenant, served, history, compute, decoded, digests, retained, now
+        )
+        if kept is not None:
+            return kept
     # One index walk: the read reports the spans it started from (an unstored history is not counted
     # as a store miss, as when this looked the history up first and read only what it found).
     verified = store.longest_valid_prefix(tenant, fp, list(history), count_unstored=False)
@@ -118,13 +133,7 @@ def read_prefix(
     # A chunk serves while any session of the tenant that stored or read it is inside its granted
     # retention (ARCHITECTURE §1: past its retention is a miss).
     at = time.time() if now is None else now
-    if retained is not None:
-        named = retained(keys, now=at, tenant_id=tenant, fingerprint=fp)
-    else:
-        with registry() as session:
-            named = SegmentRepository(session).within_retention(
-                keys, now=at, tenant_id=tenant, fingerprint=fp
-            )
+    named = _within_retention(registry, retained, keys, at=at, tenant=tenant, fingerprint=fp)
     miss_reason = None
     if verified.miss is not None:
         miss_reason = _miss_text(verified.miss.reason, verified.miss.at_token, verified.miss.detail)
@@ -185,6 +194,84 @@ def read_prefix(
     )
 
 
+def _within_retention(
+    registry: Callable[[], Session],
+    retained: RetainedKeys | None,
+    keys: list[bytes],
+    *,
+    at: float,
+    tenant: str,
+    fingerprint: str,
+) -> Mapping[bytes, bool]:
+    """Each key the registry names -> whether a session holding it is inside its retention at `at`."""
+    if retained is not None:
+        return retained(keys, now=at, tenant_id=tenant, fingerprint=fingerprint)
+    with registry() as session:
+        return SegmentRepository(session).within_retention(
+            keys, now=at, tenant_id=tenant, fingerprint=fingerprint
+        )
+
+
+def _served_from_decoded(
+    store: GlobalKVStore,
+    registry: Callable[[], Session],
+    tenant: str,
+    served: ServedModel,
+    history: Sequence[int],
+    compute: ModelCompute,
+    decoded: DecodedSources,
+    digests: PayloadDigests,
+    retained: RetainedKeys | None,
+    now: float | None,
+) -> StoredPrefix | None:
+    """The prefix `read_prefix` would serve from `decoded`, found without reading a value, or None (then
+    `read_prefix` reads as ever).
+
+    Proof, chunk by chunk, of what reading would establish: the store's index holds the chunk within
+    its ceiling (`indexed_prefix`: what a read's lookup checks first), the registry names it within a
+    holder's retention, and the checksum of its value as this process wrote or verified it maps to a
+    payload digest (`digests`), so the ranges and digests give `decoded`'s chunks digest: the very bytes
+    `decoded` is the import of. Reading would then only re-hash about 60-230 KiB per chunk to find what
+    is known (on a 300-turn session of the no-op stand-in it was 28% of the turn). What is not proven
+    is that the bytes on disk are still intact; nothing here uses them, and the next read of them
+    (another session's import, any read after a restart) verifies them as before.
+    """
+    name, fp = served.name, served.fingerprint_hex
+    indexed = store.indexed_prefix(tenant, fp, list(history))
+    spans = indexed.spans
+    if not spans or spans[-1].end != decoded.n_tokens or any(c is None for c in indexed.checksums):
+        return None
+    hashes = digests.known([c for c in indexed.checksums if c is not None])
+    ranges = [(s.start, s.end) for s in spans]
+    if hashes is None or not decoded.matches(ranges, hashes):
+        return None
+    keys = [s.address for s in spans]
+    at = time.time() if now is None else now
+    named = _within_retention(registry, retained, keys, at=at, tenant=tenant, fingerprint=fp)
+    if not all(named.get(key) for key in keys):
+        return None  # the read says which chunk and why
+    state = compute.new_state(served)
+    decoded.fill(state)
+    n = decoded.n_tokens
+    compute.seal_prefix(served, state, history[:n])
+    store.record_served(spans, indexed.miss)
+    miss_reason = None
+    if indexed.miss is not None:
+        miss_reason = _miss_text(indexed.miss.reason, indexed.miss.at_token, indexed.miss.detail)
+    return StoredPrefix(
+        model=name,
+        n_tokens=n,
+        state=state,
+        blobs=[],
+        ranges=ranges,
+        miss_reason=miss_reason,
+        lookup_result="hit" if n == len(history) else "partial",
+        decoded=True,
+        payloads_read=False,
+        _hashes=hashes,
+    )
+
+
 def chunk_ranges(n_tokens: int, chunk_tokens: int, *, from_pos: int = 0) -> list[tuple[int, int]]:
     """Store ranges covering [first chunk holding from_pos, n_tokens): full chunks, then one partial tail
     (of any length: the cache format reads back a tail shorter than a compression group)."""
@@ -227,6 +314,7 @@ def persist_chunks(
     compute: ModelCompute | None = None,
     known: Mapping[tuple[int, int], bytes] | None = None,
     known_hashes: Mapping[tuple[int, int], bytes] | None = None,
+    digests: PayloadDigests | None = None,
 ) -> PersistOutcome:
     """Export the chunks of `history` not yet stored for this session and write them durably.
 
@@ -236,7 +324,10 @@ def persist_chunks(
         known: payloads by range that the state was loaded from (verified stored chunks, maybe another
             session's found by content): used as they are instead of exporting them again, and written
             (a reference of this session on a chunk another session stored) when not yet this session's.
-        known_hashes: sha256 of those payloads, by range, where already computed.
+        known_hashes: sha256 of the payloads the state was loaded from, by range, where already computed
+            (with or without the payloads in `known`).
+        digests: told the payload digest of each value this put wrote, by its stored checksum, so that
+            the next turn proves the chunk without reading it (`read_prefix(payloads_optional=True)`).
 
     Returns:
         The durable segments of the whole history to link in the registry, or why nothing was persisted;
@@ -261,13 +352,18 @@ def persist_chunks(
     payloads = {r: payload(r) for r in ranges}
 
     def payload_hash(r: tuple[int, int]) -> bytes:
-        held = known_hashes.get(r) if r in known else None
+        if r in payloads and r not in known:
+            return hashlib.sha256(payloads[r]).digest()  # exported now
+        # A loaded range: the digest of the stored bytes the state was loaded from (a prefix served
+        # from kept decoded state has digests but no payloads: `StoredPrefix.payloads_read`).
+        held = known_hashes.get(r)
         if held is not None:
             return held
         # the kept full chunks below already_stored count in the digest as the state holds them
         return hashlib.sha256(payloads[r] if r in payloads else payload(r)).digest()
 
-    digest = chunks_digest_of(every, [payload_hash(r) for r in every])
+    hashes = {r: payload_hash(r) for r in every}
+    digest = chunks_digest_of(every, [hashes[r] for r in every])
     new_bytes = 0
     claimed: list[AuditRecord] = []
     # the ids as the store takes them (u32 little-endian), encoded once for the put and the lookup
@@ -282,6 +378,10 @@ def persist_chunks(
                 audit=tuple(claimed),
             )
         new_bytes = put.new_bytes
+        if digests is not None:
+            for r, checksum in put.written.items():
+                if r in hashes:
+                    digests.remember(checksum, hashes[r])
     spans = store.lookup(tenant, fp, ids).spans
     sizes = {r: len(p) for r, p in payloads.items()}
     expires = dt.datetime.fromtimestamp(clock() + retention_s, dt.UTC)

@@ -61,15 +61,35 @@ class PayloadDigests:
             out.append(digest)
         return out
 
-    def _keep(self, checksum: bytes, digest: bytes) -> None:
+    def known(self, checksums: Sequence[bytes]) -> list[bytes] | None:
+        """The kept payload digests of these value checksums, in order, or None when any is not kept
+        (nothing is hashed: there is no payload here to hash)."""
+        out: list[bytes] = []
         with self._lock:
-            self.misses += 1
+            for checksum in checksums:
+                digest = self._kept.get(checksum)
+                if digest is None:
+                    return None
+                self._kept.move_to_end(checksum)
+                out.append(digest)
+            self.hits += len(out)
+        return out
+
+    def remember(self, checksum: bytes, digest: bytes) -> None:
+        """Keep `digest`, the sha256 of the payload of a value the caller just wrote whose stored checksum
+        is `checksum` (`PutResult.written`): the next turn then knows it without reading the value."""
+        with self._lock:
             if self.max_entries == 0:
                 return
             self._kept[checksum] = digest
             self._kept.move_to_end(checksum)
             while len(self._kept) > self.max_entries:
                 self._kept.popitem(last=False)
+
+    def _keep(self, checksum: bytes, digest: bytes) -> None:
+        with self._lock:
+            self.misses += 1
+        self.remember(checksum, digest)
 
     def __len__(self) -> int:
         with self._lock:

@@ -105,6 +105,7 @@ def find_reuse(
     decoded: DecodedStates | None = None,
     digests: PayloadDigests | None = None,
     retained: RetainedKeys | None = None,
+    kept_state_skips_reads: bool = True,
 ) -> ContentReuse:
     """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
 
@@ -115,6 +116,10 @@ def find_reuse(
             fills the state instead of an import when the stored chunks are exactly its bytes.
         digests: payload digests kept by verified checksum (`read_prefix`).
         retained: the registry's retention check (`read_prefix`; default: through `registry`).
+        kept_state_skips_reads: when the pooled windows found are this session's own and their kept
+            decoded state fills the prefix, prove the chunks without reading them
+            (`read_prefix(payloads_optional=True)`: the turn end exports its new chunks from the state
+            and needs no stored payload). False reads every chunk (the twin).
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
@@ -132,6 +137,7 @@ def find_reuse(
         decoded=memo,
         digests=digests,
         retained=retained,
+        payloads_optional=kept_state_skips_reads and match is not None and match.session == session_id,
     )
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:

@@ -449,6 +449,7 @@ class TurnEngine:
                     compute=self.compute,
                     known=f.reused,
                     known_hashes=f.reused_hashes,
+                    digests=self._prep.digests,
                 )
                 persisted = outcome.persisted
             try:

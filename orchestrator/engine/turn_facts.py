@@ -112,6 +112,10 @@ class TurnPreparation:
         self.costs = costs
         self.mappers = mappers
         self.compute = compute
+        # A full hit continuing this session's own kept decoded state proves its chunks from the index,
+        # the registry and kept digests, without reading them (`read_prefix(payloads_optional=...)`);
+        # False reads and verifies every chunk each turn, its twin (tests and benchmarks compare them).
+        self.kept_state_skips_reads = True
 
     def _served(self, name: str) -> ServedModel:
         return served_or_not_found(self.registry, name)
@@ -301,6 +305,7 @@ class TurnPreparation:
             decoded=self.decoded,
             digests=self.digests,
             retained=self._retained,
+            kept_state_skips_reads=self.kept_state_skips_reads,
         )
         prefix = reuse.prefix
         if reg.foreign and prefix.n_tokens < len(reg.history):
@@ -368,7 +373,8 @@ class TurnPreparation:
         reused: dict[tuple[int, int], bytes] = {}
         reused_hashes: dict[tuple[int, int], bytes] = {}
         if plan.path in (ResumePath.FULL_HIT, ResumePath.GLOBAL_REPLAY):
-            reused = dict(zip(loaded.ranges, loaded.blobs, strict=True))
+            if loaded.payloads_read:
+                reused = dict(zip(loaded.ranges, loaded.blobs, strict=True))
             reused_hashes = dict(zip(loaded.ranges, loaded.payload_hashes(), strict=True))
         return TurnFacts(
             **reg.facts,

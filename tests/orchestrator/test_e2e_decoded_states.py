@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.engine import ModelRegistry
+from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.prefix_reuse import find_reuse
 from tests.orchestrator.engine.node_harness import (
     POOL_TTL_S,
@@ -57,21 +58,32 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
     parts = [_ids(rng, 150)] + [_ids(rng, rng.randrange(5, 40)) for _ in range(4)]
     on = start_node(tmp_path / "on", models)
     off = start_node(tmp_path / "off", models, decoded_state_budget_bytes=0)
+    # kept state, but every chunk read and verified each turn (the twin of serving it unread)
+    reads = start_node(tmp_path / "reads", models)
+    reads.service.engine._prep.kept_state_skips_reads = False
     try:
         assert on.service.engine.decoded.enabled and not off.service.engine.decoded.enabled
-        s_on, s_off = _new_session(on), _new_session(off)
+        s_on, s_off, s_reads = _new_session(on), _new_session(off), _new_session(reads)
         history: list[int] = []
         for k, part in enumerate(parts):
             a = run_turn(on, s_on, part, max_new=4)
             b = run_turn(off, s_off, part, max_new=4)
-            assert a.path == b.path == ("COLD_PREFILL" if k == 0 else "FULL_HIT"), a.plan.reason
-            assert a.tokens == b.tokens
+            c = run_turn(reads, s_reads, part, max_new=4)
+            assert a.path == b.path == c.path == ("COLD_PREFILL" if k == 0 else "FULL_HIT"), a.plan.reason
+            assert a.tokens == b.tokens == c.tokens
+            assert a.plan.reason == b.plan.reason == c.plan.reason
             history += part + a.tokens
-            assert on.service.pool.get("acme", s_on) == off.service.pool.get("acme", s_off)
+            pooled = on.service.pool.get("acme", s_on)
+            assert pooled == off.service.pool.get("acme", s_off) == reads.service.pool.get("acme", s_reads)
             stored = on.service.store.longest_valid_prefix("acme", fp, history).payloads
             assert stored and stored == off.service.store.longest_valid_prefix("acme", fp, history).payloads
+            assert stored == reads.service.store.longest_valid_prefix("acme", fp, history).payloads
         assert _lookups(on, "hit") == len(parts) - 1 and _lookups(on, "miss") == 0
+        assert _lookups(reads, "hit") == len(parts) - 1
         assert off.service.engine.decoded.stats().hits == 0
+        # the full hits after the first were served unread on `on`, read and verified on `reads`
+        assert on.service.store.stats().unread_chunk_hits > 0
+        assert reads.service.store.stats().unread_chunk_hits == 0
         kept = on.service.engine.decoded.stats()
         assert kept.entries == 1 and kept.bytes_used > 0
         assert (
@@ -84,7 +96,7 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
         served = engine.registry.get(MODEL)
         nxt = _ids(rng, 9)
 
-        def reuse(decoded):
+        def reuse(decoded, digests=None, skip_reads=True):
             return find_reuse(
                 engine.store,
                 engine.pool,
@@ -97,6 +109,8 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
                 new_tokens=nxt,
                 last_model=MODEL,
                 decoded=decoded,
+                digests=digests,
+                kept_state_skips_reads=skip_reads,
             )
 
         fast, slow = reuse(engine.decoded), reuse(None)
@@ -105,9 +119,30 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
         assert fast.pooled_prefix.blobs == slow.pooled_prefix.blobs
         _assert_states_equal(fast.full_hit_state, slow.full_hit_state)
         _assert_states_equal(fast.prefix.state, slow.prefix.state)
+        # served unread: the same prefix without its payloads, and a miss of the digests reads them
+        digests = engine._prep.digests
+        unread, read = reuse(engine.decoded, digests), reuse(engine.decoded, digests, skip_reads=False)
+        for got in (unread, read):
+            assert got.pooled_prefix is not None and got.pooled_prefix.decoded
+        assert not unread.pooled_prefix.payloads_read and unread.pooled_prefix.blobs == []
+        assert read.pooled_prefix.payloads_read and read.pooled_prefix.blobs == slow.pooled_prefix.blobs
+        for a, b in ((unread.prefix, slow.prefix), (unread.pooled_prefix, slow.pooled_prefix)):
+            assert (a.n_tokens, a.ranges, a.miss_reason, a.lookup_result) == (
+                b.n_tokens,
+                b.ranges,
+                b.miss_reason,
+                b.lookup_result,
+            )
+            assert a.payload_hashes() == b.payload_hashes()
+        _assert_states_equal(unread.full_hit_state, slow.full_hit_state)
+        _assert_states_equal(unread.prefix.state, slow.prefix.state)
+        cold = reuse(engine.decoded, PayloadDigests())  # no digest kept: the chunks are read
+        assert cold.pooled_prefix is not None and cold.pooled_prefix.payloads_read
+        _assert_states_equal(cold.full_hit_state, slow.full_hit_state)
     finally:
         on.stop()
         off.stop()
+        reads.stop()
 
 
 def test_purge_expiry_and_other_tenants_never_reach_kept_state(tmp_path: Path, models) -> None:

@@ -297,3 +297,62 @@ def test_longest_valid_prefix_spans_and_count_unstored_keep_lookup_first_counter
         if not got.spans:
             store.longest_valid_prefix(tenant, FP, toks)
             assert sum(store.stats().misses.values()) == sum(after.misses.values()) + 1
+
+
+def test_indexed_prefix_reports_the_checksums_a_read_verifies(make_store, clock) -> None:
+    """`indexed_prefix` against its slow twin, `longest_valid_prefix` (which reads and verifies every
+    value): the same spans and miss, and each known checksum the one the read verified; a checksum is
+    known from the write, forgotten with the entry, unknown after a restart until a read verifies it."""
+    rng = random.Random(os.urandom(8))
+    store = make_store()
+    histories = []
+    for s in range(4):
+        toks = _tokens(rng.randrange(1, 5 * CHUNK), seed=rng.randrange(1 << 30))
+        store.put_chunks("tA", f"s{s}", FP, toks, payloads_for(toks))
+        histories.append(toks)
+    for toks in histories:
+        probe = toks + _tokens(3, seed=rng.randrange(1 << 30))
+        fast, slow = store.indexed_prefix("tA", FP, probe), store.longest_valid_prefix("tA", FP, probe)
+        assert fast.spans == slow.spans and fast.miss == slow.miss and fast.n_tokens == slow.n_tokens
+        assert fast.checksums == slow.checksums  # known from the write, all of them
+    hits = store.stats().chunk_hits
+    store.indexed_prefix("tA", FP, histories[0])
+    assert store.stats().chunk_hits == hits  # counts nothing: the caller reports what it served
+    fast = store.indexed_prefix("tA", FP, histories[0])
+    store.record_served(fast.spans, fast.miss)
+    stats = store.stats()
+    assert stats.chunk_hits == hits + len(fast.spans) and stats.unread_chunk_hits == len(fast.spans)
+
+    # After a restart nothing is known until a read verifies it
+    store.close()
+    store = make_store()
+    toks = histories[1]
+    assert set(store.indexed_prefix("tA", FP, toks).checksums) == {None}
+    slow = store.longest_valid_prefix("tA", FP, toks)
+    assert store.indexed_prefix("tA", FP, toks).checksums == slow.checksums
+
+    # A purged session's chunks are gone from the index, and their checksums with them
+    store.purge_session("tA", "s1", actor="test")
+    gone = store.indexed_prefix("tA", FP, toks)
+    assert len(gone.checksums) == len(gone.spans) < len(slow.spans)
+    # written anew: the new value's checksum (its header has the new times)
+    clock.now += 10
+    store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+    again = store.longest_valid_prefix("tA", FP, toks)
+    assert store.indexed_prefix("tA", FP, toks).checksums == again.checksums != slow.checksums
+
+
+def test_a_value_damaged_after_its_checksum_is_known_is_found_by_the_next_read(make_store) -> None:
+    """What `indexed_prefix` knows is what was written, not what is on disk now: the next read still
+    verifies the bytes, finds the damage and forgets the chunk."""
+    store = make_store()
+    toks = _tokens(2 * CHUNK)
+    store.put_chunks("tA", "s1", FP, toks, payloads_for(toks))
+    second = store.lookup("tA", FP, toks).spans[1].address
+    value = bytearray(store._db.get(CHUNK_PREFIX + second))
+    value[-40] ^= 0x10
+    store._db.put(CHUNK_PREFIX + second, bytes(value))
+    assert None not in store.indexed_prefix("tA", FP, toks).checksums
+    got = store.longest_valid_prefix("tA", FP, toks)
+    assert got.n_tokens == CHUNK and got.miss.reason == MissReason.CORRUPT
+    assert len(store.indexed_prefix("tA", FP, toks).spans) == 1

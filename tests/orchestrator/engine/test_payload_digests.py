@@ -86,3 +86,21 @@ def test_read_prefix_payload_hashes_with_digests_equal_hashing(tmp_path) -> None
         assert digests.hits == digests.misses == len(expected)
     finally:
         node.stop()
+
+
+def test_known_and_remember_hash_nothing() -> None:
+    """`known` answers only from what is kept (all or None) and `remember` keeps a digest the writer
+    computed: the next turn proves a chunk it wrote without reading or hashing it."""
+    digests = PayloadDigests(4)
+    payloads = [_value(os.urandom(100), float(i)) for i in range(6)]
+    assert digests.known([c for _, c in payloads[:2]]) is None
+    for payload, checksum in payloads:
+        digests.remember(checksum, hashlib.sha256(payload).digest())
+    assert len(digests) == 4 and digests.known([payloads[0][1]]) is None  # the oldest two went
+    got = digests.known([c for _, c in payloads[2:]])
+    assert got == payload_digests_reference([p for p, _ in payloads[2:]])
+    assert digests.known([]) == [] and digests.misses == 0
+    assert PayloadDigests(0).known([payloads[0][1]]) is None
+    none = PayloadDigests(0)
+    none.remember(payloads[0][1], b"x" * 32)
+    assert len(none) == 0
