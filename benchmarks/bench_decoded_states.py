@@ -7,7 +7,9 @@ Two nodes in this process serve the same session turn for turn: the history is b
 `--build-tokens` new tokens; at each length of `--lengths` both nodes run `--repeats` full-hit turns of
 `--probe-tokens` new tokens (alternating which node goes first), each generating one token. TTFT is the
 engine's (stats.ttft_s: preparation, which reads, verifies and either fills or imports the stored chunks,
-then the prefill of the new tokens). Refuses to report unless every turn after the first is a FULL_HIT on
+then the prefill of the new tokens); `reuse_*` time `find_reuse` alone on the cache-on node: served
+unread (the default: the chunks proven without reading them), kept after reading every chunk ("on"),
+and importing ("off"). Refuses to report unless every turn after the first is a FULL_HIT on
 both nodes with the same tokens, and the cache-on node's full hits were served from kept state.
 
 Run: python -m benchmarks.bench_decoded_states [--lengths 2048,4096,8192] [--repeats 5] [--json PATH|-]
@@ -88,17 +90,18 @@ class _Node:
         self.service.close()
 
 
-def _time_reuse(node: _Node, n: int, repeats: int) -> tuple[list[float], list[float]]:
+def _time_reuse(node: _Node, n: int, repeats: int) -> tuple[list[float], list[float], list[float]]:
     """Seconds of `find_reuse` (read, verify, fill or import, windows import) for the session's next
-    turn on the cache-on node, with its kept state and without (None: the import), alternating; each pair
-    must give the same full-hit state."""
+    turn on the cache-on node: with its kept state served unread (the engine's default: the chunks proven
+    from the index, the registry and kept digests), with its kept state after reading and verifying every
+    chunk, and without (None: the import), in rotating order."""
     engine = node.service.engine
     served = engine.registry.get(MODEL)
     with node.service.ctx.sessions() as s:
         history = SessionRepository(s).history(node.session)
     assert len(history) == n, (len(history), n)
 
-    def once(decoded) -> tuple[float, Any]:
+    def once(decoded, unread: bool = False) -> tuple[float, Any]:
         started = time.perf_counter()
         got = find_reuse(
             engine.store,
@@ -112,17 +115,20 @@ def _time_reuse(node: _Node, n: int, repeats: int) -> tuple[list[float], list[fl
             new_tokens=[17],
             last_model=MODEL,
             decoded=decoded,
+            digests=engine._prep.digests if unread else None,
+            kept_state_skips_reads=unread,
         )
         return time.perf_counter() - started, got
 
-    on: list[float] = []
-    off: list[float] = []
+    times: dict[str, list[float]] = {"unread": [], "on": [], "off": []}
+    kinds = list(times)
     for r in range(repeats):
-        for decoded in (engine.decoded, None) if r % 2 == 0 else (None, engine.decoded):
-            took, got = once(decoded)
-            assert got.pooled_prefix is not None and got.pooled_prefix.decoded == (decoded is not None)
-            (on if decoded is not None else off).append(took)
-    return on, off
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            took, got = once(None if kind == "off" else engine.decoded, unread=kind == "unread")
+            assert got.pooled_prefix is not None and got.pooled_prefix.decoded == (kind != "off")
+            assert got.pooled_prefix.payloads_read == (kind != "unread")
+            times[kind].append(took)
+    return times["unread"], times["on"], times["off"]
 
 
 def bench(lengths: list[int], repeats: int, build_tokens: int, probe_tokens: int, data_dir: Path) -> dict:
@@ -167,7 +173,7 @@ def bench(lengths: list[int], repeats: int, build_tokens: int, probe_tokens: int
             if hits != repeats:
                 raise SystemExit(f"at {at} tokens: {hits} of {repeats} full hits served from kept state")
             kept = on.service.engine.decoded.stats().bytes_used
-            reuse_on, reuse_off = _time_reuse(on, history, repeats)
+            reuse_unread, reuse_on, reuse_off = _time_reuse(on, history, repeats)
             rows.append(
                 {
                     "history_tokens": at,
@@ -177,6 +183,10 @@ def bench(lengths: list[int], repeats: int, build_tokens: int, probe_tokens: int
                     "reuse_on_ms": round(1e3 * statistics.median(reuse_on), 3),
                     "reuse_off_ms": round(1e3 * statistics.median(reuse_off), 3),
                     "reuse_off_over_on": round(statistics.median(reuse_off) / statistics.median(reuse_on), 3),
+                    "reuse_unread_ms": round(1e3 * statistics.median(reuse_unread), 3),
+                    "reuse_on_over_unread": round(
+                        statistics.median(reuse_on) / statistics.median(reuse_unread), 3
+                    ),
                     "kept_bytes": kept,
                     "ttft_on_s": [round(x, 5) for x in t_on],
                     "ttft_off_s": [round(x, 5) for x in t_off],
@@ -211,14 +221,15 @@ def main() -> None:
     )
     print(
         f"{'history':>8s}{'TTFT on':>10s}{'off ms':>10s}{'off/on':>8s}"
-        f"{'reuse on':>10s}{'off ms':>10s}{'off/on':>8s}{'kept MiB':>10s}",
+        f"{'reuse on':>10s}{'off ms':>10s}{'off/on':>8s}{'unread':>8s}{'on/unread':>10s}{'kept MiB':>10s}",
         file=out,
     )
     for r in doc["rows"]:
         print(
             f"{r['history_tokens']:8d}{r['ttft_on_ms']:10.1f}{r['ttft_off_ms']:10.1f}"
             f"{r['ttft_off_over_on']:8.2f}{r['reuse_on_ms']:10.1f}{r['reuse_off_ms']:10.1f}"
-            f"{r['reuse_off_over_on']:8.2f}{r['kept_bytes'] / 2**20:10.2f}",
+            f"{r['reuse_off_over_on']:8.2f}{r['reuse_unread_ms']:8.1f}{r['reuse_on_over_unread']:10.2f}"
+            f"{r['kept_bytes'] / 2**20:10.2f}",
             file=out,
         )
     write_json(

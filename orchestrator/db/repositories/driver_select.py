@@ -35,12 +35,14 @@ class DriverSelect:
         columns = list(stmt.selected_columns)
         self._row = namedtuple("Row", [c.key for c in columns], rename=True)  # type: ignore[misc]
         self._results = [c.type.dialect_impl(dialect).result_processor(dialect, None) for c in columns]
+        # no column converts (ids, counts, blobs: a history's rows): rows go to the tuple as they are
+        self._plain = all(p is None for p in self._results)
 
     def rows(self, raw: Any, params: Mapping[str, Any]) -> list[Any]:
         """Run on `raw` (a DBAPI connection or cursor: anything with `execute(sql, params)`)."""
         procs = self._results
         make = self._row._make
-        return [
-            make(p(v) if p is not None else v for p, v in zip(procs, row, strict=True))
-            for row in raw.execute(self.sql, self._params(params)).fetchall()
-        ]
+        found = raw.execute(self.sql, self._params(params)).fetchall()
+        if self._plain:
+            return list(map(make, found))
+        return [make(p(v) if p is not None else v for p, v in zip(procs, row, strict=True)) for row in found]
