@@ -8,7 +8,10 @@ import json
 import benchmarks.bench_long_session as bench
 
 
-def test_main_runs_both_nodes_and_reports_windows(tmp_path, capsys) -> None:
+def test_main_runs_both_nodes_and_reports_windows(tmp_path, capsys, monkeypatch) -> None:
+    # the benchmark's entry point sends structlog to the sys.stderr of the moment (pytest's capture,
+    # closed after this test): the process's logging stays as the suite configured it
+    monkeypatch.setattr(bench, "logs_to_stderr", lambda: None)
     path = tmp_path / "long.json"
     assert bench.main(["--turns", "3", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
