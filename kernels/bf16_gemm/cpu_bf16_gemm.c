@@ -16,8 +16,9 @@
  *
  * Layout for speed: the weight is converted to fp32 once, by the caller (`pack_bf16_weight`), in blocks
  * of 8 outputs transposed so that one AVX2 vector holds one element of 8 different outputs; every row
- * then runs the ordered sums above on 8 outputs at once. Each output's sums are still exactly that
- * order: vectorizing across outputs never reassociates within one output. Built without fast-math and
+ * then runs the ordered sums above on 8 outputs at once, four rows per weight load (`dot_block_rows`).
+ * Each output's sums are still exactly that order: vectorizing across outputs or rows never reassociates
+ * within one output. Built without fast-math and
  * with -ffp-contract=off (kernels/native), so the only fused operations are the explicit
  * _mm256_fmadd_ps, where ATen fuses too. Needs AVX2 and FMA, which the portable profile needs anyway; on
  * other CPUs the build fails and callers keep torch.
@@ -80,6 +81,54 @@ static inline __m256 dot_block(const float *xv, const __m256 *wt, int k) {
     return _mm256_add_ps(main_sum, lanes_sum(tail));
 }
 
+/* dot_block for ROWS rows at once: each weight vector is loaded once for all of them (the single-row
+ * loop loads one weight vector per fused multiply-add). Every row's sums are dot_block's, operation for
+ * operation: the same chains from zero, the same pairwise register and lane sums, the same tail; only
+ * the order in which independent operations are issued differs, which changes no result. */
+#define ROWS 4
+static inline void dot_block_rows(const float *xv, int64_t stride, const __m256 *wt, int k, __m256 *res) {
+    const int chunks = k / CHUNK;
+    __m256 lane[ROWS][LANES];
+    for (int j = 0; j < LANES; j++) {
+        __m256 reg[REGS][ROWS];
+        for (int r = 0; r < REGS; r++) {
+            __m256 v[ROWS];
+            for (int q = 0; q < ROWS; q++) v[q] = _mm256_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const int l = c * CHUNK + r * LANES + j;
+                const __m256 w = wt[l];
+                for (int q = 0; q < ROWS; q++)
+                    v[q] = _mm256_fmadd_ps(_mm256_set1_ps(xv[q * stride + l]), w, v[q]);
+            }
+            for (int q = 0; q < ROWS; q++) reg[r][q] = v[q];
+        }
+        for (int half = REGS / 2; half >= 1; half /= 2)
+            for (int r = 0; r < half; r++)
+                for (int q = 0; q < ROWS; q++) reg[r][q] = _mm256_add_ps(reg[r][q], reg[r + half][q]);
+        for (int q = 0; q < ROWS; q++) lane[q][j] = reg[0][q];
+    }
+    __m256 tail[ROWS][LANES];
+    for (int j = 0; j < LANES; j++) {
+        __m256 v[ROWS];
+        for (int q = 0; q < ROWS; q++) v[q] = _mm256_setzero_ps();
+        for (int t = chunks * CHUNK; t + TAIL <= k; t += TAIL) {
+            const __m256 w0 = wt[t + j], w1 = wt[t + LANES + j];
+            for (int q = 0; q < ROWS; q++) {
+                v[q] = _mm256_fmadd_ps(_mm256_set1_ps(xv[q * stride + t + j]), w0, v[q]);
+                v[q] = _mm256_fmadd_ps(_mm256_set1_ps(xv[q * stride + t + LANES + j]), w1, v[q]);
+            }
+        }
+        for (int q = 0; q < ROWS; q++) tail[q][j] = v[q];
+    }
+    for (int q = 0; q < ROWS; q++) res[q] = _mm256_add_ps(lanes_sum(lane[q]), lanes_sum(tail[q]));
+}
+
+static inline void store_outputs(__m256 sums, uint16_t *o, int valid) {
+    uint32_t bits[OUTS];
+    _mm256_storeu_si256((__m256i *)bits, round_bf16_bits(sums));
+    for (int j = 0; j < valid; j++) o[j] = (uint16_t)(bits[j] >> 16);
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (the caller falls back to torch). */
 int linear_bf16(const uint16_t *x, const float *wt, int64_t m, int64_t n, int k, uint16_t *out) {
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
@@ -89,12 +138,13 @@ int linear_bf16(const uint16_t *x, const float *wt, int64_t m, int64_t n, int k,
     for (int64_t b = 0; b < blocks; b++) {
         const __m256 *w = (const __m256 *)(wt + b * k * OUTS);
         const int valid = n - b * OUTS < OUTS ? (int)(n - b * OUTS) : OUTS;
-        for (int64_t i = 0; i < m; i++) {
-            uint32_t bits[OUTS];
-            _mm256_storeu_si256((__m256i *)bits, round_bf16_bits(dot_block(xf + i * k, w, k)));
-            uint16_t *o = out + i * n + b * OUTS;
-            for (int j = 0; j < valid; j++) o[j] = (uint16_t)(bits[j] >> 16);
+        int64_t i = 0;
+        for (; i + ROWS <= m; i += ROWS) {
+            __m256 sums[ROWS];
+            dot_block_rows(xf + i * k, k, w, k, sums);
+            for (int q = 0; q < ROWS; q++) store_outputs(sums[q], out + (i + q) * n + b * OUTS, valid);
         }
+        for (; i < m; i++) store_outputs(dot_block(xf + i * k, w, k), out + i * n + b * OUTS, valid);
     }
     free(xf);
     return 0;
