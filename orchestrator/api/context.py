@@ -162,6 +162,7 @@ def _storage_counts(ctx: ServiceContext) -> StorageCounts:
         pool_refused=pool.refused if pool is not None else None,
         store_expired_chunks=store.expired_chunks if store is not None else None,
         store_evicted_chunks=store.evicted_chunks if store is not None else None,
+        store_unread_chunk_hits=store.unread_chunk_hits if store is not None else None,
         store_refusals=dict(store.refusals) if store is not None else {},
     )
 

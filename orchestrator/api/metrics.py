@@ -42,6 +42,8 @@ class StorageCounts:
         pool_refused: puts refused because the value alone exceeds the whole budget.
         store_expired_chunks: stored chunks deleted past their retention ceiling.
         store_evicted_chunks: stored chunks evicted (LRU, past their floor) to fit the store's capacity.
+        store_unread_chunk_hits: stored chunks a full hit served from kept decoded state without reading
+            them (`GlobalKVStore.record_served`).
         store_refusals: writes the store refused, by kind (capacity, residency, io_error).
     """
 
@@ -50,6 +52,7 @@ class StorageCounts:
     pool_refused: int | None = None
     store_expired_chunks: int | None = None
     store_evicted_chunks: int | None = None
+    store_unread_chunk_hits: int | None = None
     store_refusals: Mapping[str, int] = field(default_factory=dict)
 
 
@@ -92,6 +95,12 @@ class _StorageCollector(Collector):
                 "kvresume_store_evicted_chunks",
                 "Stored KV chunks evicted (least recently used, past their floor) to fit kv_capacity_bytes",
                 value=c.store_evicted_chunks,
+            )
+        if c.store_unread_chunk_hits is not None:
+            yield CounterMetricFamily(
+                "kvresume_store_unread_chunk_hits",
+                "Stored KV chunks a full hit served from kept decoded state without reading them",
+                value=c.store_unread_chunk_hits,
             )
         refusals = CounterMetricFamily(
             "kvresume_store_refusals",

@@ -84,6 +84,8 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
         # the full hits after the first were served unread on `on`, read and verified on `reads`
         assert on.service.store.stats().unread_chunk_hits > 0
         assert reads.service.store.stats().unread_chunk_hits == 0
+        unread = on.service.ctx.metrics.registry.get_sample_value("kvresume_store_unread_chunk_hits_total")
+        assert unread == on.service.store.stats().unread_chunk_hits
         kept = on.service.engine.decoded.stats()
         assert kept.entries == 1 and kept.bytes_used > 0
         assert (

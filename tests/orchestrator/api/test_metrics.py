@@ -305,6 +305,7 @@ def test_storage_counters_read_the_pool_and_the_store(tmp_path: Path) -> None:
         assert m.get_sample_value("kvresume_pool_refused_puts_total") == 1
         assert m.get_sample_value("kvresume_store_evicted_chunks_total") == 2
         assert m.get_sample_value("kvresume_store_expired_chunks_total") == 2
+        assert m.get_sample_value("kvresume_store_unread_chunk_hits_total") == 0
         assert m.get_sample_value("kvresume_store_refusals_total", {"kind": "capacity"}) == 1
         assert m.get_sample_value("kvresume_store_refusals_total", {"kind": "residency"}) == 0
         assert m.get_sample_value("kvresume_store_capacity_bytes") == 3 * 300
