@@ -116,9 +116,10 @@ class Settings:
     # their own, orchestrator/model_process/: the model's ops and the service's Python then do not share
     # one GIL). Same tokens and bytes either way (the model process's fingerprints are checked).
     model_process: str = "inline"
-    # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step.
+    # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
+    # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64
-    step_token_budget: int = 256
+    step_token_budget: int = 512
     # Turns admitted at once per model (running or waiting for a step); past it RESOURCE_EXHAUSTED.
     max_running_turns: int = 96
     # Mapper fitting jobs (orchestrator/jobs/): jobs fitting at once, jobs waiting beyond them (past both,

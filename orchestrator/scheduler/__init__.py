@@ -40,7 +40,7 @@ def build_scheduler(
     compute: StepCompute,
     *,
     max_batch_sequences: int = 64,
-    step_token_budget: int = 256,
+    step_token_budget: int = 512,
     max_running_turns: int = 96,
     observer: SchedulerObserver | None = None,
 ) -> TurnScheduler:

@@ -212,7 +212,7 @@ class BatchingScheduler:
         compute: StepCompute,
         *,
         max_batch_sequences: int = 64,
-        step_token_budget: int = 256,
+        step_token_budget: int = 512,
         max_running_turns: int = 96,
         observer: SchedulerObserver | None = None,
     ) -> None:

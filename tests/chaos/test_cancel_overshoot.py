@@ -1,12 +1,12 @@
 """How late cancellation and deadlines take effect with the batching scheduler (issue 13 item 14).
 
-Real node at the default scheduling settings (batching, step_token_budget 256, prefill slices of at
-most 1024 tokens, so at most 256 per step), loopback gRPC, one served model. A long prefill (8192
-tokens) runs alone; then either its gRPC deadline passes (1 s) or the owner calls Abort after 1 s.
+Real node at the default scheduling settings (batching, the default step_token_budget, prefill slices of
+at most 1024 tokens, so at most one budget per step), loopback gRPC, one served model. A long prefill
+(8192 tokens) runs alone; then either its gRPC deadline passes (1 s) or the owner calls Abort after 1 s.
 The overshoot is the time from the deadline (or the Abort's return) until the turn no longer runs in
 the server (its session's running-turn handle is gone, so a retry would be admitted). The target is
-one bounded step: a step of 256 prefill tokens is timed in the same run, and the overshoot must stay
-within one step plus the turn's own unwind (about 0.5 s here). Figures go to the chaos report under
+one bounded step: a step of one budget of prefill tokens is timed in the same run, and the overshoot
+must stay within one step plus the turn's own unwind (about 0.5 s here). Figures go to the chaos report under
 `cancel_overshoot_<model>`.
 """
 
@@ -50,7 +50,7 @@ def _node(tmp_path: Path, spec: ServedModelSpec):
     service = build_node(settings, registry=ModelRegistry({"m": spec}))
     server = build_server(service.ctx, host="127.0.0.1", port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    return service, server, channel
+    return service, server, channel, settings.step_token_budget
 
 
 def _ended(service, since: float, timeout_s: float = 60.0) -> float:
@@ -66,7 +66,7 @@ def _measure(
     tmp_path: Path, spec: ServedModelSpec, vocab: int, chaos_report, section: str, *, reps: int
 ) -> dict:
     torch.set_num_threads(1)
-    service, server, channel = _node(tmp_path, spec)
+    service, server, channel, budget = _node(tmp_path, spec)
     try:
         pb = service.ctx.stubs
         sessions = pb.sessions_grpc.SessionsStub(channel)
@@ -83,11 +83,11 @@ def _measure(
                 generation=pb.sessions.GenerationParams(max_new_tokens=1),
             )
 
-        # One step's cost, from above: the time to first token of a lone 256-token cold turn (one
-        # prefill step plus the decoder replay and one decode), median after a warm-up turn.
+        # One step's cost, from above: the time to first token of a lone cold turn of one budget of
+        # tokens (one prefill step plus the decoder replay and one decode), median after a warm-up turn.
         steps = []
         for _ in range(reps + 1):
-            for event in sessions.Turn(request(new_session(), 256), metadata=MD):
+            for event in sessions.Turn(request(new_session(), budget), metadata=MD):
                 if event.WhichOneof("event") == "stats":
                     steps.append(event.stats.ttft_s)
         step_s = statistics.median(steps[1:])
@@ -130,8 +130,8 @@ def _measure(
         "model": spec.source,
         "prompt_tokens": PROMPT,
         "deadline_s": DEADLINE_S,
-        "step_token_budget": 256,
-        "step_256_ttft_s_median": round(step_s, 4),
+        "step_token_budget": budget,
+        "step_ttft_s_median": round(step_s, 4),
         "deadline_overshoot_s": [round(x, 4) for x in deadline_overshoot],
         "abort_overshoot_s": [round(x, 4) for x in abort_overshoot],
         "deadline_overshoot_max_s": round(max(deadline_overshoot), 4),
