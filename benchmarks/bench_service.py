@@ -571,14 +571,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nreal-model load ({args.checkpoint.name}, 4 generated tokens per turn)", file=out)
         print(
             f"{'run':<22s} {'turns':>6s} {'turns/s':>8s} {'p50 ms':>9s} {'p99 ms':>9s} {'ttft p99':>9s} "
-            f"{'qwait ms':>9s} {'dec tok/s':>10s}",
+            f"{'qwait ms':>9s} {'dec tok/s':>10s} {'dec/step':>9s} {'step cpu ms/turn':>17s} "
+            f"{'wall/cpu':>9s}",
             file=out,
         )
+
+        def opt(value: float | None, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
         for name, r in load.items():
             print(
                 f"{name:<22s} {r['turns']:>6d} {r['turns_per_s']:>8.2f} {r['p50_ms']:>9.0f} "
                 f"{r['p99_ms']:>9.0f} {r['engine_ttft_p99_ms']:>9.0f} {r['queue_wait_mean_ms']:>9.1f} "
-                f"{r['decode_tokens_per_s']:>10.1f}",
+                f"{r['decode_tokens_per_s']:>10.1f} {opt(r['decodes_per_step'], '9.1f')} "
+                f"{opt(r['step_cpu_ms_per_turn'], '17.1f')} {opt(r['step_wall_over_cpu'], '9.2f')}",
                 file=out,
             )
     print(f"hardware: {result['hardware']}", file=out)

@@ -4,7 +4,10 @@ gRPC, with the batching scheduler or the serial baseline.
 Each session: a first turn of `first_tokens` new tokens, then turns of 16-32 new tokens, 4 generated
 tokens per turn. Reported: client-side turn latency p50/p99 (request to the stats event), turns/s over
 the run's wall time, the engine's TTFT p99 (stats.ttft_s), the mean scheduler queue wait per forward
-pass, and aggregate decode tokens/s (generated tokens over wall time).
+pass, and aggregate decode tokens/s (generated tokens over wall time); for the batching scheduler also
+its steps, the mean decode batch, the CPU time of the threads that ran the steps per turn (in-process:
+the model's arithmetic and Python; with a model process only this side's) and the steps' wall time over
+that CPU time (above 1: the steps waited for the GIL the service's threads hold, or for a core).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ def _registry(checkpoint: Path) -> ModelRegistry:
     return ModelRegistry({"m": ServedModelSpec(name="m", checkpoint=checkpoint)})
 
 
-def _queue_wait(metrics: Any) -> tuple[float, int]:
+def _sum_count(histogram: Any) -> tuple[float, int]:
+    """A histogram's sum and count over all its label values."""
     total = count = 0.0
-    for family in metrics.queue_wait.collect():
+    for family in histogram.collect():
         for s in family.samples:
             if s.name.endswith("_sum"):
                 total += s.value
@@ -118,7 +122,11 @@ def model_load(
                 errors.append(f"{exc.code().name}: {exc.details()}")
 
     wall = run_clients(session, sessions)
-    wait_sum, wait_count = _queue_wait(node.ctx.metrics)
+    metrics = node.ctx.metrics
+    wait_sum, wait_count = _sum_count(metrics.queue_wait)
+    step_wall, steps = _sum_count(metrics.step_seconds)
+    step_cpu, _ = _sum_count(metrics.step_cpu_seconds)
+    decoded, decode_steps = _sum_count(metrics.batch_sequences)
     channel.close()
     server.stop(grace_s=None)
     node.close()
@@ -140,4 +148,8 @@ def model_load(
         "engine_ttft_p99_ms": tq[98] * 1e3,
         "queue_wait_mean_ms": (wait_sum / wait_count * 1e3) if wait_count else 0.0,
         "decode_tokens_per_s": generated_total[0] / wall,
+        "steps": steps,
+        "decodes_per_step": decoded / decode_steps if decode_steps else None,
+        "step_cpu_ms_per_turn": step_cpu / len(latencies) * 1e3 if steps else None,
+        "step_wall_over_cpu": step_wall / step_cpu if step_cpu else None,
     }

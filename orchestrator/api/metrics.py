@@ -234,6 +234,16 @@ class ServiceMetrics:
             buckets=_INTER_TOKEN_BUCKETS,
             registry=r,
         )
+        # Beside step_seconds: a step whose thread was on the CPU for much less than its wall time waited
+        # for the GIL (the service's threads in this process) or for a core. With a model process the
+        # model's own CPU is not this thread's.
+        self.step_cpu_seconds = Histogram(
+            "kvresume_scheduler_step_cpu_seconds",
+            "CPU seconds of the thread that ran one scheduler step, by model",
+            ["model"],
+            buckets=_INTER_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.scheduler_running = Gauge(
             "kvresume_scheduler_running_turns",
             "Turns admitted by the model's scheduler (running or waiting for a step)",

@@ -135,7 +135,7 @@ class _ModelLoop:
 
     def _run_step(self, decodes: list[PassRequest], prefills: list[PassRequest]) -> None:
         """Run one step's passes (each request's future gets its result or its error) and report it."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         obs = self._s.observer
         for r in decodes + prefills:
             obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
@@ -144,7 +144,8 @@ class _ModelLoop:
         if prefills:
             self._prefill(prefills)
         tokens = len(decodes) + sum(r.rows for r in prefills)
-        obs.step(self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started)
+        obs.step(self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started,
+                 cpu_seconds=time.thread_time() - cpu_started)  # fmt: skip
         obs.gauges(self.model, running=self._s.running(self.model), waiting=self.waiting())
 
     def _prefill(self, prefills: list[PassRequest]) -> None:

@@ -13,11 +13,12 @@ class MetricsObserver:
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._m = metrics
 
-    def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None:
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float, cpu_seconds: float) -> None:
         if sequences:
             self._m.child(self._m.batch_sequences, model=model).observe(sequences)
         self._m.child(self._m.step_tokens, model=model).observe(tokens)
         self._m.child(self._m.step_seconds, model=model).observe(seconds)
+        self._m.child(self._m.step_cpu_seconds, model=model).observe(cpu_seconds)
 
     def waited(self, model: str, kind: str, seconds: float) -> None:
         self._m.child(self._m.queue_wait, model=model, kind=kind).observe(seconds)

@@ -62,7 +62,10 @@ class PassRequest:
 class SchedulerObserver(Protocol):
     """Where a scheduler reports its steps (the service metrics)."""
 
-    def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None: ...
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float, cpu_seconds: float) -> None:
+        """A step ran: decode `sequences`, `tokens` rows in all, `seconds` of wall time, of which the
+        thread that ran it was on the CPU `cpu_seconds` (the rest it waited, for the GIL or a core)."""
+        ...
 
     def waited(self, model: str, kind: str, seconds: float) -> None: ...
 
@@ -72,7 +75,7 @@ class SchedulerObserver(Protocol):
 class NullObserver:
     """Reports nowhere (tests, benchmarks without metrics)."""
 
-    def step(self, model: str, *, sequences: int, tokens: int, seconds: float) -> None:
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float, cpu_seconds: float) -> None:
         pass
 
     def waited(self, model: str, kind: str, seconds: float) -> None:
