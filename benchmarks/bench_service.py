@@ -577,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         def opt(value: float | None, spec: str) -> str:
-            return "-" if value is None else format(value, spec)
+            # a figure the run has not (the serial baseline runs no steps): a dash in the column's width
+            return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
 
         for name, r in load.items():
             print(

@@ -31,6 +31,12 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     assert "cpu=auto" not in doc["numerics_profile"] and "cpu=" in doc["numerics_profile"]
     assert doc["model_load"]["c64_serial"]["scheduler"] == "serial"
     assert doc["model_load"]["c64_batching"]["turns"] == 4
+    # the batching run's steps, measured from the scheduler's metrics; the serial baseline runs none
+    batching, serial = doc["model_load"]["c64_batching"], doc["model_load"]["c64_serial"]
+    assert batching["steps"] > 0 and batching["decodes_per_step"] >= 1
+    # one thread runs a step, so its CPU time never exceeds the step's wall time
+    assert batching["step_cpu_ms_per_turn"] > 0 and batching["step_wall_over_cpu"] >= 0.95
+    assert serial["steps"] == 0 and serial["step_wall_over_cpu"] is None
     # both gRPC servers side by side: the headline's sweeps are the default server's
     assert set(doc["overhead_by_grpc_server"]) == {"threads", "async"}
     assert {s["grpc_server"] for s in doc["overhead"]} == {doc["grpc_server"]}
