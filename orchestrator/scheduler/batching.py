@@ -246,6 +246,12 @@ class BatchingScheduler:
     def running(self, model: str) -> int:
         return self._admission.running(model)
 
+    def waiting(self, model: str) -> int:
+        """Pass requests queued for the model's next step (0 before its first pass)."""
+        with self._lock:
+            loop = self._loops.get(model)
+        return loop.waiting() if loop is not None else 0
+
     def _loop(self, model: str) -> _ModelLoop:
         with self._lock:
             loop = self._loops.get(model)

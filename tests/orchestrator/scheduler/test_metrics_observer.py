@@ -30,9 +30,11 @@ class BurningCompute:
 
     def __init__(self) -> None:
         self.gate = threading.Event()
+        self.entered = threading.Event()
         self.steps: list[tuple[str, int]] = []
 
     def prefill(self, served, tokens: Sequence[int], state, *, prompt_end: int):
+        self.entered.set()
         self.gate.wait()
         _burn(BURN_S)
         self.steps.append(("prefill", len(tokens)))
@@ -65,13 +67,18 @@ def test_metrics_observer_reports_every_step_of_the_batching_scheduler() -> None
             target=lambda: sched.prefill(Served(), [1], None, prompt_end=1, owner=owners[0])
         )
         first.start()
-        time.sleep(0.2)
+        assert compute.entered.wait(10)
         calls = [lambda i=i: sched.decode(Served(), 100 + i, object(), owner=owners[1 + i]) for i in range(5)]
         calls.append(lambda: sched.prefill(Served(), [2] * 4, None, prompt_end=4, owner=owners[6]))
         threads = [threading.Thread(target=c) for c in calls]
         for th in threads:
             th.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while sched.waiting("m") < len(calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.waiting("m") == len(calls)
+        # the queued passes' wait includes this pause, whatever the machine's speed
+        time.sleep(0.2)
         compute.gate.set()
         for th in [first, *threads]:
             th.join(timeout=10)
