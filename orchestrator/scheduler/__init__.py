@@ -7,7 +7,7 @@ baseline). Both give every session the same tokens and stored bytes.
 """
 
 from orchestrator.scheduler.admission import Admission
-from orchestrator.scheduler.batching import BatchingScheduler
+from orchestrator.scheduler.batching import DEFAULT_STEP_TOKEN_BUDGET, BatchingScheduler
 from orchestrator.scheduler.fair_order import FairOrder
 from orchestrator.scheduler.metrics_observer import MetricsObserver
 from orchestrator.scheduler.pass_wait import PassWait, await_pass, wait_inline
@@ -15,6 +15,7 @@ from orchestrator.scheduler.serial import SerialScheduler
 from orchestrator.scheduler.work import NullObserver, PassRequest, SchedulerObserver, StepCompute, WorkOwner
 
 __all__ = [
+    "DEFAULT_STEP_TOKEN_BUDGET",
     "Admission",
     "BatchingScheduler",
     "FairOrder",
@@ -40,7 +41,7 @@ def build_scheduler(
     compute: StepCompute,
     *,
     max_batch_sequences: int = 64,
-    step_token_budget: int = 512,
+    step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
     max_running_turns: int = 96,
     observer: SchedulerObserver | None = None,
 ) -> TurnScheduler:

@@ -31,7 +31,11 @@ from orchestrator.scheduler.admission import Admission
 from orchestrator.scheduler.fair_order import FairOrder
 from orchestrator.scheduler.work import NullObserver, PassRequest, SchedulerObserver, StepCompute, WorkOwner
 
-__all__ = ["BatchingScheduler"]
+__all__ = ["DEFAULT_STEP_TOKEN_BUDGET", "BatchingScheduler"]
+
+# Prompt rows a step takes by default (and the prefill chunk size): orchestrator/README.md, "Many sessions
+# at once", measures 512 against 256; the `step_token_budget` setting defaults to the same.
+DEFAULT_STEP_TOKEN_BUDGET = 512
 
 log = structlog.get_logger(__name__)
 
@@ -213,7 +217,7 @@ class BatchingScheduler:
         compute: StepCompute,
         *,
         max_batch_sequences: int = 64,
-        step_token_budget: int = 512,
+        step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET,
         max_running_turns: int = 96,
         observer: SchedulerObserver | None = None,
     ) -> None:

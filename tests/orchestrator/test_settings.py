@@ -58,3 +58,10 @@ def test_settings_is_frozen_and_copies_tokens() -> None:
     assert s.tenant_tokens == {"a": "x"}
     with pytest.raises(AttributeError):
         s.region = "elsewhere"  # type: ignore[misc]
+
+
+def test_the_step_budget_setting_defaults_to_the_schedulers_default() -> None:
+    from orchestrator.scheduler import DEFAULT_STEP_TOKEN_BUDGET
+
+    # settings.py imports nothing of ours, so it spells the default out; the two must not drift apart
+    assert Settings().step_token_budget == DEFAULT_STEP_TOKEN_BUDGET
