@@ -12,7 +12,11 @@ unread (the default: the chunks proven without reading them), kept after reading
 and importing ("off"). Refuses to report unless every turn after the first is a FULL_HIT on
 both nodes with the same tokens, and the cache-on node's full hits were served from kept state.
 
-Run: python -m benchmarks.bench_decoded_states [--lengths 2048,4096,8192] [--repeats 5] [--json PATH|-]
+With `--model-process separate` both nodes run the model in a process of their own, which keeps the
+decoded state (`RemoteKept` handles in the node's process) and runs `find_reuse`'s fill or import there.
+
+Run: python -m benchmarks.bench_decoded_states [--lengths 2048,4096,8192] [--repeats 5]
+[--model-process inline|separate] [--json PATH|-]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ TOKEN = "tok-bench"
 
 
 class _Node:
-    def __init__(self, data_dir: Path, registry: ModelRegistry, budget: int) -> None:
+    def __init__(self, data_dir: Path, registry: ModelRegistry, budget: int, model_process: str) -> None:
         data_dir.mkdir(parents=True)
         settings = Settings(
             data_dir=data_dir,
@@ -53,6 +57,7 @@ class _Node:
             metrics_enabled=False,
             region="eu-1",
             decoded_state_budget_bytes=budget,
+            model_process=model_process,
         )
         self.service = build_node(settings, registry=registry)
         self.server = build_server(self.service.ctx, host="127.0.0.1", port=0)
@@ -131,12 +136,19 @@ def _time_reuse(node: _Node, n: int, repeats: int) -> tuple[list[float], list[fl
     return times["unread"], times["on"], times["off"]
 
 
-def bench(lengths: list[int], repeats: int, build_tokens: int, probe_tokens: int, data_dir: Path) -> dict:
+def bench(
+    lengths: list[int],
+    repeats: int,
+    build_tokens: int,
+    probe_tokens: int,
+    data_dir: Path,
+    model_process: str = "inline",
+) -> dict:
     registry = ModelRegistry(
         {MODEL: ServedModelSpec(name=MODEL, checkpoint=repo_root() / "checkpoints" / MODEL)}
     )
-    on = _Node(data_dir / "on", registry, 256 << 20)
-    off = _Node(data_dir / "off", registry, 0)
+    on = _Node(data_dir / "on", registry, 256 << 20, model_process)
+    off = _Node(data_dir / "off", registry, 0, model_process)
     rng = random.Random(0)
     history = 0
     turns = 0
@@ -195,7 +207,7 @@ def bench(lengths: list[int], repeats: int, build_tokens: int, probe_tokens: int
     finally:
         on.close()
         off.close()
-    return {"model": MODEL, "rows": rows}
+    return {"model": MODEL, "model_process": model_process, "rows": rows}
 
 
 def main() -> None:
@@ -204,6 +216,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="full-hit turns per node at each length")
     parser.add_argument("--build-tokens", type=int, default=512, help="new tokens per history-building turn")
     parser.add_argument("--probe-tokens", type=int, default=8, help="new tokens per measured turn")
+    parser.add_argument(
+        "--model-process",
+        choices=("inline", "separate"),
+        default="inline",
+        help="where both nodes run the model (separate: a model process each, which keeps the state)",
+    )
     add_json_flag(parser)
     args = parser.parse_args()
     logs_to_stderr()
@@ -212,10 +230,13 @@ def main() -> None:
     torch.set_num_threads(1)
     lengths = sorted(int(x) for x in args.lengths.split(",") if x)
     with tempfile.TemporaryDirectory(prefix="bench_decoded_states_") as tmp:
-        doc = bench(lengths, args.repeats, args.build_tokens, args.probe_tokens, Path(tmp))
+        doc = bench(
+            lengths, args.repeats, args.build_tokens, args.probe_tokens, Path(tmp), args.model_process
+        )
     out = table_stream(args.json)
     print(
-        f"decoded states, {MODEL}, full-hit TTFT (engine, median of {args.repeats}), 1 thread, "
+        f"decoded states, {MODEL}, model {args.model_process}, "
+        f"full-hit TTFT (engine, median of {args.repeats}), 1 thread, "
         f"{cpu_model()}, numerics {numerics_record()['cpu_path']}:",
         file=out,
     )

@@ -518,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         "numerics": numerics_record(),
     }
     out = table_stream(args.json)
-    print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
-          file=out)
+    print(
+        "per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn", file=out
+    )
     print(
         f"{'server':>7s} {'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} "
         f"{'cpu ms':>7s} {'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
@@ -534,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['store_batches_per_turn']:>8.2f} {s['wal_syncs_per_turn']:>6.2f}",
             file=out,
         )
-    print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history",
-          file=out)
+    print(
+        "\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history", file=out
+    )
     print(
         f"{'turn':>4s} {'path':<14s} {'prompt':>6s} {'kvresume ms':>11s} {'re-prefill ms':>13s} "
         f"{'ratio':>6s}",

@@ -268,8 +268,13 @@ _INT_FIELDS = {
     "fit_max_budget_tokens",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
-_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s",
-                 "orphan_grace_s"}
+_FLOAT_FIELDS = {
+    "pool_ttl_s",
+    "retention_floor_s",
+    "retention_ceiling_s",
+    "audit_anchor_interval_s",
+    "orphan_grace_s",
+}
 
 
 def _coerce(name: str, value: Any) -> Any:

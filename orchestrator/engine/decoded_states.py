@@ -17,6 +17,12 @@ memo decodes. Reading and verifying the chunks still happens (that proves they a
 and within retention); only the dequantize and concatenate are skipped. Anything else is a miss and the
 import runs.
 
+Where it lives: with the compute that ran the turn (`keep_decoded` / `fill_decoded` of `ModelCompute`).
+`TorchCompute` keeps the tensors in this process (`TensorSources`); with `model_process = "separate"` the
+model process keeps them beside its states and this process holds a handle (`RemoteKept`: freed there
+when dropped here, unusable, so a miss, once that process ended). The LRU, the budget and the pool's
+ownership below are this process's either way.
+
 Owner: the window pool. An entry is put only beside the pool entry of the same turn end and is found
 only through the pool's current value for that session (`get` compares it); `WindowPool.on_drop` removes
 it whenever the pool drops that value (a put replacing it, discard on session/tenant/model purge or a
@@ -30,7 +36,7 @@ import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +44,7 @@ from model import ModelState
 from orchestrator.engine.pool_entry import chunks_digest_of
 from storage import WindowPool
 
-__all__ = ["DecodedSources", "DecodedStates", "DecodedStats", "SOURCE_FIELDS"]
+__all__ = ["DecodedSources", "DecodedStates", "DecodedStats", "KeptDecoded", "SOURCE_FIELDS", "TensorSources"]
 
 # The fields of a SourceCache that `model.import_global_chunks` writes (the rest come from `new_state`,
 # `seal_prefix` and the windows import, as on the import path).
@@ -55,22 +61,25 @@ def _held_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecodedSources:
-    """The decoded global KV of a history [0, n_tokens) whose stored chunks have digest `chunks`.
+class TensorSources:
+    """What `TorchCompute.keep_decoded` keeps of a batch-1 `ModelState`: the `SOURCE_FIELDS` tensors of
+    every kv source holding entries, at history length `n_tokens` (in the model process, the same object
+    lives there and this process holds a handle to it: `model_process.RemoteKept`).
 
     Attributes:
         fields: kv-source layer -> the `SOURCE_FIELDS` tensors (only layers holding at least one entry;
             the import leaves the others as `new_state` made them). Shared, never written.
+        nbytes: bytes of the storages the tensors pin.
     """
 
-    fingerprint: bytes
     n_tokens: int
-    chunks: bytes
     fields: dict[int, tuple[torch.Tensor, ...]]
     nbytes: int
+    # a kept state of this process is usable as long as it is held (a model process's may die)
+    usable: bool = True
 
     @classmethod
-    def of(cls, state: ModelState, *, fingerprint: bytes, chunks: bytes) -> DecodedSources:
+    def of(cls, state: ModelState) -> TensorSources:
         """Capture `state`'s global KV (its tensors are shared: forwards replace, never mutate them)."""
         fields = {
             layer: tuple(getattr(src, name) for name in SOURCE_FIELDS)
@@ -78,15 +87,7 @@ class DecodedSources:
             if src.n_entries > 0
         }
         nbytes = _held_bytes([t for ts in fields.values() for t in ts])
-        return cls(
-            fingerprint=fingerprint, n_tokens=state.n_tokens, chunks=chunks, fields=fields, nbytes=nbytes
-        )
-
-    def matches(self, ranges: list[tuple[int, int]], payload_hashes: list[bytes]) -> bool:
-        """Whether stored chunks of these ranges and payload digests are exactly what this decodes."""
-        if not ranges or ranges[-1][1] != self.n_tokens:
-            return False
-        return chunks_digest_of(ranges, payload_hashes) == self.chunks
+        return cls(n_tokens=state.n_tokens, fields=fields, nbytes=nbytes)
 
     def fill(self, state: ModelState) -> None:
         """Write the decoded global KV into a fresh state, as `import_global_chunks` of the chunks would."""
@@ -100,6 +101,49 @@ class DecodedSources:
             state.sources[layer] = dataclasses.replace(
                 state.sources[layer], **dict(zip(SOURCE_FIELDS, tensors, strict=True))
             )
+
+
+class KeptDecoded(Protocol):
+    """What a compute's `keep_decoded` returns: opaque but for its history length, the bytes it holds,
+    and whether it can still fill a state (a model process's handle cannot once that process ended)."""
+
+    n_tokens: int
+    nbytes: int
+
+    @property
+    def usable(self) -> bool: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodedSources:
+    """The decoded global KV of a history [0, n_tokens) whose stored chunks have digest `chunks`, as the
+    compute that ran the turn kept it (`kept`: `TensorSources` in this process, a handle to them in a
+    model process). `fill` goes through that compute.
+    """
+
+    fingerprint: bytes
+    n_tokens: int
+    chunks: bytes
+    kept: KeptDecoded
+    nbytes: int
+
+    @classmethod
+    def kept_by(cls, kept: KeptDecoded, *, fingerprint: bytes, chunks: bytes) -> DecodedSources:
+        return cls(
+            fingerprint=fingerprint, n_tokens=kept.n_tokens, chunks=chunks, kept=kept, nbytes=kept.nbytes
+        )
+
+    def matches(self, ranges: list[tuple[int, int]], payload_hashes: list[bytes]) -> bool:
+        """Whether stored chunks of these ranges and payload digests are exactly what this decodes (and
+        what it decodes can still fill a state)."""
+        if not ranges or ranges[-1][1] != self.n_tokens or not self.kept.usable:
+            return False
+        return chunks_digest_of(ranges, payload_hashes) == self.chunks
+
+    def fill(self, compute: Any, served: Any, state: Any) -> None:
+        """Write the decoded global KV into `state`, a fresh state of `compute`, as the import of the
+        chunks would (`compute.fill_decoded`)."""
+        compute.fill_decoded(served, state, self.kept)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,16 +195,23 @@ class DecodedStates:
         session: str,
         state: Any,
         *,
-        fingerprint: bytes,
+        compute: Any,
+        served: Any,
         chunks: bytes,
         pool_value: bytes,
     ) -> bool:
-        """Keep `state`'s decoded global KV beside the pool entry `pool_value` of the same turn end; call
-        before the pool put of that value (the put drops the previous value, whose entry goes). Returns
-        whether it was kept (not when disabled, over the whole budget, or not a `ModelState`)."""
-        if not self.enabled or not isinstance(state, ModelState) or state.batch != 1:
+        """Keep `state`'s decoded global KV (`compute.keep_decoded`) beside the pool entry `pool_value` of
+        the same turn end; call before the pool put of that value (the put drops the previous value,
+        whose entry goes). Returns whether it was kept (not when disabled, over the whole budget, or
+        when the compute keeps nothing of such a state: a batched one, a stand-in's without
+        `keep_decoded`)."""
+        if not self.enabled:
             return False
-        sources = DecodedSources.of(state, fingerprint=fingerprint, chunks=chunks)
+        keep = getattr(compute, "keep_decoded", None)
+        kept = keep(served, state) if keep is not None else None
+        if kept is None:
+            return False
+        sources = DecodedSources.kept_by(kept, fingerprint=served.fingerprint, chunks=chunks)
         with self._lock:
             self._drop((tenant, session))
             if sources.nbytes > self.budget_bytes:

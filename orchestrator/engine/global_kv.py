@@ -163,7 +163,7 @@ def read_prefix(
         used_decoded = decoded.matches(ranges, hashes)
     if used_decoded:
         assert decoded is not None
-        decoded.fill(state)
+        decoded.fill(compute, served, state)
         appended, error = len(blobs), None
     else:
         # one import of every named chunk: linear in the history (chunk by chunk would be quadratic)
@@ -251,7 +251,7 @@ def _served_from_decoded(
     if not all(named.get(key) for key in keys):
         return None  # the read says which chunk and why
     state = compute.new_state(served)
-    decoded.fill(state)
+    decoded.fill(compute, served, state)
     n = decoded.n_tokens
     compute.seal_prefix(served, state, history[:n])
     store.record_served(spans, indexed.miss)

@@ -13,6 +13,7 @@ import torch
 
 from model import (
     CacheFormatError,
+    ModelState,
     PassOutput,
     decode,
     decode_many,
@@ -24,6 +25,7 @@ from model import (
     prefill,
     prefill_many,
 )
+from orchestrator.engine.decoded_states import KeptDecoded, TensorSources
 from orchestrator.engine.served_models import ServedModel
 
 __all__ = ["ModelCompute", "TorchCompute", "import_chunks"]
@@ -67,11 +69,25 @@ class ModelCompute(Protocol):
         ...
 
     def prefill_many(
-        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
+        self,
+        served: ServedModel,
+        chunks: Sequence[Sequence[int]],
+        states: Sequence[Any],
         prompt_ends: Sequence[int],
     ) -> list[PassOutput]:
         """The prefill chunks of many sessions in one pass; each output equals its `prefill` bit for bit.
         Optional: a scheduler runs `prefill` one chunk at a time when a compute lacks it."""
+        ...
+
+    def keep_decoded(self, served: ServedModel, state: Any) -> KeptDecoded | None:
+        """Keep `state`'s decoded global KV for a later `fill_decoded` (engine/decoded_states.py), or
+        None when this compute keeps nothing of such a state. Optional: without it nothing is kept and
+        every full hit imports its chunks."""
+        ...
+
+    def fill_decoded(self, served: ServedModel, state: Any, kept: KeptDecoded) -> None:
+        """Write what `keep_decoded` kept into `state`, a fresh state of this compute, as importing the
+        chunks it was exported to would."""
         ...
 
 
@@ -145,8 +161,22 @@ class TorchCompute:
         with served.lock, torch.inference_mode():
             return decode_many(served.model, tokens, states)
 
+    def keep_decoded(self, served: ServedModel, state: Any) -> TensorSources | None:
+        """The state's global-KV tensors, shared (a batch-1 `ModelState`; None for any other)."""
+        if not isinstance(state, ModelState) or state.batch != 1:
+            return None
+        return TensorSources.of(state)
+
+    def fill_decoded(self, served: ServedModel, state: Any, kept: KeptDecoded) -> None:
+        if not isinstance(kept, TensorSources):
+            raise TypeError(f"{type(kept).__name__} was not kept by this process's model")
+        kept.fill(state)
+
     def prefill_many(
-        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
+        self,
+        served: ServedModel,
+        chunks: Sequence[Sequence[int]],
+        states: Sequence[Any],
         prompt_ends: Sequence[int],
     ) -> list[PassOutput]:
         device = served.model.head.weight.device

@@ -478,7 +478,8 @@ class TurnEngine:
                     f.tenant_id,
                     f.session_id,
                     state,
-                    fingerprint=served.fingerprint,
+                    compute=self.compute,
+                    served=served,
                     chunks=outcome.chunks,
                     pool_value=entry,
                 )

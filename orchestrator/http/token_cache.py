@@ -18,7 +18,6 @@ from collections.abc import Callable
 __all__ = ["TokenCache"]
 
 
-
 class TokenCache:
     """tenant -> (model, sha256(text)) -> ids; thread-safe."""
 

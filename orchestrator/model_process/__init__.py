@@ -5,6 +5,11 @@ process itself. Selected by the `model_process` setting ("separate"); "inline" k
 service's process (`engine.TorchCompute`).
 """
 
-from orchestrator.model_process.process_compute import ModelProcessError, ProcessCompute, RemoteState
+from orchestrator.model_process.process_compute import (
+    ModelProcessError,
+    ProcessCompute,
+    RemoteKept,
+    RemoteState,
+)
 
-__all__ = ["ModelProcessError", "ProcessCompute", "RemoteState"]
+__all__ = ["ModelProcessError", "ProcessCompute", "RemoteKept", "RemoteState"]

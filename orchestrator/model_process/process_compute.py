@@ -37,7 +37,7 @@ from model import PassOutput
 from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, unpack_logits
 from orchestrator.model_process.worker import WorkerConfig
 
-__all__ = ["ModelProcessError", "ProcessCompute", "RemoteState"]
+__all__ = ["ModelProcessError", "ProcessCompute", "RemoteKept", "RemoteState"]
 
 log = structlog.get_logger(__name__)
 
@@ -66,6 +66,30 @@ class RemoteState:
 
     def __repr__(self) -> str:
         return f"RemoteState(id={self.state_id}, generation={self.generation}, n_tokens={self.n_tokens})"
+
+
+class RemoteKept:
+    """Decoded global KV kept by the model process (`keep_decoded`): its id there, the process
+    generation, and its history length and bytes. Freed there when dropped here; unusable (a miss, never
+    an error) once that process ended."""
+
+    __slots__ = ("_owner", "generation", "kept_id", "n_tokens", "nbytes", "__weakref__")
+
+    def __init__(
+        self, owner: ProcessCompute, generation: int, kept_id: int, n_tokens: int, nbytes: int
+    ) -> None:
+        self._owner = owner
+        self.generation = generation
+        self.kept_id = kept_id
+        self.n_tokens = n_tokens
+        self.nbytes = nbytes
+
+    @property
+    def usable(self) -> bool:
+        return self._owner.running(self.generation)
+
+    def __repr__(self) -> str:
+        return f"RemoteKept(id={self.kept_id}, generation={self.generation}, n_tokens={self.n_tokens})"
 
 
 class _Process:
@@ -282,6 +306,11 @@ class ProcessCompute:
             log.error("model_process_died", pid=proc.proc.pid, generation=proc.generation, error=why)
             proc.kill()
 
+    def running(self, generation: int) -> bool:
+        """Whether the model process of `generation` is the one running now (its states still exist)."""
+        proc = self._proc
+        return proc is not None and not proc.dead and proc.generation == generation
+
     # -- states ---------------------------------------------------------------------------------------
 
     def _handle(self, state_id: int, n_tokens: int, generation: int) -> RemoteState:
@@ -404,6 +433,31 @@ class ProcessCompute:
             served=served, states=states,
         )  # fmt: skip
         return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+    # -- decoded global KV kept beside pool entries (engine/decoded_states.py) ----------------------------
+
+    def keep_decoded(self, served: Any, state: RemoteState) -> RemoteKept | None:
+        """Keep the state's decoded global KV in the model process (`TorchCompute.keep_decoded` there);
+        a handle to it, or None when nothing was kept."""
+        (kept_id, n_tokens, nbytes), generation = self._call_at(
+            "keep_decoded", served.name, self._sid(state), served=served, states=(state,)
+        )
+        if kept_id is None:
+            return None
+        handle = RemoteKept(self, generation, kept_id, n_tokens, nbytes)
+        weakref.finalize(handle, self._freed.append, (generation, kept_id))
+        return handle
+
+    def fill_decoded(self, served: Any, state: RemoteState, kept: Any) -> None:
+        if not isinstance(kept, RemoteKept):
+            raise TypeError(f"{type(kept).__name__} was not kept by the model process")
+        if kept.generation != state.generation:
+            raise ModelProcessError(
+                f"decoded state {kept.kept_id} was kept by an earlier model process, which ended"
+            )
+        state.n_tokens = self._call(
+            "fill_decoded", served.name, self._sid(state), kept.kept_id, served=served, states=(state,)
+        )
 
     def close(self) -> None:
         with self._lock:

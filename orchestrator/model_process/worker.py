@@ -63,6 +63,7 @@ class _Worker:
             linear_math=config.linear_math,
         )
         self.compute = TorchCompute()
+        # by id: the cache states, and the decoded global KV kept beside pool entries (`op_keep_decoded`)
         self._states: dict[int, Any] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -170,6 +171,19 @@ class _Worker:
 
     def op_export_windows(self, model: str, sid: int) -> bytes:
         return self.compute.export_windows(self._served(model), self._state(sid))
+
+    def op_keep_decoded(self, model: str, sid: int) -> tuple[int | None, int, int]:
+        """Keep the state's decoded global KV beside the states (same ids, freed the same way); its id
+        (None: nothing kept), history length and bytes."""
+        kept = self.compute.keep_decoded(self._served(model), self._state(sid))
+        if kept is None:
+            return None, 0, 0
+        return self._keep(kept), kept.n_tokens, kept.nbytes
+
+    def op_fill_decoded(self, model: str, sid: int, kept_id: int) -> int:
+        state = self._state(sid)
+        self.compute.fill_decoded(self._served(model), state, self._state(kept_id))
+        return state.n_tokens
 
     def op_prefill(self, model: str, tokens: Sequence[int], sid: int | None, prompt_end: int) -> WireOutput:
         out = self.compute.prefill(self._served(model), tokens, self._state(sid), prompt_end=prompt_end)

@@ -1,9 +1,10 @@
 """Decoded global KV kept beside pool entries, over real gRPC on loopback, a SQLite registry file and a
 RocksDB store, with the trained v41-sib-s (W = 16, ratios 2/1; chunks of 32 tokens).
 
-Narrations: the same turns on a node keeping decoded states and on one with the budget 0 (the import
-path, the slow twin) give the same tokens, the same pooled windows and the same stored chunk bytes, the
-full hits of the first served from kept state (hits counted, bytes gauged); the state a full hit starts
+Narrations: the same turns on a node keeping decoded states, on one with the budget 0 (the import
+path, the slow twin) and on one whose model runs in a process of its own (which keeps them there) give
+the same tokens, the same pooled windows and the same stored chunk bytes, the full hits of the first and
+the last served from kept state (hits counted, bytes gauged); the state a full hit starts
 from is tensor for tensor the imported one; a purge, a pool expiry or another tenant never reaches kept
 state.
 """
@@ -61,25 +62,39 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
     # kept state, but every chunk read and verified each turn (the twin of serving it unread)
     reads = start_node(tmp_path / "reads", models)
     reads.service.engine._prep.kept_state_skips_reads = False
+    # the model in a process of its own, which keeps the decoded state there (`RemoteKept` handles here)
+    remote = start_node(tmp_path / "remote", models, model_process="separate")
     try:
         assert on.service.engine.decoded.enabled and not off.service.engine.decoded.enabled
         s_on, s_off, s_reads = _new_session(on), _new_session(off), _new_session(reads)
+        s_remote = _new_session(remote)
         history: list[int] = []
         for k, part in enumerate(parts):
             a = run_turn(on, s_on, part, max_new=4)
             b = run_turn(off, s_off, part, max_new=4)
             c = run_turn(reads, s_reads, part, max_new=4)
-            assert a.path == b.path == c.path == ("COLD_PREFILL" if k == 0 else "FULL_HIT"), a.plan.reason
-            assert a.tokens == b.tokens == c.tokens
-            assert a.plan.reason == b.plan.reason == c.plan.reason
+            d = run_turn(remote, s_remote, part, max_new=4)
+            assert a.path == b.path == c.path == d.path == ("COLD_PREFILL" if k == 0 else "FULL_HIT"), (
+                a.plan.reason
+            )
+            assert a.tokens == b.tokens == c.tokens == d.tokens
+            assert a.plan.reason == b.plan.reason == c.plan.reason == d.plan.reason
             history += part + a.tokens
             pooled = on.service.pool.get("acme", s_on)
             assert pooled == off.service.pool.get("acme", s_off) == reads.service.pool.get("acme", s_reads)
+            assert pooled == remote.service.pool.get("acme", s_remote)
             stored = on.service.store.longest_valid_prefix("acme", fp, history).payloads
             assert stored and stored == off.service.store.longest_valid_prefix("acme", fp, history).payloads
             assert stored == reads.service.store.longest_valid_prefix("acme", fp, history).payloads
+            assert stored == remote.service.store.longest_valid_prefix("acme", fp, history).payloads
         assert _lookups(on, "hit") == len(parts) - 1 and _lookups(on, "miss") == 0
         assert _lookups(reads, "hit") == len(parts) - 1
+        # kept in the model process: served from there, unread, as in this process
+        assert _lookups(remote, "hit") == len(parts) - 1 and _lookups(remote, "miss") == 0
+        assert remote.service.store.stats().unread_chunk_hits == on.service.store.stats().unread_chunk_hits
+        assert (
+            remote.service.engine.decoded.stats().bytes_used == on.service.engine.decoded.stats().bytes_used
+        )
         assert off.service.engine.decoded.stats().hits == 0
         # the full hits after the first were served unread on `on`, read and verified on `reads`
         assert on.service.store.stats().unread_chunk_hits > 0
@@ -145,6 +160,7 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
         on.stop()
         off.stop()
         reads.stop()
+        remote.stop()
 
 
 def test_purge_expiry_and_other_tenants_never_reach_kept_state(tmp_path: Path, models) -> None:

@@ -18,12 +18,14 @@ import torch
 
 from model import ModelState, decode, export_global, import_global_chunks, prefill
 from orchestrator.engine import ModelRegistry, ServedModelSpec
-from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates
+from orchestrator.engine import TorchCompute
+from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates, TensorSources
 from orchestrator.engine.global_kv import chunk_ranges
 from orchestrator.engine.pool_entry import chunks_digest
 from storage import PoolConfig, WindowPool
 
 CHUNK = 32
+_TORCH = TorchCompute()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     ranges = chunk_ranges(n, CHUNK)
     blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
     digest = chunks_digest(ranges, blobs)
-    kept = DecodedSources.of(live, fingerprint=served.fingerprint, chunks=digest)
+    kept = DecodedSources.kept_by(TensorSources.of(live), fingerprint=served.fingerprint, chunks=digest)
     # the live state continues (its appends write past the kept views into the same buffers)
     with torch.inference_mode():
         decode(served.model, torch.tensor([5]), live.clone())
@@ -101,7 +103,7 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     assert done.failure is None and done.end == n
     fast = served.model.new_state(1)
     assert kept.matches(ranges, [hashlib.sha256(b).digest() for b in blobs])
-    kept.fill(fast)
+    kept.fill(TorchCompute(), served, fast)
     _assert_states_equal(_sealed(served, fast, tokens), _sealed(served, slow, tokens))
 
 
@@ -112,7 +114,9 @@ def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
     ranges = chunk_ranges(100, CHUNK)
     blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
     hashes = [hashlib.sha256(b).digest() for b in blobs]
-    kept = DecodedSources.of(live, fingerprint=served.fingerprint, chunks=chunks_digest(ranges, blobs))
+    kept = DecodedSources.kept_by(
+        TensorSources.of(live), fingerprint=served.fingerprint, chunks=chunks_digest(ranges, blobs)
+    )
     assert kept.matches(ranges, hashes)
     assert not kept.matches(ranges[:-1], hashes[:-1])  # a shorter prefix (tail expired or purged)
     other = list(hashes)
@@ -120,7 +124,7 @@ def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
     assert not kept.matches(ranges, other)
     assert not kept.matches([], [])
     with pytest.raises(ValueError, match="not a fresh state"):
-        kept.fill(live.clone())
+        kept.fill(TorchCompute(), served, live.clone())
 
 
 def _fake_state(served, n: int, seed: int) -> ModelState:
@@ -137,11 +141,11 @@ class _Clock:
 
 def test_lru_byte_budget_and_disabled(served) -> None:
     states = [_fake_state(served, 64, s) for s in range(3)]
-    size = DecodedSources.of(states[0], fingerprint=served.fingerprint, chunks=b"\0" * 32).nbytes
+    size = TensorSources.of(states[0]).nbytes
     assert size > 0
     cache = DecodedStates(2 * size + size // 2)
     for i, st in enumerate(states):
-        assert cache.put("t", f"s{i}", st, fingerprint=served.fingerprint, chunks=b"\0" * 32, pool_value=b"v")
+        assert cache.put("t", f"s{i}", st, compute=_TORCH, served=served, chunks=b"\0" * 32, pool_value=b"v")
         if i == 1:
             # s0 used: s1 becomes the least recently used
             assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
@@ -150,10 +154,10 @@ def test_lru_byte_budget_and_disabled(served) -> None:
     assert cache.get("t", "s1", fingerprint=served.fingerprint, pool_value=b"v") is None
     assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
     small = DecodedStates(size - 1)
-    assert not small.put("t", "s", states[0], fingerprint=served.fingerprint, chunks=b"", pool_value=b"v")
+    assert not small.put("t", "s", states[0], compute=_TORCH, served=served, chunks=b"", pool_value=b"v")
     off = DecodedStates(0)
     assert not off.enabled
-    assert not off.put("t", "s", states[0], fingerprint=served.fingerprint, chunks=b"", pool_value=b"v")
+    assert not off.put("t", "s", states[0], compute=_TORCH, served=served, chunks=b"", pool_value=b"v")
     assert off.get("t", "s", fingerprint=served.fingerprint, pool_value=b"v") is None
     with pytest.raises(ValueError, match="decoded_state_budget_bytes=-1"):
         DecodedStates(-1)
@@ -168,7 +172,9 @@ def test_the_pool_owns_it(served) -> None:
 
     def keep(tenant: str, session: str, value: bytes) -> None:
         # the engine's order: decoded first, then the pool put that drops the previous value
-        assert cache.put(tenant, session, st, fingerprint=fp, chunks=b"c" * 32, pool_value=value)
+        assert cache.put(
+            tenant, session, st, compute=_TORCH, served=served, chunks=b"c" * 32, pool_value=value
+        )
         assert pool.put(tenant, session, value).stored
 
     def held(tenant: str, session: str, value: bytes) -> bool:
@@ -196,7 +202,25 @@ def test_the_pool_owns_it(served) -> None:
     assert not held("t", "a", b"x" * 600) and held("t", "b", b"y" * 600)
     assert cache.stats().entries == 1
     # a pool put refused (over the pool's budget): the engine discards what it kept first
-    assert cache.put("t", "c", st, fingerprint=fp, chunks=b"c" * 32, pool_value=b"z" * 2000)
+    assert cache.put("t", "c", st, compute=_TORCH, served=served, chunks=b"c" * 32, pool_value=b"z" * 2000)
     if not pool.put("t", "c", b"z" * 2000).stored:
         cache.discard("t", "c")
     assert cache.stats().entries == 1
+
+
+def test_what_a_compute_keeps(served) -> None:
+    """Only a compute with `keep_decoded` keeps anything, and TorchCompute only of a batch-1 ModelState;
+    it fills only what it kept itself."""
+    cache = DecodedStates(1 << 30)
+    st = _fake_state(served, 40, 2)
+
+    class StandIn:  # a compute without keep_decoded (a benchmark's stand-in)
+        pass
+
+    assert not cache.put("t", "a", st, compute=StandIn(), served=served, chunks=b"c" * 32, pool_value=b"v")
+    assert _TORCH.keep_decoded(served, object()) is None
+    assert cache.stats().entries == 0
+    kept = _TORCH.keep_decoded(served, st)
+    assert isinstance(kept, TensorSources) and kept.usable and kept.n_tokens == 40
+    with pytest.raises(TypeError, match="not kept by this process's model"):
+        _TORCH.fill_decoded(served, served.model.new_state(1), object())

@@ -136,6 +136,78 @@ def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessC
     assert remote.held_states() == before
 
 
+def test_kept_decoded_state_fills_as_in_process_compute(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    """`keep_decoded` / `fill_decoded` there against the same in this process, on a fresh random
+    history: the filled states are then sealed, given the live state's windows and continued by a prefill
+    chunk and decode steps, bit for bit alike; dropping the handle frees the kept tensors there."""
+    torch.set_num_threads(1)
+    served = models.get("a")
+    local = TorchCompute()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompt = _prompt(rng, rng.randrange(40, 120))
+    live_a = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    live_b = remote.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    token = rng.randrange(16, 512)
+    live_a = local.decode(served, token, live_a).state
+    live_b = remote.decode(served, token, live_b).state
+    history = [*prompt, token]
+    gc.collect()
+    before = remote.held_states()
+    kept_a, kept_b = local.keep_decoded(served, live_a), remote.keep_decoded(served, live_b)
+    assert kept_a is not None and kept_b is not None
+    assert kept_b.usable and (kept_b.n_tokens, kept_b.nbytes) == (kept_a.n_tokens, kept_a.nbytes)
+    assert remote.held_states() == before + 1
+    windows = local.export_windows(served, live_a)
+    assert windows == remote.export_windows(served, live_b)
+    a, b = local.new_state(served), remote.new_state(served)
+    local.fill_decoded(served, a, kept_a)
+    remote.fill_decoded(served, b, kept_b)
+    for compute, state in ((local, a), (remote, b)):
+        compute.seal_prefix(served, state, history)
+        compute.import_windows(served, state, windows)
+    assert b.n_tokens == a.n_tokens == len(history)
+    step = _prompt(rng, rng.randrange(1, 9))
+    out_a = local.prefill(served, step, a, prompt_end=len(history) + len(step))
+    out_b = remote.prefill(served, step, b, prompt_end=len(history) + len(step))
+    assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    for _ in range(2):
+        t = rng.randrange(16, 512)
+        out_a, out_b = local.decode(served, t, out_a.state), remote.decode(served, t, out_b.state)
+        assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    n = out_a.state.n_tokens
+    assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
+    with pytest.raises(TypeError, match="not kept by the model process"):
+        remote.fill_decoded(served, remote.new_state(served), kept_a)
+    gc.collect()
+    remote.held_states()
+    holding = remote.held_states()
+    del kept_b
+    remote.held_states()  # the free travels with the next call
+    assert remote.held_states() == holding - 1
+
+
+def test_kept_decoded_state_of_an_ended_model_process_is_unusable(models: ModelRegistry) -> None:
+    served = models.get("a")
+    compute = ProcessCompute.from_registry(models, threads=1)
+    try:
+        state = compute.prefill(served, [20, 21, 22, 23], None, prompt_end=4).state
+        kept = compute.keep_decoded(served, state)
+        assert kept is not None and kept.usable
+        os.kill(compute._proc.proc.pid, signal.SIGKILL)  # noqa: SLF001 - the test kills it
+        with pytest.raises(ModelProcessError):
+            compute.decode(served, 24, state)
+        assert not kept.usable  # a full hit then misses it and imports the chunks
+        fresh = compute.new_state(served)  # a new model process
+        assert not kept.usable
+        with pytest.raises(ModelProcessError, match="earlier model process"):
+            compute.fill_decoded(served, fresh, kept)
+    finally:
+        compute.close()
+
+
 def test_a_model_process_under_another_fingerprint_is_refused(models: ModelRegistry) -> None:
     other = ProcessCompute(
         specs={"a": ServedModelSpec(name="a", config="v41-tiny", seed=2)}, cpu_path=models.cpu_path
