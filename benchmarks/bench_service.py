@@ -23,10 +23,14 @@ the headline keys are the default, in-process runs).
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
 model arithmetic: it tracks positions, emulates the `ced` row bookkeeping (so counts match the plan), and
 emits global-KV chunks and pool entries of the real model's byte sizes, so every store write, fdatasync,
-registry row and pool put is real. Overhead = client-observed wall time of a whole turn (request to the
-stats event), excluding each session's first turn (the cold prefill). Reported as p50/p99 ms, with
-the process's CPU time per turn of the sweep (`cpu_ms_per_turn`: server, the in-process clients and
-gRPC's threads together, cold turns included) and the registry's and store's work per turn.
+registry row and pool put is real; it keeps its turn ends for the decoded-state memo as the real model
+does (`keep_decoded`), so its full hits are served from kept state with their chunks proven unread, as
+the real model's are (until session 16 the stand-in kept nothing, and every full hit read and verified
+its chunks: a path the real model takes only when its memo misses). Overhead = client-observed wall
+time of a whole turn (request to the stats event), excluding each session's first turn (the cold
+prefill). Reported as p50/p99 ms, with the process's CPU time per turn of the sweep (`cpu_ms_per_turn`:
+server, the in-process clients and gRPC's threads together, cold turns included) and the registry's and
+store's work per turn.
 (2) Real seeded random-init model (v41-tiny stand-in of the sibling family, torch CPU, 1 thread): a
 first prompt of 400 tokens, then tool results and user turns of 30-90 tokens, 4 generated tokens per
 turn, and an idle gap (pool TTL passes) before one turn. kvresume TTFT = the engine's time from turn
@@ -87,14 +91,42 @@ class NoOpState:
 _HEAD = struct.Struct("<QQ")
 
 
+@dataclasses.dataclass(frozen=True)
+class NoOpKept:
+    """What the stand-in keeps of a turn end for the decoded-state memo: a length, and the bytes the real
+    model's kept tensors would hold (so the memo's budget and LRU see real sizes)."""
+
+    n_tokens: int
+    nbytes: int
+    usable: bool = True
+
+
 class NoOpCompute:
     """NO-OP STAND-IN for the model: positions and byte sizes only, no arithmetic (service overhead)."""
 
-    def __init__(self, global_bytes_per_token: float, windows_bytes: int, window: int, group: int) -> None:
+    def __init__(
+        self,
+        global_bytes_per_token: float,
+        windows_bytes: int,
+        window: int,
+        group: int,
+        kept_bytes_per_token: float = 0.0,
+    ) -> None:
         self._per_token = global_bytes_per_token
         self._windows = windows_bytes
         self._w = window
         self._group = group
+        self._kept_per_token = kept_bytes_per_token
+
+    def keep_decoded(self, served: ServedModel, state: NoOpState) -> NoOpKept:
+        # As the real model keeps its turn end's decoded global KV, so that the next full hit is served
+        # from it (its chunks proven unread), as the real model's are.
+        return NoOpKept(n_tokens=state.n_tokens, nbytes=int(state.n_tokens * self._kept_per_token))
+
+    def fill_decoded(self, served: ServedModel, state: NoOpState, kept: NoOpKept) -> None:
+        if state.n_tokens != 0:
+            raise ValueError(f"state at {state.n_tokens}: not a fresh state")
+        state.n_tokens = kept.n_tokens
 
     def new_state(self, served: ServedModel) -> NoOpState:
         return NoOpState(0, True)
@@ -203,13 +235,17 @@ class _Client:
         return pb.common.ResumePath.Name(plan.path).removeprefix("RESUME_PATH_"), stats, elapsed
 
 
-def _real_sizes(registry: ModelRegistry) -> tuple[float, int]:
+def _real_sizes(registry: ModelRegistry) -> tuple[float, int, float]:
+    """The real model's stored global-KV bytes per token, pool-entry window bytes, and decoded-state
+    bytes kept per token (at 256 tokens)."""
     served = registry.get("m")
     assert served is not None
     compute = TorchCompute()
     out = compute.prefill(served, list(range(16, 16 + 256)), None, prompt_end=256)
     blob = compute.export_global(served, out.state, 0, 256)
-    return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state))
+    kept = compute.keep_decoded(served, out.state)
+    assert kept is not None
+    return (len(blob) - 96) / 256, len(compute.export_windows(served, out.state)), kept.nbytes / 256
 
 
 def _workers(grpc_server: str, concurrency: int) -> int:
@@ -220,14 +256,14 @@ def _workers(grpc_server: str, concurrency: int) -> int:
 
 def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
     registry = _registry()
-    per_token, windows = _real_sizes(registry)
+    per_token, windows, kept_per_token = _real_sizes(registry)
     served = registry.get("m")
     assert served is not None
     geo = served.geometry
     node = build_node(
         _settings(root, _workers(grpc_server, concurrency), grpc_server),
         registry=registry,
-        compute=NoOpCompute(per_token, windows, geo.window, geo.group),
+        compute=NoOpCompute(per_token, windows, geo.window, geo.group, kept_per_token),
     )
     server = build_server(node.ctx, host="127.0.0.1", port=0)
     client = _Client(node, server.port)
@@ -293,7 +329,9 @@ class _Counters:
         event.listen(node.ctx.engine, "checkout", self._on_checkout)
         stats = node.store.stats()
         self._batches0 = stats.synced_writes
+        self._unread0 = stats.unread_chunk_hits
         self._syncs0 = getattr(node.store, "wal_syncs", None)
+        self._kept_hits0 = node.engine.decoded.stats().hits
 
     def _on_checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
         dbapi_connection.set_trace_callback(self._on_statement)
@@ -320,7 +358,13 @@ class _Counters:
             "sql_read_transactions_per_turn": (self.begins - self.commits) / n_turns,
             "store_batches_per_turn": batches / n_turns,
             "wal_syncs_per_turn": synced / n_turns,
+            # full hits served from the decoded state kept at the turn end before, their chunks unread
+            "kept_state_hits_per_turn": self._kept_hits() / n_turns,
+            "unread_chunk_hits_per_turn": (store.stats().unread_chunk_hits - self._unread0) / n_turns,
         }
+
+    def _kept_hits(self) -> int:
+        return self._node.engine.decoded.stats().hits - self._kept_hits0
 
 
 @torch.inference_mode()

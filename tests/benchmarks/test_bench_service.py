@@ -46,3 +46,9 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     # the asyncio server keeps its small pool at every concurrency; the thread-pool server a thread a stream
     assert {s["grpc_workers"] for s in doc["overhead_by_grpc_server"]["async"]} == {bench.ASYNC_POOL_WORKERS}
     assert [s["grpc_workers"] for s in doc["overhead_by_grpc_server"]["threads"]] == [8, 8, 64]
+    # the stand-in keeps its turn ends as the real model does: every full hit after a session's first
+    # turn is served from kept state, its chunks unread (2 of a sweep's 3 turns per session)
+    for sweep in doc["overhead"]:
+        assert sweep["paths"] == {"FULL_HIT": sweep["turns_measured"]}
+        assert sweep["kept_state_hits_per_turn"] == pytest.approx(2 / 3)
+        assert sweep["unread_chunk_hits_per_turn"] > 0

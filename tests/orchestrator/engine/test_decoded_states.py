@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from model import ModelState, decode, export_global, import_global_chunks, prefill
-from orchestrator.engine import ModelRegistry, ServedModelSpec
-from orchestrator.engine import TorchCompute
+from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates, TensorSources
 from orchestrator.engine.global_kv import chunk_ranges
 from orchestrator.engine.pool_entry import chunks_digest
