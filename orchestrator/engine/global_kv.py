@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, RetainedKeys, SegmentRepository
 from orchestrator.engine.decoded_states import DecodedSources
-from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute, import_chunks, restore_decoded
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of
 from orchestrator.engine.served_models import ServedModel
@@ -250,10 +250,8 @@ def _served_from_decoded(
     named = _within_retention(registry, retained, keys, at=at, tenant=tenant, fingerprint=fp)
     if not all(named.get(key) for key in keys):
         return None  # the read says which chunk and why
-    state = compute.new_state(served)
-    decoded.fill(compute, served, state)
     n = decoded.n_tokens
-    compute.seal_prefix(served, state, history[:n])
+    state = restore_decoded(compute, served, decoded.kept, history[:n])
     store.record_served(spans, indexed.miss)
     miss_reason = None
     if indexed.miss is not None:

@@ -28,7 +28,7 @@ from model import (
 from orchestrator.engine.decoded_states import KeptDecoded, TensorSources
 from orchestrator.engine.served_models import ServedModel
 
-__all__ = ["ModelCompute", "TorchCompute", "import_chunks"]
+__all__ = ["ModelCompute", "TorchCompute", "clone_with_windows", "import_chunks", "restore_decoded"]
 
 
 class ModelCompute(Protocol):
@@ -110,6 +110,36 @@ def import_chunks(
         except CacheFormatError as exc:
             return i, exc
     return len(blobs), None
+
+
+def restore_decoded(
+    compute: ModelCompute, served: ServedModel, kept: KeptDecoded, tokens: Sequence[int]
+) -> Any:
+    """A fresh state holding what `keep_decoded` kept, sealed as the history `tokens` (a full hit's prefix
+    state): the compute's `restore_decoded` when it has one (one call: a model process's round trip),
+    else `new_state`, `fill_decoded` and `seal_prefix`."""
+    one = getattr(compute, "restore_decoded", None)
+    if one is not None:
+        return one(served, kept, tokens)
+    state = compute.new_state(served)
+    compute.fill_decoded(served, state, kept)
+    compute.seal_prefix(served, state, tokens)
+    return state
+
+
+def clone_with_windows(compute: ModelCompute, served: ServedModel, state: Any, blob: bytes) -> Any:
+    """A copy of `state` with the pool entry's windows `blob` imported (the original keeps none): the
+    compute's `clone_with_windows` when it has one, else `state.clone()` and `import_windows`.
+
+    Raises:
+        CacheFormatError: the windows do not fit the state (nothing is kept of the copy).
+    """
+    one = getattr(compute, "clone_with_windows", None)
+    if one is not None:
+        return one(served, state, blob)
+    copy = state.clone()
+    compute.import_windows(served, copy, blob)
+    return copy
 
 
 class TorchCompute:

@@ -22,7 +22,7 @@ from model import CacheFormatError
 from orchestrator.db import RetainedKeys
 from orchestrator.engine.decoded_states import DecodedSources, DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
-from orchestrator.engine.model_compute import ModelCompute
+from orchestrator.engine.model_compute import ModelCompute, clone_with_windows
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
 from orchestrator.engine.served_models import ServedModel
@@ -197,7 +197,6 @@ def _verified(
     if prefix.n_tokens == n:
         exact = prefix
         assert prefix.state is not None
-        state = prefix.state.clone()
     else:
         # the longest prefix runs past n through a full chunk: read exactly [0, n) (the source's tail)
         exact = read_prefix(
@@ -213,13 +212,13 @@ def _verified(
         )
         if exact.n_tokens != n or exact.state is None:
             return reuse
-        state = exact.state.clone()
     if chunks_digest_of(exact.ranges, exact.payload_hashes()) != entry.chunks:
         # The stored bytes of this prefix are not the ones the windows were computed over (a chunk of the
         # same tokens kept another writer's bytes, or was deleted and written anew): not provably exact.
         return reuse
     try:
-        compute.import_windows(served, state, entry.windows)
+        # the prefix state stays as it is (a global-only replay starts from it)
+        state = clone_with_windows(compute, served, exact.state, entry.windows)
     except CacheFormatError:
         return reuse
     return dataclasses.replace(

@@ -459,6 +459,28 @@ class ProcessCompute:
             "fill_decoded", served.name, self._sid(state), kept.kept_id, served=served, states=(state,)
         )
 
+    def restore_decoded(self, served: Any, kept: Any, tokens: Sequence[int]) -> RemoteState:
+        """`new_state`, `fill_decoded` and `seal_prefix` there in one call (a full hit's prefix state)."""
+        if not isinstance(kept, RemoteKept):
+            raise TypeError(f"{type(kept).__name__} was not kept by the model process")
+        proc = self._process()
+        if kept.generation != proc.generation:
+            raise ModelProcessError(
+                f"decoded state {kept.kept_id} was kept by an earlier model process, which ended"
+            )
+        (sid, n), generation = self._call_at(
+            "restore_decoded", served.name, kept.kept_id, list(tokens), served=served
+        )
+        return self._handle(sid, n, generation)
+
+    def clone_with_windows(self, served: Any, state: RemoteState, blob: bytes) -> RemoteState:
+        """`clone` and `import_windows` there in one call; a copy the windows do not fit is not kept.
+        Raises CacheFormatError."""
+        (sid, n), generation = self._call_at(
+            "clone_with_windows", served.name, self._sid(state), blob, served=served, states=(state,)
+        )
+        return self._handle(sid, n, generation)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

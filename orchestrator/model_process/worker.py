@@ -185,6 +185,21 @@ class _Worker:
         self.compute.fill_decoded(self._served(model), state, self._state(kept_id))
         return state.n_tokens
 
+    def op_restore_decoded(self, model: str, kept_id: int, tokens: Sequence[int]) -> tuple[int, int]:
+        """A fresh state filled from kept decoded global KV and sealed as `tokens` (one round trip for
+        what the turn engine's full hit does in three: `engine.restore_decoded`)."""
+        served = self._served(model)
+        state = self.compute.new_state(served)
+        self.compute.fill_decoded(served, state, self._state(kept_id))
+        self.compute.seal_prefix(served, state, tokens)
+        return self._keep(state), state.n_tokens
+
+    def op_clone_with_windows(self, model: str, sid: int, blob: bytes) -> tuple[int, int]:
+        """A copy of the state with the windows imported, kept only when they fit (CacheFormatError)."""
+        copy = self._state(sid).clone()
+        self.compute.import_windows(self._served(model), copy, blob)
+        return self._keep(copy), copy.n_tokens
+
     def op_prefill(self, model: str, tokens: Sequence[int], sid: int | None, prompt_end: int) -> WireOutput:
         out = self.compute.prefill(self._served(model), tokens, self._state(sid), prompt_end=prompt_end)
         return self._output(out, sid)

@@ -22,6 +22,7 @@ import torch
 
 from model import CacheFormatError, state_from_global
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.engine.model_compute import clone_with_windows, restore_decoded
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
 from tests.processes import process_alive
 
@@ -181,6 +182,30 @@ def test_kept_decoded_state_fills_as_in_process_compute(
     assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
     with pytest.raises(TypeError, match="not kept by the model process"):
         remote.fill_decoded(served, remote.new_state(served), kept_a)
+    # a full hit's restore in one call there each (`restore_decoded`, `clone_with_windows`), against the
+    # same steps one call at a time here
+    calls = remote.stats()["ops"]
+    ra, rb = restore_decoded(local, served, kept_a, history), restore_decoded(remote, served, kept_b, history)
+    ca, cb = clone_with_windows(local, served, ra, windows), clone_with_windows(remote, served, rb, windows)
+    after = remote.stats()["ops"]
+    for op in ("restore_decoded", "clone_with_windows"):
+        assert after[op][0] == calls.get(op, (0,))[0] + 1
+    for op in ("new_state", "fill_decoded", "seal_prefix", "clone", "import_windows"):
+        assert after.get(op, (0,))[0] == calls.get(op, (0,))[0], op
+    assert cb.state_id != rb.state_id and cb.n_tokens == ca.n_tokens == len(history)
+    out_a = local.prefill(served, step, ca, prompt_end=len(history) + len(step))
+    out_b = remote.prefill(served, step, cb, prompt_end=len(history) + len(step))
+    assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    # the prefix state keeps no windows: a global-only replay from it equals here and there
+    out_a = local.prefill(served, step, ra, prompt_end=len(history) + len(step))
+    out_b = remote.prefill(served, step, rb, prompt_end=len(history) + len(step))
+    assert out_a.stats == out_b.stats and torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    gc.collect()
+    remote.held_states()  # frees of handles gone so far travel with it
+    held = remote.held_states()
+    with pytest.raises(CacheFormatError):
+        clone_with_windows(remote, served, rb, windows[:-5])
+    assert remote.held_states() == held  # the refused copy is not kept there
     gc.collect()
     remote.held_states()
     holding = remote.held_states()
