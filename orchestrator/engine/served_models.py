@@ -7,6 +7,7 @@ Knows nothing of sessions or storage. Source strings (settings `served_models`, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Mapping
@@ -28,7 +29,13 @@ from model import (
     set_linear_math,
 )
 from orchestrator.engine.text_codec import TextCodec, choose_codec
-from orchestrator.numerics_env import CPU_PATH_CHOICES, in_force_problems, native_host_id, resolve_cpu_path
+from orchestrator.numerics_env import (
+    CPU_PATH_CHOICES,
+    PINNED_ENVS,
+    in_force_problems,
+    native_host_id,
+    resolve_cpu_path,
+)
 from orchestrator.planner import ModelGeometry
 
 __all__ = [
@@ -136,7 +143,13 @@ def _group(cfg: ModelConfig) -> int:
 @dataclass(kw_only=True, eq=False)
 class ServedModel:
     """A loaded model. `lock` serialises its forward passes (one pass at a time per model; sessions
-    interleave between passes). `fingerprint_hex` is the store's model id; it covers `numerics`."""
+    interleave between passes). `fingerprint_hex` is the store's model id; it covers `numerics`.
+
+    Weights released (`weights_held` False: a node whose models compute in a model process of their own,
+    `load_served(hold_weights=False)`): `model` keeps its config but no weights (meta tensors), and what
+    this process needs of the weights was computed before they went (the fingerprint,
+    `pinned_alternates`). `weights()` loads them again, once, for the rare caller that reads them here.
+    """
 
     spec: ServedModelSpec
     model: Transformer
@@ -144,6 +157,24 @@ class ServedModel:
     numerics: NumericsProfile
     codec: TextCodec
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # where the weights live (or lived, when released), as the registry chose
+    device: str = "cpu"
+    weights_held: bool = True
+    # hex fingerprints of these weights under the other pinned CPU path (`pinned_alternates`), computed
+    # here when the weights are released; None: compute them from `model` when asked
+    pinned_alternates: frozenset[str] | None = None
+    _reloaded: Transformer | None = field(default=None, repr=False)
+
+    def weights(self) -> Transformer:
+        """The model with its weights: `model`, or, when this process released them, a copy loaded on
+        `device` at the first call and kept (a mapper that reads the receiver's weights, applied here)."""
+        if self.weights_held:
+            return self.model
+        with self.lock:
+            if self._reloaded is None:
+                self._reloaded = _load_weights(self.spec, self.device, self.model.kernel_backend)
+                set_linear_math(self._reloaded, self.numerics.math)
+            return self._reloaded
 
     @property
     def name(self) -> str:
@@ -170,6 +201,7 @@ def load_served(
     kernel_backend: str = "torch",
     cpu_path: str = "auto",
     linear_math: str = "exact",
+    hold_weights: bool = True,
 ) -> ServedModel:
     """Load weights (or init the stand-in), fingerprint them under the numerics profile, and pick the
     tokenizer.
@@ -183,6 +215,8 @@ def load_served(
             another arithmetic hit.
         linear_math: the quantized linears' math, "exact" or "fast" (`model.set_linear_math`); named in the
             numerics profile, so the fingerprint (and every cache) of a fast model differs from exact.
+        hold_weights: False for a process whose models compute elsewhere (a model process): the weights
+            are read on the CPU, fingerprinted, and released (`ServedModel.weights_held`).
 
     Raises:
         FileNotFoundError, model.CheckpointMismatch: a broken checkpoint.
@@ -200,18 +234,15 @@ def load_served(
             "model_numerics='native'"
         )
     root = repo_root()
+    # released weights are read once on the CPU (the fingerprint hashes the same bytes wherever they are)
+    model = _load_weights(spec, device if hold_weights else "cpu", kernel_backend)
     if spec.checkpoint is not None:
-        model = load_model(spec.checkpoint, device=device)
-        model.kernel_backend = kernel_backend
         candidates = [
             spec.checkpoint / "tokenizer.json",
             root / "checkpoints" / "tokenizer" / "tokenizer.json",
         ]
     else:
-        model = Transformer(_config_of(spec), kernel_backend=kernel_backend)
-        model = init_random(model, seed=spec.seed).to(device)
         candidates = [root / "checkpoints" / "tokenizer" / "tokenizer.json"]
-    model.eval()
     set_linear_math(model, linear_math)
     numerics = NumericsProfile.for_device(
         device,
@@ -220,15 +251,49 @@ def load_served(
         math=linear_math,
         native_host=native_host_id() if cpu_path == "native" else "",
     )
+    alternates = None
     with torch.inference_mode():
         fingerprint = model_fingerprint(model, numerics=numerics)
+        if not hold_weights:
+            alternates = pinned_alternates(model, numerics)
+            # what is left: the config and the module structure, no storage
+            model = model.to("meta")
     return ServedModel(
         spec=spec,
         model=model,
         fingerprint=fingerprint,
         numerics=numerics,
         codec=choose_codec(model.cfg.vocab_size, candidates),
+        device=device,
+        weights_held=hold_weights,
+        pinned_alternates=alternates,
     )
+
+
+def _load_weights(spec: ServedModelSpec, device: str, kernel_backend: str) -> Transformer:
+    """The spec's model with its weights (the checkpoint's, or the seeded stand-in's) on `device`, in
+    eval mode."""
+    if spec.checkpoint is not None:
+        model = load_model(spec.checkpoint, device=device)
+        model.kernel_backend = kernel_backend
+    else:
+        model = Transformer(_config_of(spec), kernel_backend=kernel_backend)
+        model = init_random(model, seed=spec.seed).to(device)
+    return model.eval()
+
+
+def pinned_alternates(model: Transformer, numerics: NumericsProfile) -> frozenset[str]:
+    """Hex fingerprints of `model`'s very weights and config under the other pinned CPU path (empty when
+    `numerics` is under neither). One model's caches differ between the pinned paths only in rounding,
+    so a mapper fitted under one is the same learned map under the other."""
+    if numerics.cpu_path not in PINNED_ENVS:
+        return frozenset()
+    with torch.inference_mode():
+        return frozenset(
+            model_fingerprint(model, numerics=dataclasses.replace(numerics, cpu_path=p)).hex()
+            for p in PINNED_ENVS
+            if p != numerics.cpu_path
+        )
 
 
 class ModelRegistry:
@@ -242,6 +307,7 @@ class ModelRegistry:
         kernel_backend: str = "torch",
         cpu_path: str = "auto",
         linear_math: str = "exact",
+        hold_weights: bool = True,
     ) -> None:
         for name, spec in specs.items():
             if name != spec.name:
@@ -258,6 +324,7 @@ class ModelRegistry:
         self._kernel_backend = kernel_backend
         self._cpu_path = cpu_path
         self._linear_math = linear_math
+        self._hold_weights = hold_weights
         self._loaded: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
 
@@ -270,6 +337,7 @@ class ModelRegistry:
         kernel_backend: str = "torch",
         cpu_path: str = "auto",
         linear_math: str = "exact",
+        hold_weights: bool = True,
     ) -> ModelRegistry:
         """From settings' name -> source strings; empty: `default_model_specs()`."""
         specs = (
@@ -278,7 +346,12 @@ class ModelRegistry:
             else {n: ServedModelSpec.parse(n, s) for n, s in sources.items()}
         )
         return cls(
-            specs, device=device, kernel_backend=kernel_backend, cpu_path=cpu_path, linear_math=linear_math
+            specs,
+            device=device,
+            kernel_backend=kernel_backend,
+            cpu_path=cpu_path,
+            linear_math=linear_math,
+            hold_weights=hold_weights,
         )
 
     @property
@@ -318,6 +391,7 @@ class ModelRegistry:
                     kernel_backend=self._kernel_backend,
                     cpu_path=self._cpu_path,
                     linear_math=self._linear_math,
+                    hold_weights=self._hold_weights,
                 )
                 self._loaded[name] = served
             return served

@@ -243,7 +243,8 @@ def build_node(
     """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
 
     Args:
-        registry: served models (default: from `settings.served_models`).
+        registry: served models (default: from `settings.served_models`; with `model_process =
+            "separate"` this process then keeps their fingerprints, not their weights).
         mappers: applies registered mapper artifacts on a model switch (default: `ArtifactMappers`).
         clock: wall clock of the store and registry stamps; pool_clock: the pool's TTL clock.
         maintenance: start the store's background expiry/deletion thread.
@@ -265,6 +266,8 @@ def build_node(
             kernel_backend=settings.model_kernel_backend,
             cpu_path=settings.model_numerics,
             linear_math=settings.model_math,
+            # the models compute in the model process: this one keeps their fingerprints, not their weights
+            hold_weights=settings.model_process != "separate",
         )
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,8 @@ import structlog
 import torch
 
 from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_metadata
-from model import ModelState, model_fingerprint, state_from_global
-from orchestrator.engine.served_models import ServedModel
-from orchestrator.numerics_env import PINNED_ENVS
+from model import ModelState, state_from_global
+from orchestrator.engine.served_models import ServedModel, pinned_alternates
 
 __all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers", "registration_of"]
 
@@ -78,16 +77,10 @@ def _artifact_dir(uri: str) -> Path:
 
 def _pinned_alternates(served: ServedModel) -> frozenset[str]:
     """Hex fingerprints of `served`'s very weights and config under the other pinned CPU path (empty
-    when it computes under neither). One model's caches differ between the pinned paths only in rounding,
-    so a mapper fitted under one is the same learned map under the other."""
-    if served.numerics.cpu_path not in PINNED_ENVS:
-        return frozenset()
-    with torch.inference_mode():
-        return frozenset(
-            model_fingerprint(served.model, numerics=dataclasses.replace(served.numerics, cpu_path=p)).hex()
-            for p in PINNED_ENVS
-            if p != served.numerics.cpu_path
-        )
+    when it computes under neither): kept from before its weights were released, or computed now."""
+    if served.pinned_alternates is not None:
+        return served.pinned_alternates
+    return pinned_alternates(served.model, served.numerics)
 
 
 class ArtifactMappers:
@@ -173,16 +166,17 @@ class ArtifactMappers:
         mapper = self._load(artifact)
         assert mapper is not None, "apply() without a usable() artifact"
         mapper = self._bound(mapper, sender, receiver)
-        device = receiver.model.head.weight.device
+        device = torch.device(receiver.device)
         tokens = torch.tensor([list(history[:n_tokens])], dtype=torch.int64, device=device)
-        # mlp parts read the history's token embeddings and the receiver's weights; ridge parts ignore them
+        # mlp parts read the history's token embeddings and the receiver's weights (a copy loaded again
+        # where this process released them, the model computing in a model process); ridge parts ignore them
         mapped = apply_mapper(
             mapper,
             list(sender_blobs),
             sender_fingerprint=sender.fingerprint,
             receiver_fingerprint=receiver.fingerprint,
             device=device,
-            receiver_model=receiver.model if mapper.needs_receiver_weights else None,
+            receiver_model=receiver.weights() if mapper.needs_receiver_weights else None,
             tokens=tokens if mapper.needs_tokens else None,
         )
         if mapped.n_tokens != n_tokens:

@@ -32,6 +32,7 @@ from orchestrator.engine import (
     default_model_specs,
     load_served,
 )
+from orchestrator.engine.served_models import pinned_alternates
 from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings, load_settings
 
@@ -154,3 +155,46 @@ def test_fast_linear_math_is_served_under_its_own_fingerprint() -> None:
         load_served(spec, linear_math="folded")
     with pytest.raises(ValueError, match="model_math"):
         Settings(model_math="folded")
+
+
+def test_released_weights_keep_the_fingerprint_and_load_again_on_demand() -> None:
+    spec = ServedModelSpec(name="x", config="v41-tiny", seed=4)
+    held = load_served(spec)
+    released = load_served(spec, hold_weights=False)
+    assert held.weights_held and not released.weights_held
+    assert released.fingerprint == held.fingerprint and released.numerics == held.numerics
+    assert released.pinned_alternates == pinned_alternates(held.model, held.numerics)
+    assert all(p.device.type == "meta" for p in released.model.parameters())
+    assert (released.vocab_size, released.geometry) == (held.vocab_size, held.geometry)
+    assert held.weights() is held.model
+    again = released.weights()
+    assert again is released.weights()  # loaded once, then kept
+    with torch.inference_mode():
+        assert model_fingerprint(again, numerics=released.numerics) == held.fingerprint
+
+
+def test_a_node_whose_models_compute_in_a_model_process_keeps_their_fingerprints_not_weights(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        metrics_enabled=False,
+        served_models={"x": "random:v41-tiny@3"},
+        kv_chunk_tokens=32,
+        model_process="separate",
+    )
+    node = build_node(settings)
+    try:
+        served = node.registry.get("x")
+        assert served is not None and not served.weights_held
+        assert all(p.device.type == "meta" for p in served.model.parameters())
+        # the model process computes under this very fingerprint (checked before the pass) and gives the
+        # logits the weights give here
+        out = node.engine.compute.prefill(served, [20, 21, 22, 23], None, prompt_end=4)
+        held = load_served(ServedModelSpec(name="x", config="v41-tiny", seed=3))
+        assert held.fingerprint == served.fingerprint
+        with torch.inference_mode():
+            want = prefill(held.model, torch.tensor([[20, 21, 22, 23]]), mode="ced", prompt_end=4)
+        assert torch.equal(out.logits, want.logits)
+    finally:
+        node.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mappers import load_mapper, read_metadata, save_mapper
-from model import model_fingerprint
+from model import export_global, model_fingerprint, prefill
 from orchestrator.engine import ServedModelSpec, load_served
 from orchestrator.engine.swap import ArtifactMappers, MapperArtifact
 
@@ -49,3 +49,37 @@ def test_a_mapper_of_the_other_pinned_path_is_bound_to_the_served_pair(tmp_path:
     stranger = load_served(ServedModelSpec(name="v41-sib-m2", config=config, seed=5))
     directory = save_mapper(_rebound(shipped, sender, stranger, other), tmp_path / "stranger")
     assert ArtifactMappers().usable(_artifact(directory), sender, receiver) is False
+
+
+def test_a_receiver_whose_weights_were_released_maps_as_one_that_holds_them() -> None:
+    """A node whose models compute in a model process keeps no weights here: the shipped ridge+mlp mapper
+    (whose mlp parts read the receiver's token embeddings) loads them again for its application and maps
+    the same bytes as with the weights held; the receiver state is built where `build_state` says."""
+    sender = load_served(ServedModelSpec(name="v41-sib-s", checkpoint=SHIPPED / "v41-sib-s"))
+    spec = ServedModelSpec(name="v41-sib-m2", checkpoint=SHIPPED / "v41-sib-m2")
+    held, released = load_served(spec), load_served(spec, hold_weights=False)
+    directory = SHIPPED / "mappers" / PAIR
+    assert load_mapper(directory).needs_receiver_weights
+    history = [int(t) for t in torch.randint(16, 4000, (64,))]
+    with torch.inference_mode():
+        state = prefill(sender.model, torch.tensor([history]), mode="ced", prompt_end=64).state
+    blobs = [export_global(state, 0, 64, fingerprint=sender.fingerprint)]
+    built: list[tuple[ServedModelSpec, list[bytes]]] = []
+
+    def build_state(receiver, tokens, mapped_blobs):
+        built.append((receiver.spec, list(mapped_blobs)))
+        return None
+
+    mappers = ArtifactMappers(build_state=build_state)
+    for receiver in (held, released):
+        assert mappers.usable(_artifact(directory), sender, receiver)
+        mappers.apply(
+            _artifact(directory),
+            sender=sender,
+            receiver=receiver,
+            history=history,
+            sender_blobs=blobs,
+            n_tokens=64,
+        )
+    assert [spec for spec, _ in built] == [spec, spec] and built[0][1] == built[1][1]
+    assert released._reloaded is not None and not released.weights_held  # noqa: SLF001 - loaded again once
