@@ -140,11 +140,8 @@ def main() -> None:
     rows = run(args.device, args.reps)
     out = table_stream(args.json)
     for r in rows:
-        print(
-            f"{r['op']:12s} {r['shape']:24s} {r['backend']:7s} {r['median_ms']:10.3f} ms "
-            f"{r['tflops']:8.3f} TFLOPS {r['gb_per_s']:9.2f} GB/s",
-            file=out,
-        )
+        print(f"{r['op']:12s} {r['shape']:24s} {r['backend']:7s} {r['median_ms']:10.3f} ms "
+              f"{r['tflops']:8.3f} TFLOPS {r['gb_per_s']:9.2f} GB/s", file=out)
     write_json({"numerics": numerics_record(), "rows": rows}, args.json)
 
 

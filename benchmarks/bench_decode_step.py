@@ -166,20 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--prefill",
-        type=int,
-        default=0,
-        metavar="T",
-        help="time prefill chunks of T tokens per sequence instead of a decode step",
-    )
-    parser.add_argument(
-        "--prefill-max",
-        type=int,
-        default=0,
-        metavar="T2",
-        help="with --prefill T: chunk lengths drawn from [T, T2] (ragged)",
-    )
+    parser.add_argument("--prefill", type=int, default=0, metavar="T",
+                        help="time prefill chunks of T tokens per sequence instead of a decode step")
+    parser.add_argument("--prefill-max", type=int, default=0, metavar="T2",
+                        help="with --prefill T: chunk lengths drawn from [T, T2] (ragged)")
     parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -191,43 +181,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill > 0:
         chunk_max = max(args.prefill, args.prefill_max)
         doc = run_prefill(args.checkpoint, args.sequences, args.steps, args.seed, args.prefill, chunk_max)
-        print(
-            f"bench_decode_step --prefill {args.prefill}-{chunk_max}: {doc['sequences']} sequences, "
-            f"histories {doc['history_min']}-{doc['history_max']}, {doc['threads']} thread(s), "
-            f"{doc['cpu']}",
-            file=out,
-        )
-        print(
-            f"  prefill_many {doc['step_ms_batched']:.1f} ms/step "
-            f"({doc['tokens_per_s_batched']:.0f} tok/s), "
-            f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
-            f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
-            f"({doc['batched_vs_attention_alone']:.2f}x)",
-            file=out,
-        )
-        print(
-            json.dumps({k: v for k, v in doc.items() if k != "numerics"}),
-            file=sys.stderr if args.json == "-" else out,
-        )
+        print(f"bench_decode_step --prefill {args.prefill}-{chunk_max}: {doc['sequences']} sequences, "
+              f"histories {doc['history_min']}-{doc['history_max']}, {doc['threads']} thread(s), "
+              f"{doc['cpu']}", file=out)
+        print(f"  prefill_many {doc['step_ms_batched']:.1f} ms/step "
+              f"({doc['tokens_per_s_batched']:.0f} tok/s), "
+              f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
+              f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
+              f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
+        print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}),
+              file=sys.stderr if args.json == "-" else out)
         write_json(doc, args.json)
         return
     doc = run(args.checkpoint, args.sequences, args.steps, args.seed)
-    print(
-        f"bench_decode_step: {doc['sequences']} sequences, histories {doc['history_min']}-"
-        f"{doc['history_max']}, {doc['threads']} thread(s), {doc['cpu']}",
-        file=out,
-    )
-    print(
-        f"  batched {doc['step_ms_batched']:.1f} ms/step ({doc['tokens_per_s_batched']:.0f} tok/s), "
-        f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
-        f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
-        f"({doc['batched_vs_attention_alone']:.2f}x)",
-        file=out,
-    )
-    print(
-        json.dumps({k: v for k, v in doc.items() if k != "numerics"}),
-        file=sys.stderr if args.json == "-" else out,
-    )
+    print(f"bench_decode_step: {doc['sequences']} sequences, histories {doc['history_min']}-"
+          f"{doc['history_max']}, {doc['threads']} thread(s), {doc['cpu']}", file=out)
+    print(f"  batched {doc['step_ms_batched']:.1f} ms/step ({doc['tokens_per_s_batched']:.0f} tok/s), "
+          f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
+          f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
+          f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
+    print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}), file=sys.stderr if args.json == "-"
+          else out)
     write_json(doc, args.json)
 
 

@@ -42,9 +42,8 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _turns(
-    stubs: Any, channel: grpc.Channel, n: int, prompt_tokens: int, new_tokens: int, seed: int
-) -> dict[str, list[float]]:
+def _turns(stubs: Any, channel: grpc.Channel, n: int, prompt_tokens: int, new_tokens: int,
+           seed: int) -> dict[str, list[float]]:
     sessions = stubs.sessions_grpc.SessionsStub(channel)
     md = (("authorization", f"Bearer {TOKEN}"),)
     rng = random.Random(seed)
@@ -54,8 +53,7 @@ def _turns(
         sid = created.session.session_id
         ids = [rng.randrange(16, 4096) for _ in range(prompt_tokens)]
         request = stubs.sessions.TurnRequest(
-            session_id=sid,
-            tokens=stubs.sessions.TokenIds(ids=ids),
+            session_id=sid, tokens=stubs.sessions.TokenIds(ids=ids),
             generation=stubs.sessions.GenerationParams(max_new_tokens=new_tokens),
         )
         t0 = time.perf_counter()
@@ -69,27 +67,14 @@ def _turns(
     return {"wall_s": wall, "ttft_s": ttft}
 
 
-def _condition(
-    data_dir: Path,
-    *,
-    fit_threads: int | None,
-    serve_threads: int,
-    turns: int,
-    prompt_tokens: int,
-    new_tokens: int,
-) -> dict[str, Any]:
+def _condition(data_dir: Path, *, fit_threads: int | None, serve_threads: int, turns: int,
+               prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
     ckpt = repo_root() / "checkpoints"
     registry = ModelRegistry({n: ServedModelSpec(name=n, checkpoint=ckpt / n) for n in (S, L)})
     settings = Settings(
-        data_dir=data_dir,
-        database_url=f"sqlite:///{data_dir / 'registry.sqlite3'}",
-        tenant_tokens={TENANT: TOKEN},
-        admin_token=ADMIN,
-        grpc_port=0,
-        metrics_enabled=False,
-        kv_chunk_tokens=32,
-        fit_threads=fit_threads or 1,
-        fit_max_budget_tokens=50_000_000,
+        data_dir=data_dir, database_url=f"sqlite:///{data_dir / 'registry.sqlite3'}",
+        tenant_tokens={TENANT: TOKEN}, admin_token=ADMIN, grpc_port=0, metrics_enabled=False,
+        kv_chunk_tokens=32, fit_threads=fit_threads or 1, fit_max_budget_tokens=50_000_000,
     )
     torch.set_num_threads(serve_threads)
     service = build_node(settings, registry=registry, preload=True)
@@ -103,25 +88,18 @@ def _condition(
     try:
         _turns(stubs, channel, 2, prompt_tokens, new_tokens, seed=99)  # warm-up: first-call costs
         if fit_threads is not None:
-            job = mappers.StartFit(
-                pb.StartFitRequest(
-                    sender_model=S,
-                    receiver_model=L,
-                    budget_tokens=20_000_000,
-                    source=pb.CalibrationSource(corpus=pb.CalibrationCorpus(name="random", seed=1)),
-                ),
-                metadata=admin_md,
-            )
+            job = mappers.StartFit(pb.StartFitRequest(
+                sender_model=S, receiver_model=L, budget_tokens=20_000_000,
+                source=pb.CalibrationSource(corpus=pb.CalibrationCorpus(name="random", seed=1)),
+            ), metadata=admin_md)
             job_id = job.job_id
             deadline = time.monotonic() + 120
             while True:  # measure only once the child computes (its start-up is not fitting)
                 got = mappers.GetJob(pb.GetJobRequest(job_id=job_id), metadata=admin_md)
                 if got.rows_done > 0:
                     break
-                if time.monotonic() > deadline or got.phase not in (
-                    pb.FIT_JOB_PHASE_QUEUED,
-                    pb.FIT_JOB_PHASE_RUNNING,
-                ):
+                if time.monotonic() > deadline or got.phase not in (pb.FIT_JOB_PHASE_QUEUED,
+                                                                    pb.FIT_JOB_PHASE_RUNNING):
                     raise SystemExit(f"the fitting job did not start fitting: {got}")
                 time.sleep(0.1)
             rows0, t0 = got.rows_done, time.monotonic()
@@ -154,12 +132,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=8)
     cores = os.cpu_count() or 1
-    parser.add_argument(
-        "--serve-threads",
-        type=int,
-        default=max(1, cores - 1),
-        help="the serving process's torch threads (default: the cores the cap leaves)",
-    )
+    parser.add_argument("--serve-threads", type=int, default=max(1, cores - 1),
+                        help="the serving process's torch threads (default: the cores the cap leaves)")
     add_json_flag(parser)
     args = parser.parse_args()
     logs_to_stderr()
@@ -170,44 +144,28 @@ def main() -> None:
     rows = {}
     for name, threads in conditions.items():
         with tempfile.TemporaryDirectory(prefix="bench_fit_job_") as tmp:
-            rows[name] = _condition(
-                Path(tmp),
-                fit_threads=threads,
-                serve_threads=args.serve_threads,
-                turns=args.turns,
-                prompt_tokens=args.prompt_tokens,
-                new_tokens=args.new_tokens,
-            )
+            rows[name] = _condition(Path(tmp), fit_threads=threads, serve_threads=args.serve_threads,
+                                    turns=args.turns, prompt_tokens=args.prompt_tokens,
+                                    new_tokens=args.new_tokens)
     base = rows["no job"]
     for row in rows.values():
         row["turn_p50_vs_no_job"] = row["turn_p50_ms"] / base["turn_p50_ms"]
         row["ttft_p50_vs_no_job"] = row["ttft_p50_ms"] / base["ttft_p50_ms"]
     out = table_stream(args.json)
-    print(
-        f"turns on {S} (cold prefill of {args.prompt_tokens} tokens + {args.new_tokens} generated, "
-        f"{args.turns} per condition, serving with {args.serve_threads} torch threads) while a fitting "
-        f"job runs; {cpu_model()}, {cores} cores",
-        file=out,
-    )
-    print(
-        f"{'condition':<22s}{'turn p50':>10s}{'p95':>9s}{'TTFT p50':>10s}{'p95':>9s}{'x no job':>10s}"
-        f"{'fit tok/s':>11s}",
-        file=out,
-    )
+    print(f"turns on {S} (cold prefill of {args.prompt_tokens} tokens + {args.new_tokens} generated, "
+          f"{args.turns} per condition, serving with {args.serve_threads} torch threads) while a fitting "
+          f"job runs; {cpu_model()}, {cores} cores", file=out)
+    print(f"{'condition':<22s}{'turn p50':>10s}{'p95':>9s}{'TTFT p50':>10s}{'p95':>9s}{'x no job':>10s}"
+          f"{'fit tok/s':>11s}", file=out)
     for name, r in rows.items():
         rate = f"{r['fit_tokens_per_s']:.0f}" if r["fit_tokens_per_s"] is not None else "-"
-        print(
-            f"{name:<22s}{r['turn_p50_ms']:>9.0f} {r['turn_p95_ms']:>8.0f} {r['ttft_p50_ms']:>9.0f} "
-            f"{r['ttft_p95_ms']:>8.0f} {r['turn_p50_vs_no_job']:>9.2f}x{rate:>11s}",
-            file=out,
-        )
+        print(f"{name:<22s}{r['turn_p50_ms']:>9.0f} {r['turn_p95_ms']:>8.0f} {r['ttft_p50_ms']:>9.0f} "
+              f"{r['ttft_p95_ms']:>8.0f} {r['turn_p50_vs_no_job']:>9.2f}x{rate:>11s}", file=out)
     doc = {
         "benchmark": "bench_fit_job",
         "hardware": {"cpu": cpu_model(), "cores": cores, "machine": platform.machine()},
         "numerics": numerics_record(),
-        "turns": args.turns,
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
+        "turns": args.turns, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "serve_threads": args.serve_threads,
         "conditions": rows,
         "capped_turn_p50_vs_no_job": rows["job, fit_threads=1"]["turn_p50_vs_no_job"],

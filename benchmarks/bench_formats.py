@@ -144,11 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per op; the median is reported")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU measurements")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    parser.add_argument(
-        "--reference",
-        action="store_true",
-        help="also time reference.py, the slow twin (one run per op: seconds each)",
-    )
+    parser.add_argument("--reference", action="store_true",
+                        help="also time reference.py, the slow twin (one run per op: seconds each)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,10 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_compiled_path": cpu.available(),
     }
     out = table_stream(args.json)
-    print(
-        f"# torch {meta['torch']}, {meta['threads']} threads, cuda {meta['cuda_device']}, runs {args.runs}",
-        file=out,
-    )
+    print(f"# torch {meta['torch']}, {meta['threads']} threads, cuda {meta['cuda_device']}, runs {args.runs}",
+          file=out)
     header = ("device", "format", "op", "backend", "MB", "ms", "GB/s", "vs copy", "vs clone")
     print("{:6} {:10} {:10} {:9} {:>6} {:>9} {:>8} {:>8} {:>8}".format(*header), file=out)
     for r in results:

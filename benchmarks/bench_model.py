@@ -533,13 +533,7 @@ def run(
     }
     for n in lengths:
         row = bench_length(
-            model,
-            dev,
-            fingerprint,
-            n,
-            new_tokens=new_tokens,
-            repeats=repeats,
-            decode_steps=decode_steps,
+            model, dev, fingerprint, n, new_tokens=new_tokens, repeats=repeats, decode_steps=decode_steps,
             seed=seed,
         )
         doc["rows"].append(row)
@@ -847,54 +841,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default=None, help=f"default v41-tiny ({HOT_PRESET} with --hot-path)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]; chosen here, never detected")
     parser.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
-    parser.add_argument(
-        "--lengths",
-        default=None,
-        help="comma-separated history lengths (tokens); the quick mode of --hot-path is e.g. 1024,4096",
-    )
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated history lengths (tokens); the quick mode of --hot-path is e.g. "
+                        "1024,4096")
     parser.add_argument("--repeats", type=int, default=3, help="runs per arm per length (median)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens appended by the resumed turn")
     parser.add_argument("--decode-steps", type=int, default=8)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (1: the tiny model's small matmuls oversubscribe otherwise)",
-    )
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the tiny model's small matmuls oversubscribe otherwise)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--numerics",
-        choices=("auto", *CPU_PATHS),
-        default="auto",
-        help="CPU code path to compute under (default auto, the served default)",
-    )
-    parser.add_argument(
-        "--compare-numerics",
-        action="store_true",
-        help="time portable against native in alternating child processes",
-    )
-    parser.add_argument(
-        "--numerics-rounds", type=int, default=3, help="child runs per path (--compare-numerics)"
-    )
-    parser.add_argument(
-        "--hot-path",
-        action="store_true",
-        help="issue 16's figures instead (decode growth, import, resume, top-k, formats); "
-        f"default preset {HOT_PRESET}, lengths {','.join(map(str, HOT_LENGTHS))} "
-        "(tens of minutes)",
-    )
-    parser.add_argument(
-        "--cold-at",
-        type=int,
-        default=None,
-        help="--hot-path: also time a cold ced prefill of this history (32768 for resume_ratio_32k)",
-    )
-    parser.add_argument(
-        "--compare-math",
-        action="store_true",
-        help="drift and speed of the fast linear math against exact (default preset "
-        "v41-tiny, the one with quantized linears)",
-    )
+    parser.add_argument("--numerics", choices=("auto", *CPU_PATHS), default="auto",
+                        help="CPU code path to compute under (default auto, the served default)")
+    parser.add_argument("--compare-numerics", action="store_true",
+                        help="time portable against native in alternating child processes")
+    parser.add_argument("--numerics-rounds", type=int, default=3,
+                        help="child runs per path (--compare-numerics)")
+    parser.add_argument("--hot-path", action="store_true",
+                        help="issue 16's figures instead (decode growth, import, resume, top-k, formats); "
+                        f"default preset {HOT_PRESET}, lengths {','.join(map(str, HOT_LENGTHS))} "
+                        "(tens of minutes)")
+    parser.add_argument("--cold-at", type=int, default=None,
+                        help="--hot-path: also time a cold ced prefill of this history "
+                        "(32768 for resume_ratio_32k)")
+    parser.add_argument("--compare-math", action="store_true",
+                        help="drift and speed of the fast linear math against exact (default preset "
+                        "v41-tiny, the one with quantized linears)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     out = table_stream(args.json)
@@ -907,13 +878,8 @@ def main(argv: list[str] | None = None) -> None:
         enter_numerics(args.numerics, "benchmarks.bench_model", argv)
         torch.set_num_threads(args.threads)
         first_length = int(args.lengths.split(",")[0])
-        doc = compare_math(
-            preset=args.preset,
-            prompts=args.repeats,
-            prompt_tokens=first_length,
-            new_tokens=max(args.decode_steps, 2),
-            seed=args.seed,
-        )
+        doc = compare_math(preset=args.preset, prompts=args.repeats, prompt_tokens=first_length,
+                           new_tokens=max(args.decode_steps, 2), seed=args.seed)
         print(json.dumps({k: v for k, v in doc.items() if k != "rows"}), file=out)
         write_json(doc, args.json)
         return
@@ -921,20 +887,10 @@ def main(argv: list[str] | None = None) -> None:
         enter_numerics(args.numerics, "benchmarks.bench_model", argv)
         torch.set_num_threads(args.threads)
         lengths = tuple(int(x) for x in args.lengths.split(",") if x)
-        print(
-            f"bench_model --hot-path: {args.preset}, lengths {lengths}, {args.threads} thread(s), "
-            f"{cpu_model()}, numerics {numerics_record()['cpu_path']}",
-            file=out,
-            flush=True,
-        )
-        doc = hot_path(
-            preset=args.preset,
-            lengths=lengths,
-            repeats=args.repeats,
-            decode_steps=args.decode_steps,
-            seed=args.seed,
-            cold_at=args.cold_at,
-        )
+        print(f"bench_model --hot-path: {args.preset}, lengths {lengths}, {args.threads} thread(s), "
+              f"{cpu_model()}, numerics {numerics_record()['cpu_path']}", file=out, flush=True)
+        doc = hot_path(preset=args.preset, lengths=lengths, repeats=args.repeats,
+                       decode_steps=args.decode_steps, seed=args.seed, cold_at=args.cold_at)
         for r in doc["rows"]:
             print(json.dumps(r), file=out)
         keys = [k for k in doc if k.endswith(("_4k_64k", "_64k", "_32k", "_vs_copy"))]
@@ -943,61 +899,33 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.compare_numerics:
         passed = [
-            f"--preset={args.preset}",
-            f"--device={args.device}",
-            f"--kernel-backend={args.kernel_backend}",
-            f"--lengths={args.lengths}",
-            f"--repeats={args.repeats}",
-            f"--new-tokens={args.new_tokens}",
-            f"--decode-steps={max(args.decode_steps, 1)}",
-            f"--threads={args.threads}",
-            f"--seed={args.seed}",
+            f"--preset={args.preset}", f"--device={args.device}", f"--kernel-backend={args.kernel_backend}",
+            f"--lengths={args.lengths}", f"--repeats={args.repeats}", f"--new-tokens={args.new_tokens}",
+            f"--decode-steps={max(args.decode_steps, 1)}", f"--threads={args.threads}", f"--seed={args.seed}",
         ]
-        print(
-            f"bench_model: portable vs native numerics, {args.numerics_rounds} rounds of child processes "
-            f"({cpu_model()}, {args.threads} thread(s))",
-            file=out,
-            flush=True,
-        )
+        print(f"bench_model: portable vs native numerics, {args.numerics_rounds} rounds of child processes "
+              f"({cpu_model()}, {args.threads} thread(s))", file=out, flush=True)
         doc = compare_numerics(passed, args.numerics_rounds, out)
-        print(
-            f"{'history':>8} {'prefill portable s':>18} {'native s':>9} {'decode portable s':>17} "
-            f"{'native s':>9}",
-            file=out,
-        )
+        print(f"{'history':>8} {'prefill portable s':>18} {'native s':>9} {'decode portable s':>17} "
+              f"{'native s':>9}", file=out)
         for j, n in enumerate(doc["lengths"]):
             pf, dc = doc["prefill_s"], doc["decode_s"]
-            print(
-                f"{n:>8} {pf['portable'][j]:18.4f} {pf['native'][j]:9.4f} {dc['portable'][j]:17.5f} "
-                f"{dc['native'][j]:9.5f}",
-                file=out,
-            )
-        print(
-            f"portable / native: prefill {doc['portable_vs_native_prefill']:.3f}, "
-            f"decode {doc['portable_vs_native_decode']:.3f}",
-            file=out,
-        )
+            print(f"{n:>8} {pf['portable'][j]:18.4f} {pf['native'][j]:9.4f} {dc['portable'][j]:17.5f} "
+                  f"{dc['native'][j]:9.5f}", file=out)
+        print(f"portable / native: prefill {doc['portable_vs_native_prefill']:.3f}, "
+              f"decode {doc['portable_vs_native_decode']:.3f}", file=out)
     else:
         enter_numerics(args.numerics, "benchmarks.bench_model", argv)
         torch.set_num_threads(args.threads)
         lengths = tuple(int(x) for x in args.lengths.split(",") if x)
-        print(
-            f"bench_model: preset {args.preset}, device {args.device}, "
-            f"kernel backend {args.kernel_backend}, {args.threads} thread(s), "
-            f"{args.new_tokens} new tokens, median of {args.repeats}, "
-            f"numerics {numerics_record()['cpu_path']}",
-            file=out,
-        )
+        print(f"bench_model: preset {args.preset}, device {args.device}, "
+              f"kernel backend {args.kernel_backend}, {args.threads} thread(s), "
+              f"{args.new_tokens} new tokens, median of {args.repeats}, "
+              f"numerics {numerics_record()['cpu_path']}", file=out)
         print(HEADER, file=out, flush=True)
         doc = run(
-            preset=args.preset,
-            device=args.device,
-            kernel_backend=args.kernel_backend,
-            lengths=lengths,
-            repeats=args.repeats,
-            new_tokens=args.new_tokens,
-            decode_steps=args.decode_steps,
-            seed=args.seed,
+            preset=args.preset, device=args.device, kernel_backend=args.kernel_backend, lengths=lengths,
+            repeats=args.repeats, new_tokens=args.new_tokens, decode_steps=args.decode_steps, seed=args.seed,
             progress=lambda r: print(format_row(r), file=out, flush=True),
         )
         print(

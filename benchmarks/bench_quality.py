@@ -22,12 +22,8 @@ from model import add_eval_arguments, eval_from_args
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_quality", description="answer quality")
     add_eval_arguments(p)
-    p.add_argument(
-        "--numerics",
-        choices=("auto", "portable", "strict", "native"),
-        default="auto",
-        help="CPU code path to compute under (default auto, the served default)",
-    )
+    p.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto",
+                   help="CPU code path to compute under (default auto, the served default)")
     args = p.parse_args(argv)
     enter_numerics(args.numerics, "benchmarks.bench_quality", argv)
     return eval_from_args(args, numerics=numerics_record())

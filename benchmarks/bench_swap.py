@@ -110,50 +110,31 @@ def main() -> None:
     mapper = load_mapper(args.mapper)
     longest = max(args.lengths) + args.turn
     sender, receiver = _model(mapper.sender.name, longest), _model(mapper.receiver.name, longest)
-    rows = [
-        bench_length(mapper, sender, receiver, h, args.turn, args.reps if h <= 8192 else 1, seed=0)
-        for h in args.lengths
-    ]
+    rows = [bench_length(mapper, sender, receiver, h, args.turn, args.reps if h <= 8192 else 1, seed=0)
+            for h in args.lengths]
     weights = args.mapper / "weights.safetensors"
     artifact_bytes = weights.stat().st_size + (args.mapper / "mapper.json").stat().st_size
     kinds = sorted({lm.part(p).kind for lm in mapper.layers for p in ("kv", "index")})
     out = table_stream(args.json)
-    print(
-        f"MODEL_SWAP {mapper.sender.name} -> {mapper.receiver.name} (parts: {', '.join(kinds)}; artifact "
-        f"{artifact_bytes / 1e6:.2f} MB), {args.threads} thread(s), {cpu_model()}",
-        file=out,
-    )
-    print(
-        f"{'history':>8}{'swap ms':>10}{'cold ms':>11}{'apply ms':>10}{'us/token':>10}{'cold/swap':>11}"
-        f"{'same 1st':>10}",
-        file=out,
-    )
+    print(f"MODEL_SWAP {mapper.sender.name} -> {mapper.receiver.name} (parts: {', '.join(kinds)}; artifact "
+          f"{artifact_bytes / 1e6:.2f} MB), {args.threads} thread(s), {cpu_model()}", file=out)
+    print(f"{'history':>8}{'swap ms':>10}{'cold ms':>11}{'apply ms':>10}{'us/token':>10}{'cold/swap':>11}"
+          f"{'same 1st':>10}", file=out)
     for r in rows:
-        print(
-            f"{r['history_tokens']:>8}{r['swap_ttft_ms']:>10.1f}{r['cold_ttft_ms']:>11.1f}"
-            f"{r['apply_ms']:>10.1f}{r['apply_us_per_token']:>10.2f}{r['swap_vs_cold']:>10.1f}x"
-            f"{bool(r['first_token_agrees'])!s:>10}",
-            file=out,
-        )
+        print(f"{r['history_tokens']:>8}{r['swap_ttft_ms']:>10.1f}{r['cold_ttft_ms']:>11.1f}"
+              f"{r['apply_ms']:>10.1f}{r['apply_us_per_token']:>10.2f}{r['swap_vs_cold']:>10.1f}x"
+              f"{bool(r['first_token_agrees'])!s:>10}", file=out)
     by = {r["history_tokens"]: r for r in rows}
     doc: dict[str, object] = {
-        "pair": {
-            "sender": mapper.sender.name,
-            "receiver": mapper.receiver.name,
-            "mapper": str(args.mapper),
-            "part_kinds": kinds,
-        },
+        "pair": {"sender": mapper.sender.name, "receiver": mapper.receiver.name, "mapper": str(args.mapper),
+                 "part_kinds": kinds},
         "rows": rows,
         "apply_us_per_token": statistics.median(r["apply_us_per_token"] for r in rows),
         "artifact_bytes": artifact_bytes,
         "threads": args.threads,
         "numerics": numerics_record(),
-        "hardware": {
-            "cpu": cpu_model(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                     "torch": torch.__version__},
     }
     for h, key in ((1024, "swap_vs_cold_1k"), (8192, "swap_vs_cold_8k"), (32768, "swap_vs_cold_32k")):
         if h in by:

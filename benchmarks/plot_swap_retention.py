@@ -21,28 +21,24 @@ def _rows(directory: Path) -> list[dict[str, object]]:
     for bucket in ("8W", "32W"):
         if f"retention_{bucket}" not in q:
             continue
-        rows.append(
-            {
-                "mapper": directory.name,
-                "sender": doc["sender"]["name"],
-                "receiver": doc["receiver"]["name"],
-                "kinds": "+".join(
-                    sorted({layer[p]["kind"] for layer in doc["layers"] for p in ("kv", "index")})
-                ),
-                "bucket": bucket,
-                "episodes": int(q[f"task_{bucket}_episodes"]),
-                "task_seed": int(q.get("task_seed", -1)),
-                "sender_acc": q[f"task_{bucket}_sender_acc"],
-                "receiver_acc": q[f"task_{bucket}_receiver_acc"],
-                "mapped_acc": q[f"task_{bucket}_mapped_acc"],
-                "floor_acc": q[f"task_{bucket}_floor_acc"],
-                "retention": q[f"retention_{bucket}"],
-                "ci_lower": q[f"retention_{bucket}_ci_lower"],
-                "ci_upper": q[f"retention_{bucket}_ci_upper"],
-                "gap_recovered_vs_floor": q[f"task_{bucket}_gap_recovered_vs_floor"],
-                "passed_gate": doc["passed_gate"],
-            }
-        )
+        rows.append({
+            "mapper": directory.name,
+            "sender": doc["sender"]["name"],
+            "receiver": doc["receiver"]["name"],
+            "kinds": "+".join(sorted({layer[p]["kind"] for layer in doc["layers"] for p in ("kv", "index")})),
+            "bucket": bucket,
+            "episodes": int(q[f"task_{bucket}_episodes"]),
+            "task_seed": int(q.get("task_seed", -1)),
+            "sender_acc": q[f"task_{bucket}_sender_acc"],
+            "receiver_acc": q[f"task_{bucket}_receiver_acc"],
+            "mapped_acc": q[f"task_{bucket}_mapped_acc"],
+            "floor_acc": q[f"task_{bucket}_floor_acc"],
+            "retention": q[f"retention_{bucket}"],
+            "ci_lower": q[f"retention_{bucket}_ci_lower"],
+            "ci_upper": q[f"retention_{bucket}_ci_upper"],
+            "gap_recovered_vs_floor": q[f"task_{bucket}_gap_recovered_vs_floor"],
+            "passed_gate": doc["passed_gate"],
+        })
     return rows
 
 
@@ -89,21 +85,15 @@ def main() -> None:
     rows = [r for d in args.dirs for r in _rows(d)]
     plot(rows, args.png)
     out = table_stream(args.json)
-    print(
-        "| pair | parts | bucket | episodes | sender | receiver | mapped | floor | retention [95% CI] | "
-        "gap recovered | gate |",
-        file=out,
-    )
+    print("| pair | parts | bucket | episodes | sender | receiver | mapped | floor | retention [95% CI] | "
+          "gap recovered | gate |", file=out)
     print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
         verdict = "passed" if r["passed_gate"] else "refused"
-        print(
-            f"| {r['sender']} -> {r['receiver']} | {r['kinds']} | {r['bucket']} | {r['episodes']} | "
-            f"{r['sender_acc']:.3f} | {r['receiver_acc']:.3f} | {r['mapped_acc']:.3f} | "
-            f"{r['floor_acc']:.3f} | {r['retention']:.3f} [{r['ci_lower']:.3f}, {r['ci_upper']:.3f}] | "
-            f"{r['gap_recovered_vs_floor']:.3f} | {verdict} |",
-            file=out,
-        )
+        print(f"| {r['sender']} -> {r['receiver']} | {r['kinds']} | {r['bucket']} | {r['episodes']} | "
+              f"{r['sender_acc']:.3f} | {r['receiver_acc']:.3f} | {r['mapped_acc']:.3f} | "
+              f"{r['floor_acc']:.3f} | {r['retention']:.3f} [{r['ci_lower']:.3f}, {r['ci_upper']:.3f}] | "
+              f"{r['gap_recovered_vs_floor']:.3f} | {verdict} |", file=out)
     write_json({"rows": rows, "png": str(args.png)}, args.json)
 
 

@@ -21,9 +21,7 @@ def conformance_vectors(name: str = "v41-tiny") -> Path:
     path = shared_dir() / "conformance" / name
     if not path.is_dir():
         if os.environ.get("CI") == "true":
-            pytest.fail(
-                f"conformance vectors missing at {path} (required in CI; set KVRESUME_SHARED_DIR "
-                "for a clone that is not beside shared/)"
-            )
+            pytest.fail(f"conformance vectors missing at {path} (required in CI; set KVRESUME_SHARED_DIR "
+                        "for a clone that is not beside shared/)")
         pytest.skip(f"conformance vectors not found at {path} (shared/ beside the repository)")
     return path

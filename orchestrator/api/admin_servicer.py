@@ -116,8 +116,7 @@ class AdminServicer:
             TenantRepository(s).ensure(tenant_id)
             row = PolicyRepository(s).get(tenant_id)
             prior[:] = [
-                None
-                if row is None
+                None if row is None
                 else (row.retention_floor_s, row.retention_ceiling_s, list(row.allowed_regions))
             ]
             current = self._effective(s, tenant_id)

@@ -136,9 +136,8 @@ class MappersServicer:
         jobs, _ = self._jobs(context)
         limit = request.limit or 100
         if limit > _MAX_LIST_JOBS:
-            raise ResourceExhaustedError(
-                f"limit={limit} exceeds {_MAX_LIST_JOBS}", field="limit", reason="REQUEST_TOO_LARGE"
-            )
+            raise ResourceExhaustedError(f"limit={limit} exceeds {_MAX_LIST_JOBS}", field="limit",
+                                         reason="REQUEST_TOO_LARGE")
         return self._pb.ListJobsResponse(jobs=[self._job(v) for v in jobs.list(limit=limit)])
 
     # -- conversions ---------------------------------------------------------------------------------
@@ -150,14 +149,11 @@ class MappersServicer:
             check_name_length(name, getattr(request, name))
         which = request.source.WhichOneof("source") if request.HasField("source") else None
         if which is None:
-            raise InvalidRequestError(
-                "source is required: a corpus (name, seed) or a tokens_file", field="source"
-            )
+            raise InvalidRequestError("source is required: a corpus (name, seed) or a tokens_file",
+                                      field="source")
         if which == "corpus":
             source: dict[str, Any] = {
-                "kind": "corpus",
-                "name": request.source.corpus.name,
-                "seed": request.source.corpus.seed,
+                "kind": "corpus", "name": request.source.corpus.name, "seed": request.source.corpus.seed
             }
         else:
             source = {"kind": "tokens_file", "path": request.source.tokens_file}
@@ -171,15 +167,8 @@ class MappersServicer:
             gate["task_seed"] = request.gate.task_seed
         if request.budget_tokens == 0:
             raise InvalidRequestError("budget_tokens must be positive", field="budget_tokens")
-        fields = {
-            "sender_model",
-            "receiver_model",
-            "source",
-            "budget_tokens",
-            "sequence_tokens",
-            "gate",
-            "fallback",
-        }
+        fields = {"sender_model", "receiver_model", "source", "budget_tokens", "sequence_tokens", "gate",
+                  "fallback"}
         try:
             return FitRequest(
                 sender_model=request.sender_model,

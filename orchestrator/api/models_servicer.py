@@ -22,6 +22,7 @@ from orchestrator.api.status_table import unary_errors
 __all__ = ["ModelsServicer", "servicer_class"]
 
 
+
 def servicer_class(ctx: ServiceContext) -> type:
     """The servicer class, derived from the generated base so unimplemented methods say UNIMPLEMENTED."""
     base = ctx.stubs.models_grpc.ModelsServicer

@@ -118,11 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _server_extra_missing(exc):
             raise
         words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
-        print(
-            f"kvresume {' '.join(words[:1])}: error: this command needs the server install ({exc}): "
-            "pip install 'kvresume[server]'",
-            file=sys.stderr,
-        )
+        print(f"kvresume {' '.join(words[:1])}: error: this command needs the server install ({exc}): "
+              "pip install 'kvresume[server]'", file=sys.stderr)
         return EXIT_FAILURE
     # The arguments again, for commands that must re-run under a numerics profile (None: sys.argv).
     args.command_argv = None if argv is None else list(argv)
@@ -133,11 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if not _server_extra_missing(exc):
             raise
-        print(
-            f"kvresume {name}: error: this command needs the server install ({exc}): "
-            "pip install 'kvresume[server]'",
-            file=sys.stderr,
-        )
+        print(f"kvresume {name}: error: this command needs the server install ({exc}): "
+              "pip install 'kvresume[server]'", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as exc:
         if _known_error(exc):

@@ -61,14 +61,8 @@ def _audit_verify_local(args: argparse.Namespace) -> int:
         engine.dispose()
 
     def verdict(v: Any) -> dict[str, Any]:
-        out = {
-            "chain": v.chain,
-            "ok": v.result.ok,
-            "records": v.result.records,
-            "reason": v.result.reason,
-            "head_seq": v.head_seq,
-            "head_hash": v.head_hash,
-        }
+        out = {"chain": v.chain, "ok": v.result.ok, "records": v.result.records, "reason": v.result.reason,
+               "head_seq": v.head_seq, "head_hash": v.head_hash}
         if v.result.first_break_seq is not None:
             out["first_break_seq"] = v.result.first_break_seq
         return out
@@ -161,10 +155,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     name = args.model_name or args.preset
     table.with_model(name, costs).save(out)
     doc = {"model": name, "out": str(out), **costs.to_json()}
-    print(
-        f"per-token costs of {name} written to {out}:\n{fields_text(costs.to_json())}",
-        file=text_stream(args.json),
-    )
+    print(f"per-token costs of {name} written to {out}:\n{fields_text(costs.to_json())}",
+          file=text_stream(args.json))
     write_json(doc, args.json)
     return 0
 
@@ -246,10 +238,8 @@ def _audit_text(doc: dict[str, Any]) -> str:
     store = doc.get("store_chain")
     if store:
         pending = doc.get("store_records_pending", 0)
-        lines.append(
-            f"store chain {store['chain']}: {'ok' if store.get('ok') else 'BROKEN'}, "
-            f"{store.get('records', 0)} records, {pending} pending delivery"
-        )
+        lines.append(f"store chain {store['chain']}: {'ok' if store.get('ok') else 'BROKEN'}, "
+                     f"{store.get('records', 0)} records, {pending} pending delivery")
     if verdict != "unanchored":
         lines.append(f"anchors checked: {doc.get('anchors', 0)}")
     else:
@@ -261,10 +251,8 @@ def _audit_text(doc: dict[str, Any]) -> str:
 _TEXT: dict[str, Callable[[dict[str, Any]], str]] = {
     "retention": _policy_text,
     "residency": _policy_text,
-    "purge": lambda d: (
-        f"purged {d['sessions_deleted']} sessions, {d['segments_deleted']} segments, "
-        f"{d['bytes_deleted']} bytes"
-    ),
+    "purge": lambda d: (f"purged {d['sessions_deleted']} sessions, {d['segments_deleted']} segments, "
+                        f"{d['bytes_deleted']} bytes"),
     "audit": _audit_text,
     "stats": fields_text,
 }

@@ -171,7 +171,6 @@ def run_demo(
 
     from orchestrator.api import build_server
     from orchestrator.engine import build_node, registration_of
-
     pool_now = [0.0]
     settings = Settings(
         data_dir=data_dir,

@@ -28,19 +28,10 @@ def _add_model_args(parser: argparse.ArgumentParser, side: str, *, required: boo
     group.add_argument(f"--{side}-preset", help=f"shipped config, random weights: {', '.join(PRESET_NAMES)}")
     group.add_argument(f"--{side}-config", help="config.json path, random weights")
     group.add_argument(f"--{side}-checkpoint", help="checkpoint folder (config.json + model.safetensors)")
-    parser.add_argument(
-        f"--{side}-seed",
-        type=int,
-        default=0 if side == "sender" else 1,
-        help="seed of the random weights (preset/config only)",
-    )
-    parser.add_argument(
-        f"--{side}-set",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="override a config key (repeatable), e.g. dim=128",
-    )
+    parser.add_argument(f"--{side}-seed", type=int, default=0 if side == "sender" else 1,
+                        help="seed of the random weights (preset/config only)")
+    parser.add_argument(f"--{side}-set", action="append", default=[], metavar="KEY=JSON",
+                        help="override a config key (repeatable), e.g. dim=128")
     parser.add_argument(f"--{side}-name", help="display name recorded in the artifact")
 
 
@@ -100,14 +91,7 @@ def _load_model(args: argparse.Namespace, side: str, mapper=None):
 
 
 def _token_batches(
-    args: argparse.Namespace,
-    vocab: int,
-    seed: int,
-    n: int,
-    b: int,
-    t: int,
-    *,
-    offset: int = 0,
+    args: argparse.Namespace, vocab: int, seed: int, n: int, b: int, t: int, *, offset: int = 0,
     from_end: bool = False,
 ):
     """n batches [b, t] int64: seeded random ids, or windows of --tokens-file sequences. File windows are
@@ -198,11 +182,8 @@ def _print(summary: dict[str, Any], dest: str | None) -> None:
     for lm in summary["layers"]:
         q = lm["quality"]
         figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(q.items()) if k.startswith(("r2_", "eval_")))
-        print(
-            f"  layer {lm['receiver_layer']} (ratio {lm['ratio']}): kv<-{lm['kv_from']} "
-            f"index<-{lm['index_from']}  {figures}",
-            file=out,
-        )
+        print(f"  layer {lm['receiver_layer']} (ratio {lm['ratio']}): kv<-{lm['kv_from']} "
+              f"index<-{lm['index_from']}  {figures}", file=out)
         for part in ("kv", "index"):
             if lm[f"{part}_reason"]:
                 print(f"    {part}: {lm[f'{part}_kind']} ({lm[f'{part}_reason']})", file=out)
@@ -235,15 +216,8 @@ def _task(args, mapper, sender, receiver):
     from mappers import measure_retention
 
     buckets = {f"d{args.task_distance}": args.task_distance} if args.task_distance else None
-    return measure_retention(
-        mapper,
-        sender,
-        receiver,
-        episodes=args.task_episodes,
-        task_seed=task_seed_of(args),
-        buckets=buckets,
-        device=args.device,
-    )
+    return measure_retention(mapper, sender, receiver, episodes=args.task_episodes,
+                             task_seed=task_seed_of(args), buckets=buckets, device=args.device)
 
 
 def _check_task_args(args: argparse.Namespace) -> None:
@@ -259,15 +233,8 @@ def _evaluate(args, mapper, sender, receiver):
     from mappers import evaluate_mapper, gate_mapper
 
     _check_task_args(args)
-    prompts = _token_batches(
-        args,
-        receiver.cfg.vocab_size,
-        args.seed + 1000,
-        1,
-        args.eval_prompts,
-        args.eval_prefix + args.eval_suffix,
-        from_end=True,
-    )[0]
+    prompts = _token_batches(args, receiver.cfg.vocab_size, args.seed + 1000, 1, args.eval_prompts,
+                             args.eval_prefix + args.eval_suffix, from_end=True)[0]
     evaluation = evaluate_mapper(mapper, sender, receiver, prompts, suffix_tokens=args.eval_suffix)
     report = _task(args, mapper, sender, receiver)
     mapper, failed = gate_mapper(mapper, evaluation, gate=_gate(args), task=report)
@@ -289,12 +256,8 @@ def _calibration(args: argparse.Namespace) -> dict[str, Any]:
         "calibration_seed": args.seed,
         "heldout_seed": args.seed + 1,
         "eval_prompt_seed": args.seed + 1000,
-        "rows": {
-            "batches": args.batches,
-            "heldout": args.heldout,
-            "batch_size": args.batch_size,
-            "tokens": args.tokens,
-        },
+        "rows": {"batches": args.batches, "heldout": args.heldout, "batch_size": args.batch_size,
+                 "tokens": args.tokens},
         "task_seeds": [task_seed_of(args)] if args.task_episodes and args.eval_prompts else [],
         "sender_checkpoint": args.sender_checkpoint,
         "receiver_checkpoint": args.receiver_checkpoint,
@@ -312,21 +275,12 @@ def _run_fit(args: argparse.Namespace) -> int:
     s_name, sender = _load_model(args, "sender")
     r_name, receiver = _load_model(args, "receiver")
     if sender.cfg.vocab_size != receiver.cfg.vocab_size:
-        raise ValueError(
-            f"sender and receiver vocabularies differ: {sender.cfg.vocab_size} vs "
-            f"{receiver.cfg.vocab_size} (siblings share a tokenizer)"
-        )
+        raise ValueError(f"sender and receiver vocabularies differ: {sender.cfg.vocab_size} vs "
+                         f"{receiver.cfg.vocab_size} (siblings share a tokenizer)")
     vocab = sender.cfg.vocab_size
     train = _token_batches(args, vocab, args.seed, args.batches, args.batch_size, args.tokens)
-    held = _token_batches(
-        args,
-        vocab,
-        args.seed + 1,
-        args.heldout,
-        args.batch_size,
-        args.tokens,
-        offset=args.batches * args.batch_size,
-    )
+    held = _token_batches(args, vocab, args.seed + 1, args.heldout, args.batch_size, args.tokens,
+                          offset=args.batches * args.batch_size)
     if args.tokens_file and args.eval_prompts:
         # evaluation prompts come from the last sequences of the file: they must not reach the fitted ones
         seqs = _read_tokens_file(args.tokens_file)
@@ -337,30 +291,13 @@ def _run_fit(args: argparse.Namespace) -> int:
                 f"--tokens-file holds {len(seqs)} sequences: calibration + held-out rows need the first "
                 f"{fit_seqs} and the evaluation prompts the last {eval_seqs}; they would overlap"
             )
-    spec = FitSpec(
-        k=args.k,
-        alphas=tuple(args.alphas),
-        index_mode=args.index_mode,
-        fallback=args.fallback,
-        part_gate_r2=args.part_gate_r2,
-        mlp_epochs=args.mlp_epochs,
-        mlp_hidden=args.mlp_hidden,
-        mlp_context=args.mlp_context,
-        attention_weighted=args.attention_weighted,
-        force_mlp=tuple(args.force_mlp_part),
-    )
+    spec = FitSpec(k=args.k, alphas=tuple(args.alphas), index_mode=args.index_mode, fallback=args.fallback,
+                   part_gate_r2=args.part_gate_r2, mlp_epochs=args.mlp_epochs, mlp_hidden=args.mlp_hidden,
+                   mlp_context=args.mlp_context, attention_weighted=args.attention_weighted,
+                   force_mlp=tuple(args.force_mlp_part))
     with torch.inference_mode():
-        mapper = fit_mapper(
-            sender,
-            receiver,
-            train,
-            heldout_batches=held,
-            spec=spec,
-            sender_name=s_name,
-            receiver_name=r_name,
-            gate=_gate(args),
-            calibration=_calibration(args),
-        )
+        mapper = fit_mapper(sender, receiver, train, heldout_batches=held, spec=spec, sender_name=s_name,
+                            receiver_name=r_name, gate=_gate(args), calibration=_calibration(args))
         failed, report = None, None
         if args.eval_prompts:
             mapper, failed, report = _evaluate(args, mapper, sender, receiver)
@@ -386,12 +323,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         )
     _, sender = _load_model(args, "sender", mapper)
     _, receiver = _load_model(args, "receiver", mapper)
-    verdict = applicability(
-        mapper,
-        sender_fingerprint=model_fingerprint(sender),
-        receiver_fingerprint=model_fingerprint(receiver),
-        require_gate=False,
-    )
+    verdict = applicability(mapper, sender_fingerprint=model_fingerprint(sender),
+                            receiver_fingerprint=model_fingerprint(receiver), require_gate=False)
     if not verdict.ok:
         raise ValueError(f"the mapper at {args.dir} does not fit these models: {verdict.reason}")
     with torch.inference_mode():
@@ -415,28 +348,23 @@ def _run_list(args: argparse.Namespace) -> int:
         direct = base / "mapper.json"
         for doc_path in [direct] if direct.is_file() else sorted(base.rglob("mapper.json")):
             doc = read_metadata(doc_path.parent)
-            found.append(
-                {
-                    "dir": str(doc_path.parent),
-                    "sender": doc["sender"]["name"],
-                    "receiver": doc["receiver"]["name"],
-                    "sender_fingerprint": doc["sender"]["fingerprint"],
-                    "receiver_fingerprint": doc["receiver"]["fingerprint"],
-                    "layers": len(doc["layers"]),
-                    "passed_gate": doc["passed_gate"],
-                    "quality": doc["quality"],
-                }
-            )
+            found.append({
+                "dir": str(doc_path.parent),
+                "sender": doc["sender"]["name"],
+                "receiver": doc["receiver"]["name"],
+                "sender_fingerprint": doc["sender"]["fingerprint"],
+                "receiver_fingerprint": doc["receiver"]["fingerprint"],
+                "layers": len(doc["layers"]),
+                "passed_gate": doc["passed_gate"],
+                "quality": doc["quality"],
+            })
     out = text_stream(args.json)
     for f in found:
         q = f["quality"]
         keys = ("attn_cosine_mean", "next_token_kl", "index_recall")
         figures = " ".join(f"{k}={q[k]:.4g}" for k in keys if k in q)
-        print(
-            f"{f['dir']}: {f['sender']} -> {f['receiver']}, {f['layers']} layers, "
-            f"gate {'passed' if f['passed_gate'] else 'not passed'} {figures}".rstrip(),
-            file=out,
-        )
+        print(f"{f['dir']}: {f['sender']} -> {f['receiver']}, {f['layers']} layers, "
+              f"gate {'passed' if f['passed_gate'] else 'not passed'} {figures}".rstrip(), file=out)
     if not found:
         print("no mappers found", file=out)
     write_json(found, args.json)
@@ -480,38 +408,21 @@ def _add_common(parser: argparse.ArgumentParser, *, models_required: bool = True
     parser.add_argument("--gate-attn-cosine", type=float, help="gate: min mean attention cosine (0.9)")
     parser.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL vs cold (0.2)")
     parser.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall (0.5)")
-    parser.add_argument(
-        "--gate-retention",
-        type=float,
-        help="gate: min task retention point estimate (off unless given; needs --task-episodes)",
-    )
-    parser.add_argument(
-        "--gate-retention-lower",
-        type=float,
-        help="gate: min lower bound of the 95%% paired-bootstrap retention interval, "
-        "smallest over the buckets (default 0.8; negative: off)",
-    )
-    parser.add_argument(
-        "--task-episodes",
-        type=int,
-        default=0,
-        help="key-value recall episodes per distance bucket for task retention (shipped "
-        "tokenizer and test-split corpus; 0: skip)",
-    )
-    parser.add_argument(
-        "--task-distance",
-        type=int,
-        default=None,
-        help="one bucket at this evidence-to-answer distance (default: two buckets, 8x "
-        "and 32x the receiver's window)",
-    )
-    parser.add_argument(
-        "--task-seed",
-        type=int,
-        default=None,
-        help="seed of the recall episodes (default --seed + 2000); bucket i uses episode "
-        "seed N*16+i; `mapper eval` refuses the task seed the fit was gated on",
-    )
+    parser.add_argument("--gate-retention", type=float,
+                        help="gate: min task retention point estimate (off unless given; needs "
+                             "--task-episodes)")
+    parser.add_argument("--gate-retention-lower", type=float,
+                        help="gate: min lower bound of the 95%% paired-bootstrap retention interval, "
+                             "smallest over the buckets (default 0.8; negative: off)")
+    parser.add_argument("--task-episodes", type=int, default=0,
+                        help="key-value recall episodes per distance bucket for task retention (shipped "
+                             "tokenizer and test-split corpus; 0: skip)")
+    parser.add_argument("--task-distance", type=int, default=None,
+                        help="one bucket at this evidence-to-answer distance (default: two buckets, 8x "
+                             "and 32x the receiver's window)")
+    parser.add_argument("--task-seed", type=int, default=None,
+                        help="seed of the recall episodes (default --seed + 2000); bucket i uses episode "
+                             "seed N*16+i; `mapper eval` refuses the task seed the fit was gated on")
     add_json_flag(parser, what="the mapper's summary")
     parser.add_argument("--require-gate", action="store_true", help="exit 1 when the mapper fails its gate")
     _add_model_args(parser, "sender", required=models_required)
@@ -540,41 +451,20 @@ def _fit_options(fit: argparse.ArgumentParser) -> None:
     fit.add_argument("--batch-size", type=int, default=2, help="sequences per batch")
     fit.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
     fit.add_argument("--k", type=int, default=None, help="sender layers stacked per receiver layer (all)")
-    fit.add_argument(
-        "--alphas",
-        type=float,
-        nargs="+",
-        default=[1e-3, 1e-2, 1e-1, 1.0],
-        help="relative ridge penalties to choose from",
-    )
-    fit.add_argument(
-        "--index-mode",
-        choices=("map", "recompute", "best"),
-        default="map",
-        help="index keys: separate ridge map, recomputed by the receiver's indexer, or the "
-        "better on held-out rows",
-    )
-    fit.add_argument(
-        "--fallback",
-        choices=("none", "mlp"),
-        default="none",
-        help="parts whose ridge fails the part gate: keep ridge, or try a residual MLP on "
-        "context features (kept when better on held-out rows)",
-    )
+    fit.add_argument("--alphas", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0],
+                     help="relative ridge penalties to choose from")
+    fit.add_argument("--index-mode", choices=("map", "recompute", "best"), default="map",
+                     help="index keys: separate ridge map, recomputed by the receiver's indexer, or the "
+                          "better on held-out rows")
+    fit.add_argument("--fallback", choices=("none", "mlp"), default="none",
+                     help="parts whose ridge fails the part gate: keep ridge, or try a residual MLP on "
+                          "context features (kept when better on held-out rows)")
     fit.add_argument("--part-gate-r2", type=float, default=0.9, help="held-out R² a part's ridge must reach")
-    fit.add_argument(
-        "--attention-weighted",
-        action="store_true",
-        help="weight calibration rows by the receiver's own attention mass on each entry",
-    )
-    fit.add_argument(
-        "--force-mlp-part",
-        action="append",
-        default=[],
-        metavar="LAYER.PART",
-        help="try the MLP fallback on this receiver part (e.g. 6.kv) even when its ridge passes "
-        "the part gate (repeatable; needs --fallback mlp)",
-    )
+    fit.add_argument("--attention-weighted", action="store_true",
+                     help="weight calibration rows by the receiver's own attention mass on each entry")
+    fit.add_argument("--force-mlp-part", action="append", default=[], metavar="LAYER.PART",
+                     help="try the MLP fallback on this receiver part (e.g. 6.kv) even when its ridge passes "
+                          "the part gate (repeatable; needs --fallback mlp)")
     fit.add_argument("--mlp-epochs", type=int, default=20, help="training epochs of an MLP part")
     fit.add_argument("--mlp-hidden", type=int, default=512, help="hidden width of an MLP part")
     fit.add_argument("--mlp-context", type=int, default=2, help="previous entries an MLP part reads")
@@ -594,15 +484,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     # fit's and eval's options name the model presets: added when the command is chosen (model stack).
     fit = sub.add_parser(
-        "fit",
-        help="fit a ridge mapper between two models, evaluate, gate and save it (server); with "
+        "fit", help="fit a ridge mapper between two models, evaluate, gate and save it (server); with "
         "--target HOST:PORT, submit a fitting job to that server and follow it (client, mapper_remote.py)",
         options=_fit_options,
     )
     fit.set_defaults(handler=_mapper_errors_exit_1(_run_fit))
     ev = sub.add_parser(
-        "eval",
-        help="evaluate a saved mapper on held-out prompts and apply the gate (server)",
+        "eval", help="evaluate a saved mapper on held-out prompts and apply the gate (server)",
         options=_eval_options,
     )
     ev.set_defaults(handler=_mapper_errors_exit_1(_run_eval))

@@ -23,10 +23,8 @@ __all__ = ["register_jobs", "route_fit_target", "progress_line"]
 
 _PHASE_PREFIX = "FIT_JOB_PHASE_"
 _GATE_FLAGS = (
-    ("gate_attn_cosine", "min_attn_cosine"),
-    ("gate_next_token_kl", "max_next_token_kl"),
-    ("gate_index_recall", "min_index_recall"),
-    ("gate_retention", "min_retention"),
+    ("gate_attn_cosine", "min_attn_cosine"), ("gate_next_token_kl", "max_next_token_kl"),
+    ("gate_index_recall", "min_index_recall"), ("gate_retention", "min_retention"),
     ("gate_retention_lower", "min_retention_lower"),
 )
 _BAR_WIDTH = 30
@@ -62,60 +60,33 @@ def _remote_fit_options(fit: argparse.ArgumentParser) -> None:
     fit.description = "Submit a mapper fitting job to the server and follow it (admin token)."
     fit.add_argument("--sender", help="sender: a model the server serves")
     fit.add_argument("--receiver", help="receiver: a model the server serves")
-    fit.add_argument(
-        "--budget-tokens",
-        type=int,
-        default=4096,
-        help="calibration tokens (fitting + held-out rows; default 4096)",
-    )
+    fit.add_argument("--budget-tokens", type=int, default=4096,
+                     help="calibration tokens (fitting + held-out rows; default 4096)")
     fit.add_argument("--tokens", type=int, default=0, help="tokens per calibration sequence (default 128)")
-    fit.add_argument(
-        "--corpus",
-        default="random",
-        help="calibration corpus on the server: random (seeded ids) or recall (the family's "
-        "key-value recall episodes); default random",
-    )
+    fit.add_argument("--corpus", default="random",
+                     help="calibration corpus on the server: random (seeded ids) or recall (the family's "
+                          "key-value recall episodes); default random")
     fit.add_argument("--seed", type=int, default=0, help="seed of the corpus")
-    fit.add_argument(
-        "--tokens-file", help="a JSON list of token-id lists on the server (instead of --corpus)"
-    )
+    fit.add_argument("--tokens-file",
+                     help="a JSON list of token-id lists on the server (instead of --corpus)")
     fit.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for the screens (2)")
-    fit.add_argument(
-        "--task-episodes",
-        type=int,
-        default=0,
-        help="recall episodes per distance bucket for the task retention (0: none; the "
-        "library's default gate, min_retention_lower, refuses a mapper whose retention "
-        "was not measured)",
-    )
+    fit.add_argument("--task-episodes", type=int, default=0,
+                     help="recall episodes per distance bucket for the task retention (0: none; the "
+                          "library's default gate, min_retention_lower, refuses a mapper whose retention "
+                          "was not measured)")
     fit.add_argument("--gate-attn-cosine", type=float, help="gate: min mean attention cosine")
     fit.add_argument("--gate-next-token-kl", type=float, help="gate: max next-token KL")
     fit.add_argument("--gate-index-recall", type=float, help="gate: min index top-k recall")
     fit.add_argument("--gate-retention", type=float, help="gate: min task retention (needs --task-episodes)")
-    fit.add_argument(
-        "--gate-retention-lower",
-        type=float,
-        help="gate: min lower end of the retention's 95%% interval (needs --task-episodes)",
-    )
-    fit.add_argument(
-        "--gate-off",
-        action="append",
-        default=[],
-        metavar="THRESHOLD",
-        help="turn a gate threshold off, e.g. min_retention_lower (repeatable)",
-    )
+    fit.add_argument("--gate-retention-lower", type=float,
+                     help="gate: min lower end of the retention's 95%% interval (needs --task-episodes)")
+    fit.add_argument("--gate-off", action="append", default=[], metavar="THRESHOLD",
+                     help="turn a gate threshold off, e.g. min_retention_lower (repeatable)")
     fit.add_argument("--task-seed", type=int, help="seed of the retention episodes (default: --seed + 2000)")
-    fit.add_argument(
-        "--fallback",
-        choices=("none", "mlp"),
-        default="none",
-        help="parts whose ridge fails the part gate: keep ridge (none) or fit a residual MLP",
-    )
-    fit.add_argument(
-        "--attention-weighted",
-        action="store_true",
-        help="weight calibration rows by the receiver's own attention mass on each entry",
-    )
+    fit.add_argument("--fallback", choices=("none", "mlp"), default="none",
+                     help="parts whose ridge fails the part gate: keep ridge (none) or fit a residual MLP")
+    fit.add_argument("--attention-weighted", action="store_true",
+                     help="weight calibration rows by the receiver's own attention mass on each entry")
     fit.add_argument("--resubmit", metavar="JOB_ID", help="run an ended job again with its parameters")
     fit.add_argument("--detach", action="store_true", help="print the queued job and exit (no watching)")
     fit.add_argument("--require-gate", action="store_true", help="exit 1 when the job is REJECTED")
@@ -146,10 +117,8 @@ def _start_request(args: argparse.Namespace) -> Any:
     if args.resubmit:
         return mappers_pb2.StartFitRequest(resubmit_job_id=args.resubmit)
     if not args.sender or not args.receiver:
-        raise ValueError(
-            "mapper fit --target needs --sender and --receiver (models the server serves), or "
-            "--resubmit JOB_ID"
-        )
+        raise ValueError("mapper fit --target needs --sender and --receiver (models the server serves), or "
+                         "--resubmit JOB_ID")
     if args.tokens_file:
         source = mappers_pb2.CalibrationSource(tokens_file=args.tokens_file)
     else:
@@ -169,13 +138,8 @@ def _start_request(args: argparse.Namespace) -> Any:
             raise ValueError(f"--task-seed={args.task_seed} must be >= 0")
         gate.task_seed = args.task_seed
     return mappers_pb2.StartFitRequest(
-        sender_model=args.sender,
-        receiver_model=args.receiver,
-        source=source,
-        budget_tokens=args.budget_tokens,
-        sequence_tokens=args.tokens,
-        gate=gate,
-        fallback=args.fallback,
+        sender_model=args.sender, receiver_model=args.receiver, source=source,
+        budget_tokens=args.budget_tokens, sequence_tokens=args.tokens, gate=gate, fallback=args.fallback,
         attention_weighted=args.attention_weighted,
     )
 
@@ -245,11 +209,8 @@ def _run_remote_fit(args: argparse.Namespace) -> int:
     request = _start_request(args)
     with connect(args) as client:
         job = client.call("mappers", "StartFit", request)
-        print(
-            f"job {job.job_id} {_phase(job)}: {job.sender_model} -> {job.receiver_model}, "
-            f"{job.rows_total} calibration tokens",
-            file=sys.stderr,
-        )
+        print(f"job {job.job_id} {_phase(job)}: {job.sender_model} -> {job.receiver_model}, "
+              f"{job.rows_total} calibration tokens", file=sys.stderr)
         if not args.detach:
             job = _watch(client, job.job_id, _Progress(sys.stderr, not args.no_progress))
     _print_job(job, args.json)
@@ -286,11 +247,8 @@ def register_jobs(sub: argparse._SubParsersAction) -> None:
     """`kvresume mapper job get|watch|cancel|list` (client, admin token)."""
     job = sub.add_parser("job", help="mapper fitting jobs on the server: get, watch, cancel, list (client)")
     jobs = job.add_subparsers(dest="job_command", required=True, metavar="COMMAND")
-    for name, text in (
-        ("get", "one job's state"),
-        ("watch", "follow a job to its end (progress on stderr)"),
-        ("cancel", "stop a job (CANCELLED)"),
-    ):
+    for name, text in (("get", "one job's state"), ("watch", "follow a job to its end (progress on stderr)"),
+                       ("cancel", "stop a job (CANCELLED)")):
         p = jobs.add_parser(name, help=text)
         p.add_argument("job_id")
         add_connection_flags(p, role=ADMIN)

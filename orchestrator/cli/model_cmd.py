@@ -108,11 +108,8 @@ def _run_check(args: argparse.Namespace) -> int:
     configure_torch(args.numerics, threads=1 if args.numerics != "native" else None)
     profile = profile_report(args.numerics)
     if not profile["in_force"]:
-        print(
-            f"kvresume model check: error: the {args.numerics} numerics profile is not in force: "
-            f"{'; '.join(profile['problems'])}",
-            file=sys.stderr,
-        )  # type: ignore[arg-type]
+        print(f"kvresume model check: error: the {args.numerics} numerics profile is not in force: "
+              f"{'; '.join(profile['problems'])}", file=sys.stderr)  # type: ignore[arg-type]
         return 1
     prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else None
     try:
@@ -124,11 +121,8 @@ def _run_check(args: argparse.Namespace) -> int:
     out = text_stream(args.json)
     print(describe(profile), file=out)
     if not portable:
-        print(
-            f"  the vectors were made under the portable profile: under {args.numerics} numerics "
-            "bitwise agreement is not expected and no conformance is claimed",
-            file=out,
-        )
+        print(f"  the vectors were made under the portable profile: under {args.numerics} numerics "
+              "bitwise agreement is not expected and no conformance is claimed", file=out)
     for r in reports:
         same = sum(a == b for a, b in zip(r.generated, r.reference_generated, strict=False))
         print(
@@ -145,37 +139,22 @@ def _run_check(args: argparse.Namespace) -> int:
     if portable:
         print("conformance: " + ("PASS (bitwise under the portable profile)" if agree else "FAIL"), file=out)
     else:
-        print(
-            f"{args.numerics} numerics: "
-            + (
-                "agrees with the vectors (not a conformance claim)"
-                if agree
-                else f"differs from the vectors (run without --numerics {args.numerics} "
-                "for the conformance check)"
-            ),
-            file=out,
-        )
-    write_json(
-        {
-            "numerics": profile,
-            "conformance_claimed": portable,
-            "ok": agree,
-            "prompts": [
-                {
-                    "prompt": r.prompt,
-                    "tokens": r.n_tokens,
-                    "ok": r.ok,
-                    "logits_rel_err": r.logits_rel_err,
-                    "generated": r.generated,
-                    "reference_generated": r.reference_generated,
-                    "caches": {d.name: d.max_abs for d in r.caches},
-                    "failures": r.failures,
-                }
-                for r in reports
-            ],
-        },
-        args.json,
-    )
+        print(f"{args.numerics} numerics: " + ("agrees with the vectors (not a conformance claim)" if agree
+                                     else f"differs from the vectors (run without --numerics {args.numerics} "
+                                     "for the conformance check)"), file=out)
+    write_json({
+        "numerics": profile,
+        "conformance_claimed": portable,
+        "ok": agree,
+        "prompts": [
+            {
+                "prompt": r.prompt, "tokens": r.n_tokens, "ok": r.ok, "logits_rel_err": r.logits_rel_err,
+                "generated": r.generated, "reference_generated": r.reference_generated,
+                "caches": {d.name: d.max_abs for d in r.caches}, "failures": r.failures,
+            }
+            for r in reports
+        ],
+    }, args.json)
     return 0 if agree else 1
 
 

@@ -212,12 +212,8 @@ def _run(args: argparse.Namespace) -> int:
         }
         metrics = f", /metrics on port {metrics_port}" if metrics_port is not None else ""
         metrics += f", OpenAI-compatible HTTP at {http}" if http is not None else ""
-        print(
-            f"kvresume serve: serving {', '.join(models) or 'no models'} on {doc['grpc']} "
-            f"(region {settings.region}{metrics}); Ctrl-C stops",
-            file=text_stream(args.json),
-            flush=True,
-        )
+        print(f"kvresume serve: serving {', '.join(models) or 'no models'} on {doc['grpc']} "
+              f"(region {settings.region}{metrics}); Ctrl-C stops", file=text_stream(args.json), flush=True)
         write_json(doc, args.json)
 
     serve(settings, stop, on_ready=on_ready, preload=True, on_http_ready=lambda h: http_ports.append(h.port))

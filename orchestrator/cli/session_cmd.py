@@ -29,11 +29,9 @@ def _short(enum_value: str, prefix: str) -> str:
 
 
 def _session_line(s: dict[str, Any]) -> str:
-    parent = (
-        f", forked from {s['parent_session_id']} at turn {s.get('forked_at_turn', 0)}"
-        if s.get("parent_session_id")
-        else ""
-    )
+    parent = f", forked from {s['parent_session_id']} at turn {s.get('forked_at_turn', 0)}" if s.get(
+        "parent_session_id"
+    ) else ""
     return (
         f"session {s['session_id']} (tenant {s['tenant_id']}, model {s['model']}, "
         f"{_short(s['status'], 'SESSION_STATUS_').lower()}, {s['turn_count']} turns, "
@@ -107,24 +105,17 @@ def _show(args: argparse.Namespace, doc: dict[str, Any]) -> int:
     elif cmd in ("get", "close"):
         print(_session_line(doc), file=out)
     elif cmd == "list":
-        rows = [{**s, "status": _short(s["status"], "SESSION_STATUS_").lower()} for s in doc["sessions"]]
-        columns = (
-            ("session", "session_id"),
-            ("model", "model"),
-            ("status", "status"),
-            ("turns", "turn_count"),
-            ("history", "history_tokens"),
-            ("updated", "updated_at"),
-        )
+        rows = [
+            {**s, "status": _short(s["status"], "SESSION_STATUS_").lower()} for s in doc["sessions"]
+        ]
+        columns = (("session", "session_id"), ("model", "model"), ("status", "status"),
+                   ("turns", "turn_count"), ("history", "history_tokens"), ("updated", "updated_at"))
         print(table_text(rows, columns) if rows else "no sessions", file=out)
         if doc["next_page_token"]:
             print(f"more: --page-token {doc['next_page_token']}", file=out)
     elif cmd == "delete":
-        print(
-            f"deleted session {args.session_id}: {doc['segments_deleted']} segments, "
-            f"{doc['bytes_deleted']} bytes",
-            file=out,
-        )
+        print(f"deleted session {args.session_id}: {doc['segments_deleted']} segments, "
+              f"{doc['bytes_deleted']} bytes", file=out)
     elif cmd == "abort":
         if doc["aborted"]:
             print(f"aborted turn {doc['request_id']} of session {doc['session_id']}", file=out)

@@ -32,11 +32,8 @@ def _run(args: argparse.Namespace) -> int:
         rc = train_from_args(args)
     summary = json.loads(captured.getvalue().strip().splitlines()[-1])
     exported = f", exported to {summary['exported']}" if "exported" in summary else ""
-    print(
-        f"trained {summary['model']} to step {summary['step']} of {summary['steps']} in "
-        f"{summary['seconds']} s (run dir {summary['run_dir']}{exported})",
-        file=text_stream(args.json),
-    )
+    print(f"trained {summary['model']} to step {summary['step']} of {summary['steps']} in "
+          f"{summary['seconds']} s (run dir {summary['run_dir']}{exported})", file=text_stream(args.json))
     write_json(summary, args.json)
     return rc
 

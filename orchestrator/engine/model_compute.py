@@ -69,10 +69,7 @@ class ModelCompute(Protocol):
         ...
 
     def prefill_many(
-        self,
-        served: ServedModel,
-        chunks: Sequence[Sequence[int]],
-        states: Sequence[Any],
+        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
         prompt_ends: Sequence[int],
     ) -> list[PassOutput]:
         """The prefill chunks of many sessions in one pass; each output equals its `prefill` bit for bit.
@@ -203,10 +200,7 @@ class TorchCompute:
         kept.fill(state)
 
     def prefill_many(
-        self,
-        served: ServedModel,
-        chunks: Sequence[Sequence[int]],
-        states: Sequence[Any],
+        self, served: ServedModel, chunks: Sequence[Sequence[int]], states: Sequence[Any],
         prompt_ends: Sequence[int],
     ) -> list[PassOutput]:
         device = served.model.head.weight.device

@@ -18,6 +18,7 @@ from collections.abc import Callable
 __all__ = ["TokenCache"]
 
 
+
 class TokenCache:
     """tenant -> (model, sha256(text)) -> ids; thread-safe."""
 

@@ -23,12 +23,7 @@ from orchestrator.jobs.progress import emit
 from orchestrator.jobs.request import GATE_THRESHOLDS, CalibrationPlan, FitRequest, resolve_tokens_file
 
 __all__ = [
-    "EVAL_PREFIX_TOKENS",
-    "EVAL_SUFFIX_TOKENS",
-    "calibration_sequences",
-    "main",
-    "run_fit",
-    "task_seed_of",
+    "EVAL_PREFIX_TOKENS", "EVAL_SUFFIX_TOKENS", "calibration_sequences", "main", "run_fit", "task_seed_of"
 ]
 
 # The screens' held-out prompts: a mapped prefix, then the receiver's own tokens after it (the CLI's).
@@ -59,15 +54,8 @@ def _windows(seqs: list[list[int]], t: int) -> list[list[int]]:
     return [s[i : i + t] for s in seqs for i in range(0, len(s) - t + 1, t)]
 
 
-def calibration_sequences(
-    request: FitRequest,
-    vocab: int,
-    data_dir: Path,
-    *,
-    seed_offset: int = 0,
-    n: int | None = None,
-    t: int | None = None,
-):
+def calibration_sequences(request: FitRequest, vocab: int, data_dir: Path, *, seed_offset: int = 0,
+                          n: int | None = None, t: int | None = None):
     """[n, t] int64 token rows from the request's source (default: the whole plan's sequences).
 
     random: uniform ids (torch.Generator seeded with seed + seed_offset); recall: the family's recall
@@ -102,9 +90,8 @@ def calibration_sequences(
         windows = windows[len(windows) - n :] if seed_offset else windows[:n]
         rows = torch.tensor(windows, dtype=torch.int64)
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= vocab):
-        raise ValueError(
-            f"calibration token ids must be in [0, {vocab}), got [{int(rows.min())}, {int(rows.max())}]"
-        )
+        raise ValueError(f"calibration token ids must be in [0, {vocab}), got [{int(rows.min())}, "
+                         f"{int(rows.max())}]")
     return rows
 
 
@@ -166,12 +153,9 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     import torch
 
     # The job's log says what it ran with (tests read it: the thread cap is the point of the child).
-    print(
-        f"fit job {spec['job_id']}: torch threads {torch.get_num_threads()}, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, nice {os.nice(0)}",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"fit job {spec['job_id']}: torch threads {torch.get_num_threads()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, nice {os.nice(0)}",
+          file=sys.stderr, flush=True)
 
     from mappers import (
         GateSpec,
@@ -188,19 +172,15 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     served = {
         side: load_served(
             ServedModelSpec.parse(spec[side]["name"], spec[side]["source"]),
-            device=spec["device"],
-            kernel_backend=spec["kernel_backend"],
-            cpu_path=cpu_path,
+            device=spec["device"], kernel_backend=spec["kernel_backend"], cpu_path=cpu_path,
             linear_math=spec.get("linear_math", "exact"),
         )
         for side in ("sender", "receiver")
     }
     sender, receiver = served["sender"], served["receiver"]
     if sender.vocab_size != receiver.vocab_size:
-        raise ValueError(
-            f"sender and receiver vocabularies differ: {sender.vocab_size} vs "
-            f"{receiver.vocab_size} (siblings share a tokenizer)"
-        )
+        raise ValueError(f"sender and receiver vocabularies differ: {sender.vocab_size} vs "
+                         f"{receiver.vocab_size} (siblings share a tokenizer)")
     plan = request.plan
     rows = calibration_sequences(request, sender.vocab_size, data_dir).to(spec["device"])
     step = 2  # sequences per captured batch
@@ -220,42 +200,24 @@ def run_fit(spec: dict[str, Any], out: TextIO) -> dict[str, Any]:
     emit(out, "progress", rows_done=0, rows_total=plan.rows_total)
     with torch.inference_mode():
         mapper = fit_mapper(
-            sender.model,
-            receiver.model,
-            _reporting(train, report),
-            heldout_batches=_reporting(held, report),
-            spec=_fit_spec(request),
-            sender_name=sender.name,
-            receiver_name=receiver.name,
-            gate=gate,
-            sender_fingerprint=sender.fingerprint,
-            receiver_fingerprint=receiver.fingerprint,
+            sender.model, receiver.model, _reporting(train, report),
+            heldout_batches=_reporting(held, report), spec=_fit_spec(request),
+            sender_name=sender.name, receiver_name=receiver.name, gate=gate,
+            sender_fingerprint=sender.fingerprint, receiver_fingerprint=receiver.fingerprint,
             calibration=_calibration(spec, request, data_dir, task_seed),
         )
         emit(out, "phase", phase="evaluating")
         prompts = calibration_sequences(
-            request,
-            sender.vocab_size,
-            data_dir,
-            seed_offset=EVAL_SEED_OFFSET,
-            n=int(gate_cfg["eval_prompts"]),
-            t=EVAL_PREFIX_TOKENS + EVAL_SUFFIX_TOKENS,
+            request, sender.vocab_size, data_dir, seed_offset=EVAL_SEED_OFFSET,
+            n=int(gate_cfg["eval_prompts"]), t=EVAL_PREFIX_TOKENS + EVAL_SUFFIX_TOKENS,
         ).to(spec["device"])
-        evaluation = evaluate_mapper(
-            mapper, sender.model, receiver.model, prompts, suffix_tokens=EVAL_SUFFIX_TOKENS
-        )
+        evaluation = evaluate_mapper(mapper, sender.model, receiver.model, prompts,
+                                     suffix_tokens=EVAL_SUFFIX_TOKENS)
         # Retention per distance bucket (8W, 32W) with its paired-bootstrap interval: the gate's figure.
         task = (
-            measure_retention(
-                mapper,
-                sender.model,
-                receiver.model,
-                episodes=int(gate_cfg["task_episodes"]),
-                task_seed=task_seed,
-                device=spec["device"],
-            )
-            if gate_cfg["task_episodes"]
-            else None
+            measure_retention(mapper, sender.model, receiver.model, episodes=int(gate_cfg["task_episodes"]),
+                              task_seed=task_seed, device=spec["device"])
+            if gate_cfg["task_episodes"] else None
         )
         mapper, failed = gate_mapper(mapper, evaluation, gate=gate, task=task)
     directory = save_mapper(mapper, spec["out_dir"])

@@ -37,11 +37,7 @@ DEFAULT_EVAL_PROMPTS = 2
 FALLBACKS = ("none", "mlp")
 # mappers.GateSpec's threshold fields (spelled out: this module stays free of torch).
 GATE_THRESHOLDS = (
-    "min_attn_cosine",
-    "max_next_token_kl",
-    "min_index_recall",
-    "min_retention",
-    "min_retention_lower",
+    "min_attn_cosine", "max_next_token_kl", "min_index_recall", "min_retention", "min_retention_lower"
 )
 # Gate settings that are not thresholds.
 GATE_OPTIONS = ("task_episodes", "eval_prompts", "disabled", "task_seed")
@@ -193,12 +189,7 @@ class FitRequest:
 
     @classmethod
     def from_stored(
-        cls,
-        *,
-        sender_model: str,
-        receiver_model: str,
-        source: Mapping[str, Any],
-        budget_tokens: int,
+        cls, *, sender_model: str, receiver_model: str, source: Mapping[str, Any], budget_tokens: int,
         gate: Mapping[str, Any],
     ) -> FitRequest:
         """The request a stored job was made from (a resubmission runs it again)."""
@@ -206,16 +197,9 @@ class FitRequest:
         seq = int(src.pop("sequence_tokens", DEFAULT_SEQUENCE_TOKENS))
         fallback = str(src.pop("fallback", "none"))
         weighted = bool(src.pop("attention_weighted", False))
-        return cls(
-            sender_model=sender_model,
-            receiver_model=receiver_model,
-            source=src,
-            budget_tokens=budget_tokens,
-            sequence_tokens=seq,
-            gate=gate,
-            fallback=fallback,
-            attention_weighted=weighted,
-        )
+        return cls(sender_model=sender_model, receiver_model=receiver_model, source=src,
+                   budget_tokens=budget_tokens, sequence_tokens=seq, gate=gate, fallback=fallback,
+                   attention_weighted=weighted)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -90,37 +90,19 @@ class FitJobView:
     @classmethod
     def of(cls, row: FitJobRow) -> FitJobView:
         return cls(
-            job_id=row.id,
-            phase=row.phase,
-            actor=row.actor,
-            node=row.node,
-            sender_model=row.sender_model,
-            receiver_model=row.receiver_model,
-            source=dict(row.source),
-            budget_tokens=row.budget_tokens,
-            gate=dict(row.gate),
-            rows_done=row.rows_done,
-            rows_total=row.rows_total,
-            eta_s=row.eta_s,
-            reason=row.reason,
-            metrics=dict(row.metrics),
-            passed_gate=row.passed_gate,
-            mapper_id=row.mapper_id,
-            artifact_uri=row.artifact_uri,
-            resubmitted_from=row.resubmitted_from,
-            created_at=row.created_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
+            job_id=row.id, phase=row.phase, actor=row.actor, node=row.node, sender_model=row.sender_model,
+            receiver_model=row.receiver_model, source=dict(row.source), budget_tokens=row.budget_tokens,
+            gate=dict(row.gate), rows_done=row.rows_done, rows_total=row.rows_total, eta_s=row.eta_s,
+            reason=row.reason, metrics=dict(row.metrics), passed_gate=row.passed_gate,
+            mapper_id=row.mapper_id, artifact_uri=row.artifact_uri, resubmitted_from=row.resubmitted_from,
+            created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
         )
 
     @property
     def request(self) -> FitRequest:
         return FitRequest.from_stored(
-            sender_model=self.sender_model,
-            receiver_model=self.receiver_model,
-            source=self.source,
-            budget_tokens=self.budget_tokens,
-            gate=self.gate,
+            sender_model=self.sender_model, receiver_model=self.receiver_model, source=self.source,
+            budget_tokens=self.budget_tokens, gate=self.gate,
         )
 
 
@@ -237,8 +219,7 @@ class FitJobService:
         if request.budget_tokens > limit:
             raise ResourceExhaustedError(
                 f"budget_tokens={request.budget_tokens} exceeds this node's fit_max_budget_tokens={limit}",
-                reason="REQUEST_TOO_LARGE",
-                field="budget_tokens",
+                reason="REQUEST_TOO_LARGE", field="budget_tokens",
             )
         if request.source["kind"] == "tokens_file":
             try:
@@ -256,14 +237,9 @@ class FitJobService:
         """
         self.check(request)
         sub = FitJobSubmission(
-            sender_model=request.sender_model,
-            receiver_model=request.receiver_model,
-            source=request.stored_source(),
-            budget_tokens=request.budget_tokens,
-            gate=dict(request.gate),
-            actor=actor,
-            node=self._node,
-            resubmitted_from=resubmitted_from,
+            sender_model=request.sender_model, receiver_model=request.receiver_model,
+            source=request.stored_source(), budget_tokens=request.budget_tokens, gate=dict(request.gate),
+            actor=actor, node=self._node, resubmitted_from=resubmitted_from,
         )
         with self._lock:
             if self._closed:
@@ -272,8 +248,7 @@ class FitJobService:
                 raise ResourceExhaustedError(
                     f"{len(self._slots)} fitting jobs are running or queued on this node, the limit "
                     f"(fit_max_running_jobs + fit_max_queued_jobs) is {self.capacity}",
-                    reason="CAPACITY",
-                    retry_after_s=5.0,
+                    reason="CAPACITY", retry_after_s=5.0,
                 )
             view = run_serializable(
                 self._serializable,
@@ -281,14 +256,8 @@ class FitJobService:
             )
             self._slots[view.job_id] = _Slot(job_id=view.job_id)
         self._queue.put(view.job_id)
-        log.info(
-            "fit_job_queued",
-            job=view.job_id,
-            sender=sub.sender_model,
-            receiver=sub.receiver_model,
-            budget_tokens=sub.budget_tokens,
-            actor=actor,
-        )
+        log.info("fit_job_queued", job=view.job_id, sender=sub.sender_model, receiver=sub.receiver_model,
+                 budget_tokens=sub.budget_tokens, actor=actor)
         return view
 
     def resubmit(self, job_id: str, *, actor: str) -> FitJobView:
@@ -299,10 +268,8 @@ class FitJobService:
         """
         old = self.get(job_id)
         if not old.phase.final:
-            raise PreconditionError(
-                f"fitting job {job_id} is {old.phase.value}; only an ended job can be resubmitted",
-                reason="STATE_CHANGED",
-            )
+            raise PreconditionError(f"fitting job {job_id} is {old.phase.value}; only an ended job can be "
+                                    "resubmitted", reason="STATE_CHANGED")
         return self.start(old.request, actor=actor, resubmitted_from=job_id)
 
     def cancel(self, job_id: str, *, actor: str) -> FitJobView:
@@ -316,15 +283,13 @@ class FitJobService:
         if view.phase == FitJobPhase.CANCELLED:
             return view
         if view.phase.final:
-            raise PreconditionError(
-                f"fitting job {job_id} already ended {view.phase.value}", reason="STATE_CHANGED"
-            )
+            raise PreconditionError(f"fitting job {job_id} already ended {view.phase.value}",
+                                    reason="STATE_CHANGED")
         with self._lock:
             slot = self._slots.get(job_id)
             if slot is None:
-                raise PreconditionError(
-                    f"fitting job {job_id} runs on node {view.node!r}, not this one", reason="STATE_CHANGED"
-                )
+                raise PreconditionError(f"fitting job {job_id} runs on node {view.node!r}, not this one",
+                                        reason="STATE_CHANGED")
             # The final row first: a progress line the child writes before it dies is then ignored.
             self._finish(job_id, FitJobPhase.CANCELLED, reason=f"cancelled by {actor}")
             slot.ended = True
@@ -432,12 +397,8 @@ class FitJobService:
             with open(job_dir / "child.log", "w") as log_file:
                 slot.proc = subprocess.Popen(
                     [self._python, "-m", "orchestrator.jobs.child", str(spec_path)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log_file,
-                    text=True,
-                    cwd=_REPO_ROOT,
-                    env=self._env(),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                    cwd=_REPO_ROOT, env=self._env(),
                 )
         self._notify()
         log.info("fit_job_started", job=job_id, pid=slot.proc.pid)
@@ -523,27 +484,15 @@ class FitJobService:
             jobs = FitJobRepository(s)
             if passed:
                 reg = MapperRegistration(**fields)
-                done = jobs.finish(
-                    job_id,
-                    FitJobPhase.SUCCEEDED,
-                    reason=f"registered {reg.mapper_id}",
-                    metrics=metrics,
-                    passed_gate=True,
-                    mapper_id=reg.mapper_id,
-                    artifact_uri=artifact,
-                )
+                done = jobs.finish(job_id, FitJobPhase.SUCCEEDED, reason=f"registered {reg.mapper_id}",
+                                   metrics=metrics, passed_gate=True, mapper_id=reg.mapper_id,
+                                   artifact_uri=artifact)
                 if done is not None:
                     MapperRepository(s).register(reg)
                 return done is not None
             why = "; ".join(failures) or "the gate states no measured figure >= threshold"
-            done = jobs.finish(
-                job_id,
-                FitJobPhase.REJECTED,
-                reason=f"gate not passed: {why}",
-                metrics=metrics,
-                passed_gate=False,
-                artifact_uri=artifact,
-            )
+            done = jobs.finish(job_id, FitJobPhase.REJECTED, reason=f"gate not passed: {why}",
+                               metrics=metrics, passed_gate=False, artifact_uri=artifact)
             return done is not None
 
         if run_serializable(self._serializable, work):

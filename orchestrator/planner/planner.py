@@ -283,7 +283,7 @@ def _swap(
 
 
 def _retention_text(mapper: MapperInfo) -> str:
-    """ " (task retention 0.97)" when the mapper's evaluation measured it, else nothing."""
+    """" (task retention 0.97)" when the mapper's evaluation measured it, else nothing."""
     return f" (task retention {mapper.retention:.3f})" if mapper.retention is not None else ""
 
 
@@ -390,12 +390,7 @@ def plan_turn(
             assert sender_cache is not None
             candidates.append(
                 _swap(
-                    session,
-                    geometry,
-                    model,
-                    sender_cache,
-                    sender_prefix,
-                    mapper,
+                    session, geometry, model, sender_cache, sender_prefix, mapper,
                     PlanReason.MAPPED_FROM_LAST_MODEL,
                 )
             )

@@ -24,20 +24,8 @@ def _one_thread():
 
 def test_main_runs_every_arm_and_writes_json(tmp_path, capsys) -> None:
     path = tmp_path / "model.json"
-    bench.main(
-        [
-            "--lengths",
-            "64",
-            "--repeats",
-            "1",
-            "--new-tokens",
-            "16",
-            "--decode-steps",
-            "2",
-            "--json",
-            str(path),
-        ]
-    )
+    bench.main(["--lengths", "64", "--repeats", "1", "--new-tokens", "16", "--decode-steps", "2",
+                "--json", str(path)])
     table = capsys.readouterr().out
     doc = json.loads(path.read_text())
     assert doc["correctness"]["ok"] and doc["kernel_backend"] == "torch" and doc["device"] == "cpu"

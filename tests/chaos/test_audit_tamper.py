@@ -104,13 +104,8 @@ class Rig:
                 tenant, RetentionPolicy(floor_s=60.0 * n, ceiling_s=86400.0 + n), actor="admin"
             )
             self.sql.append(
-                AuditEvent(
-                    actor="admin",
-                    action=AuditAction.POLICY_CHANGE,
-                    tenant=tenant,
-                    subject=f"retention:round={n}",
-                    reason="admin_request",
-                )
+                AuditEvent(actor="admin", action=AuditAction.POLICY_CHANGE, tenant=tenant,
+                           subject=f"retention:round={n}", reason="admin_request")
             )
         self.checker.anchor()
 
@@ -127,15 +122,8 @@ def _rig(tmp_path: Path, template: Path, *, key: AnchorKey | None = KEY) -> Rig:
     db = tmp_path / "registry.sqlite3"
     shutil.copyfile(template, db)
     engine = make_engine(f"sqlite:///{db}")
-    rig = Rig(
-        root=tmp_path,
-        engine=engine,
-        sql=SqlAuditSink(engine),
-        store=None,
-        checker=None,  # type: ignore[arg-type]
-        clock=Clock(),
-        key=key,
-    )
+    rig = Rig(root=tmp_path, engine=engine, sql=SqlAuditSink(engine), store=None, checker=None,  # type: ignore[arg-type]
+              clock=Clock(), key=key)
     rig.open_store()
     for n in range(1, 4):
         rig.round(n)
@@ -164,25 +152,16 @@ def _rechain(rig: Rig, chain: str, rows: list[dict]) -> None:
     prev = GENESIS_HASH
     sealed = []
     for i, r in enumerate(rows, start=1):
-        event = AuditEvent(
-            actor=r["actor"],
-            action=AuditAction(r["action"]),
-            tenant=r["tenant"],
-            subject=r["subject"],
-            reason=r["reason"],
-            nbytes=r["nbytes"],
-        )
+        event = AuditEvent(actor=r["actor"], action=AuditAction(r["action"]), tenant=r["tenant"],
+                           subject=r["subject"], reason=r["reason"], nbytes=r["nbytes"])
         rec = seal(event, seq=i, ts_us=r["ts_us"], prev_hash=prev)
         sealed.append((rec, r.get("source_hash")))
         prev = rec.hash
     with rig.engine.begin() as conn:
         conn.execute(delete(AuditRow).where(AuditRow.chain == chain))
         for rec, source in sealed:
-            conn.execute(
-                AuditRow.__table__.insert().values(
-                    chain=chain, source_hash=source, **{**rec.__dict__, "action": str(rec.action)}
-                )
-            )
+            conn.execute(AuditRow.__table__.insert().values(
+                chain=chain, source_hash=source, **{**rec.__dict__, "action": str(rec.action)}))
         conn.execute(update(AuditHead).where(AuditHead.chain == chain).values(seq=len(sealed), hash=prev))
 
 
@@ -208,14 +187,8 @@ def _rewrite_store_chain(db: Rdict, records: list[AuditRecord]) -> None:
         batch.delete(audit_key(rec.seq))
     prev = GENESIS_HASH
     for i, r in enumerate(records, start=1):
-        event = AuditEvent(
-            actor=r.actor,
-            action=r.action,
-            tenant=r.tenant,
-            subject=r.subject,
-            reason=r.reason,
-            nbytes=r.nbytes,
-        )
+        event = AuditEvent(actor=r.actor, action=r.action, tenant=r.tenant, subject=r.subject,
+                           reason=r.reason, nbytes=r.nbytes)
         rec = seal(event, seq=i, ts_us=r.ts_us, prev_hash=prev)
         batch.put(audit_key(i), rec.to_json())
         prev = rec.hash
@@ -258,9 +231,8 @@ def delete_newest_sql_rows_move_head(rig: Rig) -> None:
     keep = rows[:-2]
     with rig.engine.begin() as conn:
         conn.execute(delete(AuditRow).where(AuditRow.chain == "globex", AuditRow.seq > keep[-1].seq))
-        conn.execute(
-            update(AuditHead).where(AuditHead.chain == "globex").values(seq=keep[-1].seq, hash=keep[-1].hash)
-        )
+        conn.execute(update(AuditHead).where(AuditHead.chain == "globex")
+                     .values(seq=keep[-1].seq, hash=keep[-1].hash))
 
 
 def wipe_sql_and_reset(rig: Rig) -> None:
@@ -319,13 +291,8 @@ def forge_anchor_with_another_key(rig: Rig) -> None:
     other = AnchorKey(b"x" * 32)
     file = AnchorFile(rig.anchor_file)
     anchors, _ = file.read()
-    forged = seal_anchor(
-        other,
-        node="n1",
-        previous=anchors[-1],
-        ts_us=anchors[-1].ts_us + 1,
-        heads={"globex": rig.sql.chain_head("globex")},
-    )
+    forged = seal_anchor(other, node="n1", previous=anchors[-1], ts_us=anchors[-1].ts_us + 1,
+                         heads={"globex": rig.sql.chain_head("globex")})
     file.append([forged])
     rig.store.audit.put_anchors([forged])
 
@@ -378,9 +345,8 @@ def cut_chain_and_newest_anchors_both_copies(rig: Rig) -> None:
         rows = _rows(rig, chain)
         with rig.engine.begin() as conn:
             conn.execute(delete(AuditRow).where(AuditRow.chain == chain, AuditRow.seq > seq))
-            conn.execute(
-                update(AuditHead).where(AuditHead.chain == chain).values(seq=seq, hash=rows[seq - 1].hash)
-            )
+            conn.execute(update(AuditHead).where(AuditHead.chain == chain)
+                         .values(seq=seq, hash=rows[seq - 1].hash))
     rig.clock.now += 4 * INTERVAL_S
 
 
@@ -425,9 +391,8 @@ def test_every_tampering_is_detected_with_the_key_outside_the_database(
     broken_chains = [v.chain for v in report.sql if not v.result.ok]
     assert any(phrase in p for p in found) or phrase in broken_chains, found
     detected = chaos_report.sections.get("audit_tamper", {}).get("detected", [])
-    chaos_report.record(
-        "audit_tamper", catalogue=len(CATALOGUE), detected=sorted(set(detected) | {tamper.__name__})
-    )
+    chaos_report.record("audit_tamper", catalogue=len(CATALOGUE),
+                        detected=sorted(set(detected) | {tamper.__name__}))
 
 
 def test_without_a_key_verify_says_unanchored_and_a_reforged_chain_passes(
@@ -478,14 +443,8 @@ def test_audit_local_checks_everything_without_a_server(
     key_file = tmp_path / "anchor.key"
     key_file.write_bytes(KEY.secret)
     monkeypatch.setenv("KVRESUME_NODE_NAME", "n1")
-    args = [
-        "admin",
-        "audit-local",
-        "--data-dir",
-        str(tmp_path),
-        "--database-url",
-        f"sqlite:///{tmp_path / 'registry.sqlite3'}",
-    ]
+    args = ["admin", "audit-local", "--data-dir", str(tmp_path),
+            "--database-url", f"sqlite:///{tmp_path / 'registry.sqlite3'}"]
     try:
         assert main(args) == 0 and "unanchored" in capsys.readouterr().out
         monkeypatch.setenv("KVRESUME_AUDIT_ANCHOR_KEY_FILE", str(key_file))

@@ -65,19 +65,11 @@ class Fuzzer:
 
     def integer(self, field: FieldDescriptor) -> int:
         r = self.rng
-        unsigned = field.type in (
-            FieldDescriptor.TYPE_UINT32,
-            FieldDescriptor.TYPE_UINT64,
-            FieldDescriptor.TYPE_FIXED32,
-            FieldDescriptor.TYPE_FIXED64,
-        )
-        wide = field.type in (
-            FieldDescriptor.TYPE_UINT64,
-            FieldDescriptor.TYPE_INT64,
-            FieldDescriptor.TYPE_SINT64,
-            FieldDescriptor.TYPE_FIXED64,
-            FieldDescriptor.TYPE_SFIXED64,
-        )
+        unsigned = field.type in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64,
+                                  FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_FIXED64)
+        wide = field.type in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64,
+                              FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
+                              FieldDescriptor.TYPE_SFIXED64)
         bits = (64 if wide else 32) - (0 if unsigned else 1)
         top = (1 << bits) - 1
         choices = [0, 1, 2, 3, 7, 64, 65, 511, 512, 513, 100_000, top]
@@ -154,11 +146,8 @@ def _catalogue(pb: Any, sid: str) -> list[tuple[str, str, Any]]:
     s, a = pb.sessions, pb.admin
 
     def turn(**gen: Any) -> Any:
-        return s.TurnRequest(
-            session_id=sid,
-            tokens=s.TokenIds(ids=[20, 21, 22]),
-            generation=s.GenerationParams(max_new_tokens=1, **gen),
-        )
+        return s.TurnRequest(session_id=sid, tokens=s.TokenIds(ids=[20, 21, 22]),
+                             generation=s.GenerationParams(max_new_tokens=1, **gen))
 
     return [
         ("Sessions", "Turn", turn(temperature=1e-38, seed=1)),
@@ -191,29 +180,10 @@ def _catalogue(pb: Any, sid: str) -> list[tuple[str, str, Any]]:
 # What each catalogue entry must get, in order: tiny and huge temperatures sample; every out-of-range
 # float, id or count is refused with INVALID_ARGUMENT (or the limit's RESOURCE_EXHAUSTED, NOT_FOUND).
 _EXPECTED = [
-    "OK",
-    "OK",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "OK",
-    "OK",
-    "INVALID_ARGUMENT",
-    "RESOURCE_EXHAUSTED",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "NOT_FOUND",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "INVALID_ARGUMENT",
+    "OK", "OK", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "OK", "OK",
+    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    "NOT_FOUND", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
+    "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT", "INVALID_ARGUMENT",
     "INVALID_ARGUMENT",
 ]
 
@@ -259,9 +229,8 @@ def _run(tmp_path: Path, n_fuzzed: int, seed: int, chaos_report, section: str) -
         for tenant in ("acme", "globex"):
             md = (("authorization", f"Bearer {TOKENS[tenant]}"),)
             sids.append(
-                node.sessions.CreateSession(
-                    pb.sessions.CreateSessionRequest(model="a"), metadata=md
-                ).session.session_id
+                node.sessions.CreateSession(pb.sessions.CreateSessionRequest(model="a"), metadata=md)
+                .session.session_id
             )
         rng = random.Random(seed)
         fuzzer = Fuzzer(rng, sids)

@@ -146,14 +146,8 @@ def _measure(
 
 
 def test_deadline_and_abort_stop_a_long_prefill_within_one_step_tiny(tmp_path: Path, chaos_report) -> None:
-    _measure(
-        tmp_path,
-        ServedModelSpec(name="m", config="v41-tiny", seed=1),
-        512,
-        chaos_report,
-        "cancel_overshoot_v41_tiny",
-        reps=1,
-    )
+    _measure(tmp_path, ServedModelSpec(name="m", config="v41-tiny", seed=1), 512, chaos_report,
+             "cancel_overshoot_v41_tiny", reps=1)
 
 
 @pytest.mark.slow
@@ -164,11 +158,5 @@ def test_deadline_and_abort_stop_a_long_prefill_within_one_step_trained(
     path = REPO / "checkpoints" / sibling
     if not (path / "model.safetensors").is_file():
         pytest.skip(f"the trained {sibling} is not shipped")
-    _measure(
-        tmp_path,
-        ServedModelSpec(name="m", checkpoint=path),
-        4096,
-        chaos_report,
-        f"cancel_overshoot_{sibling.replace('-', '_')}",
-        reps=5,
-    )
+    _measure(tmp_path, ServedModelSpec(name="m", checkpoint=path), 4096, chaos_report,
+             f"cancel_overshoot_{sibling.replace('-', '_')}", reps=5)

@@ -77,20 +77,8 @@ def _start(data_dir: Path, source: str = TINY) -> tuple[subprocess.Popen, str]:
         "KVRESUME_MAX_SESSIONS_PER_TENANT": "1000",
     }
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--json",
-            str(ready),
-        ],
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
+         "--metrics-port", "0", "--json", str(ready)],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -27,6 +27,8 @@ def test_triton_backend_refused_on_cpu_without_interpreter() -> None:
 
 
 def test_importing_kernels_does_not_import_triton() -> None:
-    code = "import sys, torch, kernels; kernels.qdq_mxfp4(torch.zeros(1, 32)); print('triton' in sys.modules)"
+    code = (
+        "import sys, torch, kernels; kernels.qdq_mxfp4(torch.zeros(1, 32)); print('triton' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

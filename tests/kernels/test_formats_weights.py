@@ -117,14 +117,7 @@ def test_weight_helpers_reject_bad_shapes() -> None:
         ),
     ],
     ids=[
-        "fp4-width",
-        "mx-dtype",
-        "fp8-width",
-        "fp8-block",
-        "0-dim",
-        "backend",
-        "mx-scales",
-        "fp4-scale-dtype",
+        "fp4-width", "mx-dtype", "fp8-width", "fp8-block", "0-dim", "backend", "mx-scales", "fp4-scale-dtype",
         "out-dtype",
     ],  # fmt: skip
 )
@@ -172,7 +165,7 @@ def test_block_scaled_linear_rows_do_not_depend_on_how_many_share_the_call(kind:
     g = torch.Generator().manual_seed(seed)
     stored = random_fp8_weight(96, 256, seed) if kind == "fp8" else random_fp4_weight(96, 256, seed)
     linear = kernels.fp8_linear if kind == "fp8" else kernels.fp4_linear
-    x = torch.randn(48, 256, generator=g) * torch.logspace(-3, 3, 256)[torch.randperm(256, generator=g)]
+    x = (torch.randn(48, 256, generator=g) * torch.logspace(-3, 3, 256)[torch.randperm(256, generator=g)])
     x = x.bfloat16()
     whole = linear(x, *stored, out_dtype=torch.float32)
     for m in (1, 2, 3, 4, 5, 7):

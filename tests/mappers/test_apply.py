@@ -62,7 +62,9 @@ def test_apply_mapper_identity_copies_codes_bitwise(pair: tuple[Transformer, Tra
     toks = _tokens(70, 1)
     state = prefill(sender, toks).state
     blobs = [export_global(state, a, b, fingerprint=fp_s) for a, b in [(0, 32), (32, 64), (64, 70)]]
-    mapper = identity_mapper(sender.cfg, receiver.cfg, sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
+    mapper = identity_mapper(
+        sender.cfg, receiver.cfg, sender_fingerprint=fp_s, receiver_fingerprint=fp_r
+    )
     out = apply_mapper(mapper, blobs, sender_fingerprint=fp_s, receiver_fingerprint=fp_r)
     assert out.bounds == ((0, 32), (32, 64), (64, 70))
     assert len(out.copied_parts) == 2 * len(sender.cfg.kv_source_layers)

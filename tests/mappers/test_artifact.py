@@ -95,19 +95,8 @@ def _rewrite(path: Path, edit) -> None:
         (lambda d: d.update(format="other"), "format is 'other'"),
     ],
     ids=[
-        "extra-key",
-        "ratio",
-        "sender-ratio",
-        "not-a-source",
-        "coef-shape",
-        "identity-width",
-        "recompute-kv",
-        "missing-layer",
-        "fingerprint",
-        "config",
-        "digest",
-        "gate-key",
-        "format",
+        "extra-key", "ratio", "sender-ratio", "not-a-source", "coef-shape", "identity-width", "recompute-kv",
+        "missing-layer", "fingerprint", "config", "digest", "gate-key", "format",
     ],  # fmt: skip
 )
 def test_load_mapper_names_the_bad_field(tmp_path: Path, edit, message: str) -> None:

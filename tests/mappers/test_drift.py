@@ -22,9 +22,8 @@ def test_drift_session_alternates_models_and_turn_zero_is_unmapped() -> None:
     # version took 62 s on 2 loaded cores)
     tokens = torch.randint(0, cfg.vocab_size, (2, 96), generator=g)
     answers = [(92, 94)] * 2
-    report = measure_drift(
-        mappers, models, ("a", "b"), tokens, answers, suffix_tokens=8, turns=3, turn_tokens=16
-    )
+    report = measure_drift(mappers, models, ("a", "b"), tokens, answers, suffix_tokens=8, turns=3,
+                           turn_tokens=16)
     assert report.models == ("a", "b", "a")
     assert report.mapped.shape == report.own.shape == (2, 3)
     assert report.first_tokens == 88 - 2 * 16

@@ -85,11 +85,7 @@ def test_fit_mapper_between_widths_imports_and_continues(sender: Transformer, tm
     toks = _batches(1, 1, 50, seed=3)[0]
     s_state = prefill(sender, toks).state
     mapped = apply_mapper(
-        mapper,
-        s_state,
-        sender_fingerprint=fp_s,
-        receiver_fingerprint=fp_r,
-        chunk_tokens=16,
+        mapper, s_state, sender_fingerprint=fp_s, receiver_fingerprint=fp_r, chunk_tokens=16,
         receiver_model=receiver,
     )
     assert mapped.bounds == ((0, 16), (16, 32), (32, 48), (48, 50))

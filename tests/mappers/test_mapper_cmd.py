@@ -79,31 +79,12 @@ def test_mapper_fit_tokens_file_sets_are_disjoint_and_retention_needs_episodes(t
 
 def test_mapper_fit_force_mlp_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--force-mlp-part tries the MLP on a part whose ridge passes the part gate; it needs --fallback mlp."""
-    base = [
-        "mapper",
-        "fit",
-        "--out",
-        str(tmp_path / "m"),
-        "--batches",
-        "1",
-        "--tokens",
-        "64",
-        "--eval-prompts",
-        "0",
-        "--part-gate-r2=-1e9",
-        "--force-mlp-part",
-        "6.kv",
-        "--json",
-        *MODELS,
-    ]
+    base = ["mapper", "fit", "--out", str(tmp_path / "m"), "--batches", "1", "--tokens", "64",
+            "--eval-prompts", "0", "--part-gate-r2=-1e9", "--force-mlp-part", "6.kv", "--json", *MODELS]
     with pytest.raises(ValueError, match="needs fallback='mlp'"):
         _run(base)
     assert _run([*base, "--fallback", "mlp", "--mlp-epochs", "1", "--mlp-hidden", "8"]) == 0
     layers = {lm["receiver_layer"]: lm for lm in json.loads(capsys.readouterr().out)["layers"]}
     assert "forced (6.kv)" in layers[6]["kv_reason"]
-    assert all(
-        "forced" not in lm[f"{p}_reason"]
-        for r, lm in layers.items()
-        for p in ("kv", "index")
-        if (r, p) != (6, "kv")
-    )
+    assert all("forced" not in lm[f"{p}_reason"] for r, lm in layers.items() for p in ("kv", "index")
+               if (r, p) != (6, "kv"))

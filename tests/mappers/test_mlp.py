@@ -109,14 +109,8 @@ def fitted() -> tuple[Transformer, Transformer, object]:
     receiver = init_random(Transformer(load_preset("v41-tiny")), seed=3).eval()
     spec = FitSpec(alphas=(1e-2,), fallback="mlp", part_gate_r2=0.99, mlp_epochs=2, mlp_hidden=32)
     with torch.inference_mode():
-        mapper = fit_mapper(
-            sender,
-            receiver,
-            _batches(2, 2, 64, 1),
-            heldout_batches=_batches(1, 2, 64, 2),
-            spec=spec,
-            calibration={"task_seeds": [5], "corpus": {"kind": "random_ids"}},
-        )
+        mapper = fit_mapper(sender, receiver, _batches(2, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                            spec=spec, calibration={"task_seeds": [5], "corpus": {"kind": "random_ids"}})
     return sender, receiver, mapper
 
 
@@ -134,31 +128,20 @@ def test_fit_tries_the_mlp_only_where_ridge_fails_and_says_why(fitted) -> None:
     spec = FitSpec(alphas=(1e-2,), fallback="mlp", part_gate_r2=-1e9)
     sender, receiver, _ = fitted
     with torch.inference_mode():
-        plain = fit_mapper(
-            sender, receiver, _batches(1, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2), spec=spec
-        )
-    assert all(
-        lm.part(p).kind == "linear" and ">= part gate" in lm.part(p).reason
-        for lm in plain.layers
-        for p in ("kv", "index")
-    )
+        plain = fit_mapper(sender, receiver, _batches(1, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                           spec=spec)
+    assert all(lm.part(p).kind == "linear" and ">= part gate" in lm.part(p).reason
+               for lm in plain.layers for p in ("kv", "index"))
 
 
 def test_force_mlp_tries_the_mlp_on_a_part_that_passes_the_part_gate(fitted) -> None:
     sender, receiver, _ = fitted
     layer = receiver.cfg.kv_source_layers[-1]
-    spec = FitSpec(
-        alphas=(1e-2,),
-        fallback="mlp",
-        part_gate_r2=-1e9,
-        mlp_epochs=2,
-        mlp_hidden=32,
-        force_mlp=(f"{layer}.kv",),
-    )
+    spec = FitSpec(alphas=(1e-2,), fallback="mlp", part_gate_r2=-1e9, mlp_epochs=2, mlp_hidden=32,
+                   force_mlp=(f"{layer}.kv",))
     with torch.inference_mode():
-        mapper = fit_mapper(
-            sender, receiver, _batches(2, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2), spec=spec
-        )
+        mapper = fit_mapper(sender, receiver, _batches(2, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                            spec=spec)
     for lm in mapper.layers:
         for part in ("kv", "index"):
             pm, q = lm.part(part), lm.quality
@@ -173,11 +156,8 @@ def test_force_mlp_tries_the_mlp_on_a_part_that_passes_the_part_gate(fitted) -> 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [
-        ({"force_mlp": ("6.kv",)}, "needs fallback='mlp'"),
-        ({"fallback": "mlp", "force_mlp": ("kv6",)}, "kv6"),
-        ({"fallback": "mlp", "force_mlp": ("6.value",)}, "6.value"),
-    ],
+    [({"force_mlp": ("6.kv",)}, "needs fallback='mlp'"), ({"fallback": "mlp", "force_mlp": ("kv6",)}, "kv6"),
+     ({"fallback": "mlp", "force_mlp": ("6.value",)}, "6.value")],
 )
 def test_force_mlp_refuses_bad_names(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -187,13 +167,8 @@ def test_force_mlp_refuses_bad_names(kwargs: dict, match: str) -> None:
 def test_force_mlp_refuses_a_layer_that_is_not_a_receiver_source(fitted) -> None:
     sender, receiver, _ = fitted
     with pytest.raises(ValueError, match="99.kv"), torch.inference_mode():
-        fit_mapper(
-            sender,
-            receiver,
-            _batches(1, 2, 64, 1),
-            heldout_batches=_batches(1, 2, 64, 2),
-            spec=FitSpec(alphas=(1e-2,), fallback="mlp", force_mlp=("99.kv",)),
-        )
+        fit_mapper(sender, receiver, _batches(1, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                   spec=FitSpec(alphas=(1e-2,), fallback="mlp", force_mlp=("99.kv",)))
 
 
 def test_mlp_artifact_round_trip_and_apply_through_chunks(fitted, tmp_path: Path) -> None:
@@ -208,22 +183,14 @@ def test_mlp_artifact_round_trip_and_apply_through_chunks(fitted, tmp_path: Path
     fp_s, fp_r = model_fingerprint(sender), model_fingerprint(receiver)
     with torch.inference_mode():
         state = prefill(sender, tokens).state
-        from_state = apply_mapper(
-            loaded, state.clone(), sender_fingerprint=fp_s, receiver_fingerprint=fp_r, receiver_model=receiver
-        )
+        from_state = apply_mapper(loaded, state.clone(), sender_fingerprint=fp_s, receiver_fingerprint=fp_r,
+                                  receiver_model=receiver)
         blob = export_global(state, 0, 48, fingerprint=fp_s)
         with pytest.raises(ValueError, match="tokens"):
-            apply_mapper(
-                loaded, [blob], sender_fingerprint=fp_s, receiver_fingerprint=fp_r, receiver_model=receiver
-            )
-        from_blobs = apply_mapper(
-            loaded,
-            [blob],
-            sender_fingerprint=fp_s,
-            receiver_fingerprint=fp_r,
-            receiver_model=receiver,
-            tokens=tokens,
-        )
+            apply_mapper(loaded, [blob], sender_fingerprint=fp_s, receiver_fingerprint=fp_r,
+                         receiver_model=receiver)
+        from_blobs = apply_mapper(loaded, [blob], sender_fingerprint=fp_s, receiver_fingerprint=fp_r,
+                                  receiver_model=receiver, tokens=tokens)
     assert from_state.blobs == from_blobs.blobs
     # a damaged mlp array is refused by name
     name = next(k for k in loaded.arrays if ".mlp.w1" in k)
@@ -235,13 +202,8 @@ def test_mlp_artifact_round_trip_and_apply_through_chunks(fitted, tmp_path: Path
 def test_v1_artifacts_still_load_and_other_formats_are_refused(fitted, tmp_path: Path) -> None:
     sender, receiver, _ = fitted
     with torch.inference_mode():
-        ridge = fit_mapper(
-            sender,
-            receiver,
-            _batches(1, 2, 64, 1),
-            heldout_batches=_batches(1, 2, 64, 2),
-            spec=FitSpec(alphas=(1e-2,)),
-        )
+        ridge = fit_mapper(sender, receiver, _batches(1, 2, 64, 1), heldout_batches=_batches(1, 2, 64, 2),
+                           spec=FitSpec(alphas=(1e-2,)))
     out = save_mapper(ridge, tmp_path / "v1")
     doc = json.loads((out / "mapper.json").read_text())
     # what a v1 writer wrote: no calibration, parts without reason/features, a gate without the interval

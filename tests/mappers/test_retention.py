@@ -55,13 +55,8 @@ def test_mapper_eval_refuses_a_task_seed_used_in_fitting(tmp_path: Path, capsys)
     receiver = init_random(Transformer(cfg), seed=1).eval()
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        mapper = fit_mapper(
-            sender,
-            receiver,
-            [torch.randint(0, 512, (2, 64), generator=g)],
-            spec=FitSpec(alphas=(1e-2,)),
-            calibration={"task_seeds": [2007]},
-        )
+        mapper = fit_mapper(sender, receiver, [torch.randint(0, 512, (2, 64), generator=g)],
+                            spec=FitSpec(alphas=(1e-2,)), calibration={"task_seeds": [2007]})
     out = save_mapper(mapper, tmp_path / "m")
     models = ["--sender-preset", "v41-tiny", "--receiver-preset", "v41-tiny", "--threads", "1"]
     code = cli_main(["mapper", "eval", str(out), "--task-seed", "2007", "--task-episodes", "4", *models])
@@ -77,14 +72,9 @@ def test_mapper_eval_without_models_needs_the_artifacts_checkpoints(tmp_path: Pa
     model = init_random(Transformer(cfg), seed=0).eval()
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        mapper = fit_mapper(
-            model,
-            model,
-            [torch.randint(0, 512, (2, 64), generator=g)],
-            spec=FitSpec(alphas=(1e-2,)),
-            sender_name="no-such-sibling",
-            receiver_name="no-such-sibling",
-        )
+        mapper = fit_mapper(model, model, [torch.randint(0, 512, (2, 64), generator=g)],
+                            spec=FitSpec(alphas=(1e-2,)), sender_name="no-such-sibling",
+                            receiver_name="no-such-sibling")
     out = save_mapper(mapper, tmp_path / "m")
     assert cli_main(["mapper", "eval", str(out), "--threads", "1"]) == 1
     err = capsys.readouterr().err

@@ -53,10 +53,7 @@ def test_attention_mass_covers_every_source_and_sums_to_the_reads() -> None:
         ratio = model.cfg.compress_ratios[layer]
         assert m.shape == (2, 48 // ratio) and bool((m >= 0).all()) and float(m.sum()) > 0
         # each query's probabilities sum to at most 1 per head and layer reading the source
-        readers = [
-            i
-            for i in range(model.cfg.n_layers)
-            if model.cfg.kv_source_of(i) == layer and model.cfg.compress_ratios[i]
-        ]
+        readers = [i for i in range(model.cfg.n_layers) if model.cfg.kv_source_of(i) == layer
+                   and model.cfg.compress_ratios[i]]
         heads = model.cfg.n_heads
         assert float(m.sum(-1).max()) <= 48 * heads * len(readers) + 1e-3

@@ -207,6 +207,7 @@ def test_decode_many_refuses_bad_batches(model: Transformer) -> None:
     assert cfg_vocab > 0
 
 
+
 def test_the_experts_silu_gives_stacked_rows_their_lone_bits() -> None:
     """The premise of the batched passes' experts: SiLU over stacked contiguous rows gives each row the bits
     of the row alone when rows start on SIMD block boundaries (torch runs a contiguous run's full blocks of

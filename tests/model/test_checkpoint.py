@@ -52,11 +52,7 @@ def test_load_state_dict_conformance_checkpoint_dtypes():
     assert len(sd) == 944
     counts = collections.Counter(str(t.dtype).removeprefix("torch.") for t in sd.values())
     assert counts == {
-        "bfloat16": 89,
-        "float32": 101,
-        "float4_e2m1fn_x2": 288,
-        "float8_e4m3fn": 89,
-        "float8_e8m0fnu": 377,
+        "bfloat16": 89, "float32": 101, "float4_e2m1fn_x2": 288, "float8_e4m3fn": 89, "float8_e8m0fnu": 377,
     }
     # FP4 experts: logical [out, in] = [128, 256] stored as [out, in/2] two codes per byte, E8M0 per 32
     w1 = sd["layers.0.ffn.experts.0.w1.weight"]

@@ -31,15 +31,7 @@ def test_load_preset_v41_flash_schedule_matches_spec_table():
     assert cfg.draft_layers == range(40, 43)
     assert [cfg.layer_role(layer) for layer in cfg.draft_layers] == [R.SWA_ONLY] * 3
     assert [cfg.kv_source_of(layer) for layer in (0, 1, 2, 7, 13, 19, 20, 39, 40)] == [
-        None,
-        None,
-        2,
-        2,
-        8,
-        14,
-        20,
-        20,
-        None,
+        None, None, 2, 2, 8, 14, 20, 20, None,
     ]
     assert [cfg.index_source_of(layer) for layer in (3, 21, 25, 31, 39)] == [2, 20, 24, 28, 36]
     assert [layer for layer in range(43) if cfg.uses_candidates(layer)] == [24, 28, 32, 36]
@@ -94,12 +86,7 @@ def test_from_dict_missing_keys_take_reference_defaults():
     assert cfg == ModelConfig()
     assert cfg.n_mtp_layers == 1 and cfg.compress_ratios == (0, 2, 2, 1, 1, 0)
     assert [cfg.layer_role(layer) for layer in range(6)] == [
-        R.SWA_ONLY,
-        R.FULL,
-        R.REUSE,
-        R.FULL,
-        R.REUSE,
-        R.SWA_ONLY,
+        R.SWA_ONLY, R.FULL, R.REUSE, R.FULL, R.REUSE, R.SWA_ONLY,
     ]
     assert cfg.ced_split == 3 and not cfg.candidates_enabled
 

@@ -40,9 +40,8 @@ def _kvresume(*args: str) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).parent / "kvresume"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "orchestrator.cli"]
     env = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
-    return subprocess.run(
-        [*command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,18 +74,11 @@ def test_check_conformance_all_prompts_bitwise(vectors: Path) -> None:
 
 def _copy_prompt2(src: Path, dst: Path) -> None:
     dst.mkdir()
-    for name in (
-        "config.json",
-        "model.safetensors",
-        "p2_logits.safetensors",
-        "p2_cache_prefill.safetensors",
-        "p2_cache_decode.safetensors",
-    ):
+    for name in ("config.json", "model.safetensors", "p2_logits.safetensors", "p2_cache_prefill.safetensors",
+                 "p2_cache_decode.safetensors"):
         shutil.copy(src / name, dst / name)
-    save_file(
-        {"prompt2": load_file(str(src / "input_ids.safetensors"))["prompt2"]},
-        str(dst / "input_ids.safetensors"),
-    )
+    save_file({"prompt2": load_file(str(src / "input_ids.safetensors"))["prompt2"]},
+              str(dst / "input_ids.safetensors"))
 
 
 def _perturb(path: Path, name: str, index: tuple[int, ...]) -> None:
@@ -116,13 +108,8 @@ def test_model_check_cli_passes(vectors: Path, capsys: pytest.CaptureFixture[str
     ids=["logit", "prefill-cache", "decode-window"],
 )
 def test_model_check_cli_fails_naming_perturbed_tensor(
-    vectors: Path,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    file: str,
-    tensor: str,
-    index: tuple[int, ...],
-    named: str,
+    vectors: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str, tensor: str,
+    index: tuple[int, ...], named: str,
 ) -> None:
     folder = tmp_path / "vectors"
     _copy_prompt2(vectors, folder)
@@ -134,18 +121,8 @@ def test_model_check_cli_fails_naming_perturbed_tensor(
 
 
 def test_model_check_cli_missing_vectors_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(
-        [
-            "model",
-            "check",
-            "--checkpoint",
-            str(tmp_path),
-            "--vectors",
-            str(tmp_path / "nope"),
-            "--numerics",
-            _SUITE_PATH,
-        ]
-    )
+    rc = main(["model", "check", "--checkpoint", str(tmp_path), "--vectors", str(tmp_path / "nope"),
+               "--numerics", _SUITE_PATH])
     assert rc == 1
     assert "no vectors folder" in capsys.readouterr().err
 
@@ -186,21 +163,8 @@ def test_model_check_reruns_in_a_child_when_torch_is_loaded_without_the_profile(
 
 
 def test_model_check_native_claims_no_conformance(vectors: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(
-        [
-            "model",
-            "check",
-            "--checkpoint",
-            str(vectors),
-            "--vectors",
-            str(vectors),
-            "--prompts",
-            "2",
-            "--numerics",
-            "native",
-            "--json",
-        ]
-    )
+    rc = main(["model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--prompts", "2",
+               "--numerics", "native", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["conformance_claimed"] is False and doc["numerics"]["cpu_path"] == "native"
     # this process does run under the profile (conftest), so native agrees here; the verdict is the exit code
@@ -209,9 +173,8 @@ def test_model_check_native_claims_no_conformance(vectors: Path, capsys: pytest.
 
 @pytest.mark.skipif(_SUITE_PATH == "portable", reason="the portable profile's GEMM probe passes on this CPU")
 def test_model_check_refuses_portable_where_its_gemm_probe_fails(vectors: Path) -> None:
-    done = _kvresume(
-        "model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors), "--prompts", "2"
-    )
+    done = _kvresume("model", "check", "--checkpoint", str(vectors), "--vectors", str(vectors),
+                     "--prompts", "2")
     assert done.returncode != 0
     assert "the portable numerics profile is not exact on this CPU" in done.stderr
     assert "differs from the same rows" in done.stderr or "differs at 2 threads" in done.stderr

@@ -76,15 +76,8 @@ def test_transformer_triton_backend_matches_torch_interpreted() -> None:
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter is on in this process")
 def test_transformer_triton_backend_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"{__file__}::test_transformer_triton_backend_matches_torch_interpreted",
-    ]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
+           "test_transformer_triton_backend_matches_torch_interpreted"]
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     report = done.stdout[-4000:] + done.stderr[-2000:]
     assert done.returncode == 0 and " passed" in done.stdout, report

@@ -22,12 +22,8 @@ def test_kv_bytes_v41_flash_is_890_per_token():
     assert (b.main_entry_bytes, b.index_entry_bytes, b.window_entry_bytes) == (288, 68, 528)
     assert b.global_bytes_per_token == 890 and str(b.global_bytes_per_token) == "890"
     assert b.encoder_global_bytes_per_token == 534 and b.decoder_global_bytes_per_token == 356
-    assert [(s.layer, s.ratio, s.half) for s in b.sources] == [
-        (2, 2, "enc"),
-        (8, 2, "enc"),
-        (14, 2, "enc"),
-        (20, 1, "dec"),
-    ]
+    assert [(s.layer, s.ratio, s.half) for s in b.sources] == [(2, 2, "enc"), (8, 2, "enc"), (14, 2, "enc"),
+                                                               (20, 1, "dec")]
     # 40 x 128 x 528, half of it in the encoder; the 3 draft layers apart
     assert b.window_bytes_per_sequence == 2_703_360
     assert b.encoder_window_bytes_per_sequence == 1_351_680 == b.decoder_window_bytes_per_sequence
@@ -47,17 +43,8 @@ def test_kv_bytes_gpu_variant_matches_tiny():
     # V41_SPEC §10.3: same latent and index widths as tiny, so the same 212 B/token; W = 64 doubles windows
     gpu = ModelConfig.from_dict(
         load_preset("v41-tiny").to_dict()
-        | {
-            "dim": 512,
-            "n_heads": 8,
-            "q_lora_rank": 256,
-            "o_groups": 4,
-            "window_size": 64,
-            "index_n_heads": 8,
-            "index_topk": 64,
-            "candidate_topk_blocks": 8,
-            "candidate_block_size": 32,
-        }
+        | {"dim": 512, "n_heads": 8, "q_lora_rank": 256, "o_groups": 4, "window_size": 64, "index_n_heads": 8,
+           "index_topk": 64, "candidate_topk_blocks": 8, "candidate_block_size": 32}
     )
     b = kv_bytes(gpu)
     assert b.global_bytes_per_token == 212 and b.window_bytes_per_sequence == 12 * 64 * 132
@@ -67,15 +54,8 @@ def test_kv_bytes_fractional_geometry():
     # head_dim 64: main 32 + 4 = 36; index_head_dim 64: 32 + 2 = 34; entry 70.
     # sources: layer 1 ratio 3 (enc), layer 3 ratio 3 (enc), layer 4 ratio 1 (dec) -> 70/3 + 70/3 + 70
     cfg = ModelConfig(
-        n_layers=6,
-        n_mtp_layers=0,
-        compress_ratios=(0, 3, 3, 3, 1, 1),
-        kv_source_layers=(1, 3, 4),
-        index_source_layers=(1, 3, 4),
-        head_dim=64,
-        index_head_dim=64,
-        rope_head_dim=16,
-        window_size=8,
+        n_layers=6, n_mtp_layers=0, compress_ratios=(0, 3, 3, 3, 1, 1), kv_source_layers=(1, 3, 4),
+        index_source_layers=(1, 3, 4), head_dim=64, index_head_dim=64, rope_head_dim=16, window_size=8,
     )
     b = kv_bytes(cfg)
     assert b.global_bytes_per_token == Fraction(70 * 2, 3) + 70 == Fraction(350, 3)
@@ -93,14 +73,8 @@ def test_kv_bytes_v4_style_geometry_reconstructs_per_entry_formula():
     ratios = (0, 0) + (4, 128) * 20 + (4,)
     sources = tuple(range(2, 43))
     cfg = ModelConfig(
-        n_layers=43,
-        n_mtp_layers=0,
-        compress_ratios=ratios,
-        kv_source_layers=sources,
-        index_source_layers=sources,
-        head_dim=512,
-        rope_head_dim=64,
-        index_head_dim=128,
+        n_layers=43, n_mtp_layers=0, compress_ratios=ratios, kv_source_layers=sources,
+        index_source_layers=sources, head_dim=512, rope_head_dim=64, index_head_dim=128,
     )
     b = kv_bytes(cfg)
     assert b.global_bytes_per_token == 356 * (Fraction(21, 4) + Fraction(20, 128))
@@ -148,14 +122,8 @@ def test_kv_bytes_matches_closed_form_on_random_geometries(seed: int):
     kv = [*enc_sources, split]
     head_dim, index_head_dim = rng.choice([64, 128, 256, 512]), rng.choice([64, 128])
     cfg = ModelConfig(
-        n_layers=len(ratios),
-        n_mtp_layers=0,
-        compress_ratios=tuple(ratios),
-        kv_source_layers=tuple(kv),
-        index_source_layers=tuple(kv),
-        head_dim=head_dim,
-        index_head_dim=index_head_dim,
-        rope_head_dim=32,
+        n_layers=len(ratios), n_mtp_layers=0, compress_ratios=tuple(ratios), kv_source_layers=tuple(kv),
+        index_source_layers=tuple(kv), head_dim=head_dim, index_head_dim=index_head_dim, rope_head_dim=32,
     )
     b = kv_bytes(cfg)
     assert b.global_bytes_per_token == _closed_form(cfg)

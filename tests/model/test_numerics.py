@@ -41,12 +41,7 @@ def _plain_env() -> dict[str, str]:
 def _child(mode: str, folder: Path, cpu_path: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tests.model.numerics_child", mode, str(folder), cpu_path],
-        cwd=REPO,
-        env=_plain_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        cwd=REPO, env=_plain_env(), capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
@@ -66,14 +61,8 @@ def test_profile_label_names_every_field() -> None:
 
 @pytest.mark.parametrize(
     ("field", "bad"),
-    [
-        ("device", "tpu"),
-        ("dtype", "fp16"),
-        ("kernel_backend", "cuda-graphs"),
-        ("cpu_path", "avx512"),
-        ("math", "approximate"),
-        ("batching", "fast"),
-    ],
+    [("device", "tpu"), ("dtype", "fp16"), ("kernel_backend", "cuda-graphs"), ("cpu_path", "avx512"),
+     ("math", "approximate"), ("batching", "fast")],
 )
 def test_profile_rejects_unknown_values(field: str, bad: str) -> None:
     with pytest.raises(ValueError, match=f"numerics {field} must be one of .*{bad!r}"):

@@ -58,9 +58,8 @@ def test_evaluate_quality_every_path_on_a_random_model() -> None:
     tok = ByteTokenizer()
     filler = RandomFiller(256, tok.specials)
     corpus = np.random.default_rng(0).integers(tok.specials.count, 256, size=4000)
-    spec = QualitySpec(
-        episodes=2, batch=2, full_hit_episodes=1, lm_windows=1, lm_len=32, buckets=("8W",), kv=KV
-    )
+    spec = QualitySpec(episodes=2, batch=2, full_hit_episodes=1, lm_windows=1, lm_len=32, buckets=("8W",),
+                       kv=KV)
     res = evaluate_quality(model, tok, filler, corpus, spec)
     assert res["full_hit_identical"] is True and res["full_hit_checked"] == 1
     for path in PATHS:

@@ -24,13 +24,8 @@ from model.train import (
 
 def test_score_answers_exact_match_per_span() -> None:
     tok = ByteTokenizer()
-    ex = kv_recall(
-        tok,
-        np.random.default_rng(1),
-        KvRecallSpec(n_pairs=3, n_queries=3),
-        RandomFiller(272),
-        distances=[40, 300, 1200],
-    )
+    ex = kv_recall(tok, np.random.default_rng(1), KvRecallSpec(n_pairs=3, n_queries=3), RandomFiller(272),
+                   distances=[40, 300, 1200])
     perfect = ex.ids[1:]
     assert [r.correct for r in score_answers(perfect, ex.ids, ex.answers)] == [True] * 3
     wrong = perfect.copy()

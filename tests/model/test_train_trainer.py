@@ -30,11 +30,9 @@ def _capture(model: Transformer) -> tuple[dict[str, list[torch.Tensor]], list]:
     handles = []
     for i, blk in enumerate(model.layers):
         for name, mod in ((f"in{i}", blk.attn_norm), (f"out{i}", blk.attn.wo_b)):
-            handles.append(
-                mod.register_forward_hook(
-                    lambda _m, _i, out, name=name: rec.setdefault(name, []).append(out.detach().clone())
-                )
-            )
+            handles.append(mod.register_forward_hook(
+                lambda _m, _i, out, name=name: rec.setdefault(name, []).append(out.detach().clone())
+            ))
     return rec, handles
 
 
@@ -77,15 +75,11 @@ def test_train_pass_gradients_reach_every_trained_group() -> None:
     model = init_random(Transformer(sibling_config("v41-sib-s")), seed=2).float()
     tokens = torch.randint(16, 4096, (2, 48))
     out = train_pass(model, tokens, PassMode(sparse=False, qdq=True))
-    ce = torch.nn.functional.cross_entropy(
-        head_logits(model, out.hidden[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
-    )
+    ce = torch.nn.functional.cross_entropy(head_logits(model, out.hidden[:, :-1]).flatten(0, 1),
+                                           tokens[:, 1:].flatten())
     ce.backward(retain_graph=True)
-    missing = [
-        n
-        for n, p in model.named_parameters()
-        if p.grad is None and ".indexer." not in n and not n.endswith("gate.bias")
-    ]
+    missing = [n for n, p in model.named_parameters() if p.grad is None and ".indexer." not in n
+               and not n.endswith("gate.bias")]
     assert not missing, f"no LM gradient: {missing}"
     assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
     model.zero_grad(set_to_none=True)
@@ -104,16 +98,8 @@ def _stream(spec: TrainSpec) -> TrainStream:
 
 def _spec(steps: int = 3) -> TrainSpec:
     mix = default_mixture(batch_size=2, seq_len=96)
-    return TrainSpec(
-        model="v41-sib-s",
-        steps=steps,
-        mixture=mix,
-        warmup=1,
-        sparse_from=0.3,
-        qdq_from=0.6,
-        log_every=1,
-        save_every=2,
-    )
+    return TrainSpec(model="v41-sib-s", steps=steps, mixture=mix, warmup=1, sparse_from=0.3, qdq_from=0.6,
+                     log_every=1, save_every=2)
 
 
 def test_trainer_resume_continues_bit_identically(tmp_path) -> None:
@@ -173,14 +159,8 @@ def test_evidence_loss_matches_a_loop_twin() -> None:
     g = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(3, 4, 20, 20, generator=g), dim=-1)
     sel = torch.rand(3, 20, 20, generator=g) > 0.3
-    hints = torch.stack(
-        [
-            torch.randint(0, 3, (40,), generator=g),
-            torch.randint(0, 20, (40,), generator=g),
-            torch.randint(0, 20, (40,), generator=g),
-        ],
-        dim=-1,
-    )
+    hints = torch.stack([torch.randint(0, 3, (40,), generator=g), torch.randint(0, 20, (40,), generator=g),
+                         torch.randint(0, 20, (40,), generator=g)], dim=-1)
     want = [-np.log(float(p[b, :, q, e].mean()) + 1e-6) for b, q, e in hints.tolist() if sel[b, q, e]]
     got = _evidence_loss(p, sel, hints)
     assert got is not None and float(got) == pytest.approx(float(np.mean(want)), rel=1e-5)
@@ -203,11 +183,8 @@ def test_evidence_loss_trains_the_retrieval_path_only() -> None:
     assert any(n.startswith(f"layers.{src}.attn.wq_b") for n in touched)
     assert any(n.startswith(f"layers.{src}.attn.compressor") for n in touched)
     assert any(n.startswith("layers.0.") for n in touched)
-    above = [
-        n
-        for n in touched
-        if n.startswith("head") or any(n.startswith(f"layers.{i}.") for i in range(src + 1, cfg.n_layers))
-    ]
+    above = [n for n in touched if n.startswith("head") or any(
+        n.startswith(f"layers.{i}.") for i in range(src + 1, cfg.n_layers))]
     assert not above, above
     with pytest.raises(ValueError, match="candidate_source_layer"):
         no_pool = dataclasses.replace(cfg, candidate_source_layer=-1)

@@ -29,17 +29,8 @@ def _positions(ids: torch.Tensor, start: int, w: int, uses_ring: bool, p: int) -
 
 @pytest.mark.parametrize(
     ("start", "rows", "floor", "ring_from"),
-    [
-        (0, 5, 0, 0),
-        (0, 40, 0, 0),
-        (37, 1, 0, 0),
-        (37, 9, 30, 0),
-        (100, 50, 0, 90),
-        (5, 3, 0, 0),
-        (69, 3, 69, 0),
-        (72, 29, 69, 0),
-        (60, 4, 0, 64),
-    ],
+    [(0, 5, 0, 0), (0, 40, 0, 0), (37, 1, 0, 0), (37, 9, 30, 0), (100, 50, 0, 90), (5, 3, 0, 0),
+     (69, 3, 69, 0), (72, 29, 69, 0), (60, 4, 0, 64)],
 )
 def test_window_ids_canonical_match_naive_mask(start: int, rows: int, floor: int, ring_from: int) -> None:
     eff = max(floor, ring_from)

@@ -39,7 +39,7 @@ def test_help_documents_the_exit_codes(capsys) -> None:
         main(["--help"])
     assert info.value.code == EXIT_OK
     out = capsys.readouterr().out
-    section = out[out.index("exit codes:") :].split("\n\n")[0].splitlines()[1:]
+    section = out[out.index("exit codes:"):].split("\n\n")[0].splitlines()[1:]
     codes = {line.split()[0]: line for line in section if line.split()[0].isdigit()}
     assert sorted(codes) == ["0", "1", "2"]
     assert "success" in codes["0"] and "failure" in codes["1"] and "usage" in codes["2"]

@@ -327,17 +327,12 @@ def test_unknown_and_oversized_names_are_refused_at_once(node) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "model of 1048576 characters exceeds the limit of 128"
     sid = _session(node)
-    code, details = _details(
-        lambda: st.Turn(_turn_request(node, sid, _ids(1, 5), model="x" * 100_000), metadata=md())
-    )
-    assert (code, details) == (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "model of 100000 characters exceeds the limit of 128",
-    )
+    code, details = _details(lambda: st.Turn(_turn_request(node, sid, _ids(1, 5), model="x" * 100_000),
+                                             metadata=md()))
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
+                               "model of 100000 characters exceeds the limit of 128")
     code, details = _details(lambda: st.Turn(_turn_request(node, "s" * 100_000, _ids(1, 5)), metadata=md()))
-    assert (code, details) == (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "session_id of 100000 characters exceeds the limit of 128",
-    )
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,
+                               "session_id of 100000 characters exceeds the limit of 128")
     assert _state(node, sid) == (0, [])
     assert sessions() == before + 1

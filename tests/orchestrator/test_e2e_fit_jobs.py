@@ -60,22 +60,13 @@ def _retention_defaults() -> list[str]:
     return [n for n in ("min_retention", "min_retention_lower") if getattr(GateSpec(), n, None) is not None]
 
 
-def _start(
-    node_mappers: Any,
-    *,
-    budget: int = 512,
-    gate: mappers_pb2.FitGate | None = None,
-    metadata: Any = None,
-    **fields: Any,
-) -> Any:
+def _start(node_mappers: Any, *, budget: int = 512, gate: mappers_pb2.FitGate | None = None,
+           metadata: Any = None, **fields: Any) -> Any:
     request = mappers_pb2.StartFitRequest(
-        sender_model=fields.pop("sender", S),
-        receiver_model=fields.pop("receiver", L),
+        sender_model=fields.pop("sender", S), receiver_model=fields.pop("receiver", L),
         source=mappers_pb2.CalibrationSource(corpus=mappers_pb2.CalibrationCorpus(name="random", seed=7)),
-        budget_tokens=budget,
-        sequence_tokens=fields.pop("sequence_tokens", 128),
-        gate=gate if gate is not None else _gate(),
-        **fields,
+        budget_tokens=budget, sequence_tokens=fields.pop("sequence_tokens", 128),
+        gate=gate if gate is not None else _gate(), **fields,
     )
     return node_mappers.StartFit(request, metadata=metadata or admin_md())
 
@@ -128,13 +119,8 @@ def _err(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = start_node(
-        tmp_path_factory.mktemp("fit"),
-        _siblings(),
-        fit_max_running_jobs=1,
-        fit_max_queued_jobs=1,
-        fit_max_budget_tokens=200_000,
-    )
+    n = start_node(tmp_path_factory.mktemp("fit"), _siblings(), fit_max_running_jobs=1, fit_max_queued_jobs=1,
+                   fit_max_budget_tokens=200_000)
     try:
         yield n
     finally:
@@ -201,53 +187,28 @@ def test_bad_requests_have_their_status_and_reason(node: Node) -> None:
     code, reason, _ = _err(lambda: _start(m, sender="nope"))
     assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "MODEL_NOT_SERVED")
     code, reason, meta = _err(lambda: _start(m, budget=0))
-    assert (code, reason, meta.get("field")) == (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        "INVALID_ARGUMENT",
-        "budget_tokens",
-    )
+    assert (code, reason, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                                                 "budget_tokens")
     code, _, meta = _err(lambda: _start(m, budget=100))  # less than two sequences of 128
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "budget_tokens")
     code, reason, meta = _err(lambda: _start(m, budget=10_000_000))  # over fit_max_budget_tokens
-    assert (code, reason, meta.get("field")) == (
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "REQUEST_TOO_LARGE",
-        "budget_tokens",
-    )
+    assert (code, reason, meta.get("field")) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_LARGE",
+                                                 "budget_tokens")
     code, reason, _ = _err(lambda: m.ListJobs(mappers_pb2.ListJobsRequest(limit=5000), metadata=admin_md()))
     assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_LARGE")
     code, _, _ = _err(lambda: _start(m, sender=L))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code, _, meta = _err(
-        lambda: m.StartFit(
-            mappers_pb2.StartFitRequest(
-                sender_model=S,
-                receiver_model=L,
-                budget_tokens=512,
-                source=mappers_pb2.CalibrationSource(corpus=mappers_pb2.CalibrationCorpus(name="wiki")),
-            ),
-            metadata=admin_md(),
-        )
-    )
+    code, _, meta = _err(lambda: m.StartFit(mappers_pb2.StartFitRequest(
+        sender_model=S, receiver_model=L, budget_tokens=512,
+        source=mappers_pb2.CalibrationSource(corpus=mappers_pb2.CalibrationCorpus(name="wiki"))),
+        metadata=admin_md()))
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "source")
-    code, _, meta = _err(
-        lambda: m.StartFit(
-            mappers_pb2.StartFitRequest(sender_model=S, receiver_model=L, budget_tokens=512),
-            metadata=admin_md(),
-        )
-    )
+    code, _, meta = _err(lambda: m.StartFit(mappers_pb2.StartFitRequest(
+        sender_model=S, receiver_model=L, budget_tokens=512), metadata=admin_md()))
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "source")
-    code, _, meta = _err(
-        lambda: m.StartFit(
-            mappers_pb2.StartFitRequest(
-                sender_model=S,
-                receiver_model=L,
-                budget_tokens=512,
-                source=mappers_pb2.CalibrationSource(tokens_file="missing.json"),
-            ),
-            metadata=admin_md(),
-        )
-    )
+    code, _, meta = _err(lambda: m.StartFit(mappers_pb2.StartFitRequest(
+        sender_model=S, receiver_model=L, budget_tokens=512,
+        source=mappers_pb2.CalibrationSource(tokens_file="missing.json")), metadata=admin_md()))
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "source")
     code, _, _ = _err(lambda: _start(m, gate=mappers_pb2.FitGate(min_retention=0.9)))  # no episodes
     assert code == grpc.StatusCode.INVALID_ARGUMENT
@@ -266,11 +227,8 @@ def test_bad_requests_have_their_status_and_reason(node: Node) -> None:
         assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "FIT_JOB_NOT_FOUND")
     code, reason, _ = _err(lambda: m.GetJob(mappers_pb2.GetJobRequest(), metadata=admin_md()))
     assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
-    code, _, meta = _err(
-        lambda: m.StartFit(
-            mappers_pb2.StartFitRequest(resubmit_job_id="0" * 32, budget_tokens=512), metadata=admin_md()
-        )
-    )
+    code, _, meta = _err(lambda: m.StartFit(mappers_pb2.StartFitRequest(
+        resubmit_job_id="0" * 32, budget_tokens=512), metadata=admin_md()))
     assert (code, meta.get("field")) == (grpc.StatusCode.INVALID_ARGUMENT, "budget_tokens")
     # Fitting is an admin operation (as RegisterMapper): a tenant's token is refused, no token too.
     code, reason, _ = _err(lambda: _start(m, metadata=md()))
@@ -281,9 +239,8 @@ def test_bad_requests_have_their_status_and_reason(node: Node) -> None:
     assert code == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_cli_fit_and_list_through_the_api(
-    node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cli_fit_and_list_through_the_api(node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     target = f"127.0.0.1:{node.server.port}"
     monkeypatch.setenv("KVRESUME_ADMIN_TOKEN", ADMIN)
     out = tmp_path / "out.json"
@@ -295,30 +252,10 @@ def test_cli_fit_and_list_through_the_api(
         return rc, json.loads(out.read_text())
 
     # A gate no ridge meets: the job is REJECTED with its figures, and --require-gate makes it exit 1.
-    rc, job = run(
-        "mapper",
-        "fit",
-        "--target",
-        target,
-        "--sender",
-        S,
-        "--receiver",
-        L,
-        "--budget-tokens",
-        "512",
-        "--seed",
-        "3",
-        "--eval-prompts",
-        "1",
-        "--gate-attn-cosine",
-        "0.9999",
-        "--gate-next-token-kl",
-        "100",
-        "--gate-index-recall",
-        "0",
-        *[a for n in _retention_defaults() for a in ("--gate-off", n)],
-        "--require-gate",
-    )
+    rc, job = run("mapper", "fit", "--target", target, "--sender", S, "--receiver", L,
+                  "--budget-tokens", "512", "--seed", "3", "--eval-prompts", "1",
+                  "--gate-attn-cosine", "0.9999", "--gate-next-token-kl", "100", "--gate-index-recall", "0",
+                  *[a for n in _retention_defaults() for a in ("--gate-off", n)], "--require-gate")
     err = capsys.readouterr().err
     assert rc == 1 and job["phase"] == "FIT_JOB_PHASE_REJECTED" and job["passed_gate"] is False
     assert "attn_cosine_mean" in job["reason"] and job["metrics"]["attn_cosine_mean"] < 0.9999
@@ -347,20 +284,8 @@ def test_the_remote_cli_commands_load_no_model_stack(node: Node) -> None:
     from tests.orchestrator.test_cli_light import _heavy_loaded, _light
 
     admin = ["--target", f"127.0.0.1:{node.server.port}", "--token", ADMIN]
-    proc = _light(
-        "mapper",
-        "fit",
-        *admin,
-        "--sender",
-        S,
-        "--receiver",
-        L,
-        "--budget-tokens",
-        "512",
-        "--detach",
-        "--json",
-        "-",
-    )
+    proc = _light("mapper", "fit", *admin, "--sender", S, "--receiver", L, "--budget-tokens", "512",
+                  "--detach", "--json", "-")
     assert proc.returncode == 0, proc.stderr
     assert _heavy_loaded(proc) == []
     job = json.loads(proc.stdout)
@@ -375,20 +300,13 @@ def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     # The rows a node left when its process died mid-job (the kill -9 itself: the slow test below).
-    url = (
-        f"sqlite:///{tmp_path / 'registry.sqlite3'}"
-        if backend == "sqlite"
-        else request.getfixturevalue("postgres_url")
+    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}" if backend == "sqlite" else request.getfixturevalue(
+        "postgres_url"
     )
     upgrade(url)
     engine = make_engine(url)
-    sub = dict(
-        sender_model=S,
-        receiver_model=L,
-        source={"kind": "corpus", "name": "random", "seed": 1, "sequence_tokens": 128},
-        budget_tokens=512,
-        gate={"eval_prompts": 2, "task_episodes": 0},
-    )
+    sub = dict(sender_model=S, receiver_model=L, source={"kind": "corpus", "name": "random", "seed": 1,
+               "sequence_tokens": 128}, budget_tokens=512, gate={"eval_prompts": 2, "task_episodes": 0})
     with Session(engine) as s, s.begin():
         repo = FitJobRepository(s)
         mine = [repo.create(FitJobSubmission(**sub, node="n1")).id for _ in range(3)]
@@ -413,15 +331,11 @@ def test_a_node_starting_fails_its_unfinished_jobs_and_they_can_be_resubmitted(
         assert _phase(again) == "QUEUED" and again.resubmitted_from == mine[1] and again.node == "n1"
         assert again.source.corpus.seed == 1 and again.gate.eval_prompts == 2
         # Only an ended job is resubmitted; the running one is cancelled.
-        code, reason, _ = _err(
-            lambda: n.mappers.StartFit(
-                mappers_pb2.StartFitRequest(resubmit_job_id=again.job_id), metadata=admin_md()
-            )
-        )
+        code, reason, _ = _err(lambda: n.mappers.StartFit(
+            mappers_pb2.StartFitRequest(resubmit_job_id=again.job_id), metadata=admin_md()))
         assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "STATE_CHANGED")
-        code, reason, _ = _err(
-            lambda: n.mappers.CancelJob(mappers_pb2.CancelJobRequest(job_id=other), metadata=admin_md())
-        )
+        code, reason, _ = _err(lambda: n.mappers.CancelJob(
+            mappers_pb2.CancelJobRequest(job_id=other), metadata=admin_md()))
         assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "STATE_CHANGED")
         done = n.mappers.CancelJob(mappers_pb2.CancelJobRequest(job_id=again.job_id), metadata=admin_md())
         assert _phase(done) == "CANCELLED"
@@ -447,22 +361,8 @@ def test_a_retention_gated_job_records_its_task_seed_and_eval_refuses_it(node: N
     assert artifact.calibration["corpus"] == {"kind": "corpus", "name": "random", "seed": 7}
     # `kvresume mapper eval` refuses to re-score the artifact on the episodes that gated it.
     out = tmp_path / "eval.json"
-    assert (
-        cli_main(
-            [
-                "mapper",
-                "eval",
-                final.artifact_uri,
-                "--task-seed",
-                "77",
-                "--task-episodes",
-                "4",
-                "--json",
-                str(out),
-            ]
-        )
-        == 1
-    )
+    assert cli_main(["mapper", "eval", final.artifact_uri, "--task-seed", "77", "--task-episodes", "4",
+                     "--json", str(out)]) == 1
     assert not out.exists()
 
 
@@ -480,24 +380,9 @@ def _serve(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     }
     log = open(data_dir / "serve.log", "ab")  # noqa: SIM115 - the child owns it
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--json",
-            str(ready),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--data-dir", str(data_dir), "--port", "0",
+         "--metrics-port", "0", "--json", str(ready)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
     )
     deadline = time.monotonic() + 120
     while not ready.is_file():
@@ -525,9 +410,8 @@ def test_kill_9_of_the_node_marks_the_running_job_failed_and_it_can_be_resubmitt
             failed = c.mappers.GetJob(mappers_pb2.GetJobRequest(job_id=job.job_id), metadata=c.metadata)
             assert _phase(failed) == "FAILED" and failed.reason == "node restarted"
             assert failed.rows_done >= running.rows_done and failed.node == "fit-node"
-            again = c.mappers.StartFit(
-                mappers_pb2.StartFitRequest(resubmit_job_id=job.job_id), metadata=c.metadata
-            )
+            again = c.mappers.StartFit(mappers_pb2.StartFitRequest(resubmit_job_id=job.job_id),
+                                       metadata=c.metadata)
             assert again.resubmitted_from == job.job_id and again.budget_tokens == 60_000
             # It runs (a fresh child on the restarted node), then is cancelled to keep the test short.
             _wait(c.mappers, again.job_id, lambda j: _phase(j) == "RUNNING" and j.rows_done > 0)

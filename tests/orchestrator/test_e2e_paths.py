@@ -58,17 +58,9 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         new = _ids(rng, 80)
         t = run_turn(node, sid, new)
         assert t.path == "COLD_PREFILL" and t.plan.model == "a"
-        assert (
-            counts(t.plan.counts)
-            == counts(t.stats.counts)
-            == {
-                "cached": 0,
-                "replayed_encoder": 0,
-                "replayed_decoder": 0,
-                "prefilled": 80,
-                "mapped": 0,
-            }
-        )
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": 0, "replayed_decoder": 0, "prefilled": 80, "mapped": 0,
+        }
         assert t.tokens == uninterrupted_greedy(models, "a", new, 3)
         assert t.stats.persisted
         history += new + t.tokens
@@ -77,17 +69,10 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         new = _ids(rng, 20)
         t = run_turn(node, sid, new)
         assert t.path == "FULL_HIT", t.plan.reason
-        assert (
-            counts(t.plan.counts)
-            == counts(t.stats.counts)
-            == {
-                "cached": len(history),
-                "replayed_encoder": 0,
-                "replayed_decoder": WINDOW - 20,
-                "prefilled": 20,
-                "mapped": 0,
-            }
-        )
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": len(history), "replayed_encoder": 0, "replayed_decoder": WINDOW - 20, "prefilled": 20,
+            "mapped": 0,
+        }
         # (the session's state kept in memory; a cold prefill of the history equals it only up to
         # floating-point reordering, ARCHITECTURE §1)
         assert t.tokens == continued_greedy(models, "a", [(history[:80], 3), (new, 3)])[1]
@@ -100,17 +85,10 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         assert t.path == "GLOBAL_REPLAY", t.plan.reason
         assert "not in the pool" in t.plan.reason
         n = len(history)
-        assert (
-            counts(t.plan.counts)
-            == counts(t.stats.counts)
-            == {
-                "cached": n,
-                "replayed_encoder": n - replay_start(n),
-                "replayed_decoder": 0,
-                "prefilled": 40,
-                "mapped": 0,
-            }
-        )
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": n, "replayed_encoder": n - replay_start(n), "replayed_decoder": 0, "prefilled": 40,
+            "mapped": 0,
+        }
         history += new + t.tokens
 
         # switch to the sibling "b" with no mapper registered: an honest cold prefill on the receiver
@@ -118,17 +96,10 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         t = run_turn(node, sid, new, model="b")
         assert t.path == "COLD_PREFILL" and t.plan.model == "b"
         assert t.plan.reason == "no validated mapper for a -> b"
-        assert (
-            counts(t.plan.counts)
-            == counts(t.stats.counts)
-            == {
-                "cached": 0,
-                "replayed_encoder": 0,
-                "replayed_decoder": WINDOW - 10,
-                "prefilled": len(history) + 10,
-                "mapped": 0,
-            }
-        )
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": 0, "replayed_decoder": WINDOW - 10,
+            "prefilled": len(history) + 10, "mapped": 0,
+        }
         assert t.tokens == uninterrupted_greedy(models, "b", history + new, 3)
         history += new + t.tokens
 
@@ -136,12 +107,8 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         # measured here: the fraction of parts it copies code for code (its gate; identity is not fitted)
         a, b = models.get("a"), models.get("b")
         mapper = identity_mapper(
-            b.model.cfg,
-            a.model.cfg,
-            sender_name="b",
-            receiver_name="a",
-            sender_fingerprint=b.fingerprint,
-            receiver_fingerprint=a.fingerprint,
+            b.model.cfg, a.model.cfg, sender_name="b", receiver_name="a",
+            sender_fingerprint=b.fingerprint, receiver_fingerprint=a.fingerprint,
         )
         with torch.inference_mode():
             probe = prefill(b.model, torch.arange(16, 24).view(1, 8), mode="ced").state
@@ -152,15 +119,9 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         node.mappers.RegisterMapper(
             pb.mappers.RegisterMapperRequest(
                 mapper=pb.mappers.Mapper(
-                    mapper_id="id-b-a",
-                    sender_model="b",
-                    receiver_model="a",
-                    artifact_uri=str(artifact),
-                    artifact_sha256=read_metadata(artifact)["weights_sha256"],
-                    kind="identity",
-                    metrics={"copied_parts": copied},
-                    gate_metric="copied_parts",
-                    gate_threshold=1.0,
+                    mapper_id="id-b-a", sender_model="b", receiver_model="a", artifact_uri=str(artifact),
+                    artifact_sha256=read_metadata(artifact)["weights_sha256"], kind="identity",
+                    metrics={"copied_parts": copied}, gate_metric="copied_parts", gate_threshold=1.0,
                     passed_gate=copied >= 1.0,
                 )
             ),
@@ -174,17 +135,10 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
         assert t.path == "MODEL_SWAP", t.plan.reason
         assert t.plan.mapper_id == "id-b-a" and t.plan.source_model == "b" and t.plan.model == "a"
         n = len(history)
-        assert (
-            counts(t.plan.counts)
-            == counts(t.stats.counts)
-            == {
-                "cached": 0,
-                "replayed_encoder": n - replay_start(n),
-                "replayed_decoder": WINDOW - 12,
-                "prefilled": 12,
-                "mapped": n,
-            }
-        )
+        assert counts(t.plan.counts) == counts(t.stats.counts) == {
+            "cached": 0, "replayed_encoder": n - replay_start(n), "replayed_decoder": WINDOW - 12,
+            "prefilled": 12, "mapped": n,
+        }
         history += new + t.tokens
 
         # back on "a" with its own stored chunks (written after the swap) and pool windows
@@ -198,12 +152,7 @@ def _scenario(tmp_path: Path, models, database_url: str | None) -> None:
             assert SessionRepository(s).history(sid) == history
             rows = TurnRepository(s).list(sid)
             assert [str(r.path) for r in rows] == [
-                "COLD_PREFILL",
-                "FULL_HIT",
-                "GLOBAL_REPLAY",
-                "COLD_PREFILL",
-                "MODEL_SWAP",
-                "FULL_HIT",
+                "COLD_PREFILL", "FULL_HIT", "GLOBAL_REPLAY", "COLD_PREFILL", "MODEL_SWAP", "FULL_HIT",
             ]
             assert [r.model for r in rows] == ["a", "a", "a", "b", "a", "a"]
             assert all(r.persisted for r in rows)

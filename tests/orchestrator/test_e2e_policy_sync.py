@@ -106,11 +106,8 @@ def test_a_policy_row_the_store_refuses_does_not_stop_a_restart(tmp_path: Path) 
     engine = make_engine(f"sqlite:///{tmp_path / 'registry.sqlite3'}")
     with Session(engine) as s, s.begin():
         TenantRepository(s).ensure("acme")
-        s.add(
-            Policy(
-                tenant_id="acme", retention_floor_s=1.0, retention_ceiling_s=float("inf"), allowed_regions=[]
-            )
-        )
+        s.add(Policy(tenant_id="acme", retention_floor_s=1.0, retention_ceiling_s=float("inf"),
+                     allowed_regions=[]))
     engine.dispose()
     with capture_logs() as logs:
         second = start_node(tmp_path, models)

@@ -122,14 +122,8 @@ def test_the_gemm_probe_of_the_suites_path_passes_and_catches_a_row_dependent_pr
     suite_path = numerics_env.resolve_cpu_path("auto")
     if suite_path in numerics_env.PINNED_ENVS:
         env = {**numerics_env.os.environ, **numerics_env.PINNED_ENVS[suite_path]}
-        done = subprocess.run(
-            [sys.executable, "-m", "orchestrator.numerics_probe"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
+        done = subprocess.run([sys.executable, "-m", "orchestrator.numerics_probe"], env=env,
+                              capture_output=True, text=True, timeout=300, check=True)
         assert '"ok": true' in done.stdout, done.stdout
 
     # in this process, a product whose rows never depend on the call (an elementwise sum), with a batched

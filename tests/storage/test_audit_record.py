@@ -147,7 +147,7 @@ def test_seal_and_to_json_equal_their_reference_twins_on_random_records() -> Non
     import secrets
 
     rng = random.Random(secrets.randbits(64))
-    alphabet = 'abcXYZ09 _-:é"\\\n\u2603'
+    alphabet = "abcXYZ09 _-:é\"\\\n\u2603"
     prev = GENESIS_HASH
     for seq in range(1, 300):
         event = AuditEvent(

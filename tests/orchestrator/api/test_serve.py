@@ -55,20 +55,8 @@ def test_serve_cli_refuses_a_taken_port_before_loading_models(tmp_path, capsys) 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        rc = main(
-            [
-                "serve",
-                "--insecure-dev",
-                "--data-dir",
-                str(tmp_path),
-                "--port",
-                str(port),
-                "--metrics-port",
-                "0",
-                "--models",
-                "x=random:v41-tiny@1",
-            ]
-        )
+        rc = main(["serve", "--insecure-dev", "--data-dir", str(tmp_path), "--port", str(port),
+                   "--metrics-port", "0", "--models", "x=random:v41-tiny@1"])
     err = capsys.readouterr().err
     assert rc == 1
     assert f"gRPC address 127.0.0.1:{port} is not available" in err

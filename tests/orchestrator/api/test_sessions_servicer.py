@@ -162,7 +162,8 @@ def test_create_session_clips_retention_to_tenant_policy(service) -> None:
     assert accepted.session.retention_s == 600 and accepted.retention_outcome == c.RETENTION_OUTCOME_ACCEPTED
     defaulted = _create(service, "tok-acme")
     assert (
-        defaulted.session.retention_s == 3600 and defaulted.retention_outcome == c.RETENTION_OUTCOME_DEFAULTED
+        defaulted.session.retention_s == 3600
+        and defaulted.retention_outcome == c.RETENTION_OUTCOME_DEFAULTED
     )
 
 

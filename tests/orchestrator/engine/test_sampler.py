@@ -32,9 +32,8 @@ def test_sampler_tiny_temperature_is_greedy_not_nan() -> None:
     logits = [torch.randn(1, 97, generator=g) * 30 for _ in range(20)]
     for temperature in (1e-38, 1e-30, 1e-6):
         for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9)):
-            tiny = Sampler(
-                GenerationSpec(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
-            )
+            tiny = Sampler(GenerationSpec(max_new_tokens=1, temperature=temperature, top_k=top_k,
+                                          top_p=top_p, seed=7))
             assert [tiny(x) for x in logits] == [int(x.argmax()) for x in logits]
 
 

@@ -15,9 +15,8 @@ from orchestrator.jobs.child import calibration_sequences
 
 
 def _req(source: dict, budget: int = 512, t: int = 64) -> FitRequest:
-    return FitRequest(
-        sender_model="s", receiver_model="r", source=source, budget_tokens=budget, sequence_tokens=t
-    )
+    return FitRequest(sender_model="s", receiver_model="r", source=source, budget_tokens=budget,
+                      sequence_tokens=t)
 
 
 def test_random_rows_repeat_under_their_seed_and_evaluation_rows_differ(tmp_path: Path) -> None:
@@ -26,9 +25,8 @@ def test_random_rows_repeat_under_their_seed_and_evaluation_rows_differ(tmp_path
     assert rows.shape == (8, 64) and rows.dtype == torch.int64
     assert 0 <= int(rows.min()) < int(rows.max()) < 512
     assert torch.equal(rows, calibration_sequences(req, 512, tmp_path))
-    assert not torch.equal(
-        rows, calibration_sequences(_req({"kind": "corpus", "name": "random", "seed": 5}), 512, tmp_path)
-    )
+    assert not torch.equal(rows, calibration_sequences(_req({"kind": "corpus", "name": "random", "seed": 5}),
+                                                       512, tmp_path))
     held = calibration_sequences(req, 512, tmp_path, seed_offset=1000, n=8, t=64)
     assert not torch.equal(rows, held)
 
@@ -47,12 +45,8 @@ def test_a_tokens_file_gives_windows_in_order_and_evaluation_takes_them_from_the
     (tmp_path / "cal.json").write_text(json.dumps(seqs))
     req = _req({"kind": "tokens_file", "path": "cal.json"}, budget=160, t=40)  # 4 windows needed
     rows = calibration_sequences(req, 1000, tmp_path)
-    assert rows.tolist() == [
-        list(range(0, 40)),
-        list(range(40, 80)),
-        list(range(100, 140)),
-        list(range(140, 180)),
-    ]
+    assert rows.tolist() == [list(range(0, 40)), list(range(40, 80)), list(range(100, 140)),
+                             list(range(140, 180))]
     tail = calibration_sequences(req, 1000, tmp_path, seed_offset=1000, n=2, t=40)
     assert tail.tolist() == [list(range(300, 340)), list(range(340, 380))]
     with pytest.raises(ValueError, match="holds 8 windows of 40 tokens, 9 needed"):
@@ -61,8 +55,7 @@ def test_a_tokens_file_gives_windows_in_order_and_evaluation_takes_them_from_the
         calibration_sequences(req, 150, tmp_path)
     (tmp_path / "bad.json").write_text(json.dumps({"a": 1}))
     with pytest.raises(ValueError, match="a JSON list of token-id lists"):
-        calibration_sequences(
-            _req({"kind": "tokens_file", "path": "bad.json"}, budget=160, t=40), 1000, tmp_path
-        )
+        calibration_sequences(_req({"kind": "tokens_file", "path": "bad.json"}, budget=160, t=40), 1000,
+                              tmp_path)
     with pytest.raises(ValueError, match="is not a file on the server"):
         calibration_sequences(_req({"kind": "tokens_file", "path": "nope.json"}), 1000, tmp_path)

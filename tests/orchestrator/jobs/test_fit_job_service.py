@@ -63,16 +63,9 @@ _FAKE = textwrap.dedent(
 
 def _registration(passed: bool) -> dict:
     return {
-        "mapper_id": "s->r@abc",
-        "sender_model": "s",
-        "receiver_model": "r",
-        "artifact_uri": "/nowhere",
-        "artifact_sha256": "ab" * 32,
-        "kind": "linear",
-        "metrics": {"attn_cosine_mean": 0.95},
-        "gate_metric": "attn_cosine_mean",
-        "gate_threshold": 0.9,
-        "passed_gate": passed,
+        "mapper_id": "s->r@abc", "sender_model": "s", "receiver_model": "r", "artifact_uri": "/nowhere",
+        "artifact_sha256": "ab" * 32, "kind": "linear", "metrics": {"attn_cosine_mean": 0.95},
+        "gate_metric": "attn_cosine_mean", "gate_threshold": 0.9, "passed_gate": passed,
     }
 
 
@@ -82,20 +75,11 @@ def service(tmp_path: Path, sqlite_url: str) -> Iterator[tuple[FitJobService, Pa
     fake.write_text(_FAKE.format(python=sys.executable))
     fake.chmod(0o755)
     engine = make_engine(sqlite_url)
-    settings = Settings(
-        data_dir=tmp_path,
-        database_url=sqlite_url,
-        fit_max_running_jobs=1,
-        fit_max_queued_jobs=1,
-        model_numerics="native",
-    )
+    settings = Settings(data_dir=tmp_path, database_url=sqlite_url, fit_max_running_jobs=1,
+                        fit_max_queued_jobs=1, model_numerics="native")
     svc = FitJobService(
-        settings=settings,
-        sessions=make_session_factory(engine),
-        serializable=serializable_factory(engine),
-        node="n1",
-        model_sources={"s": "random:v41-tiny@1", "r": "random:v41-tiny@2"},
-        python=str(fake),
+        settings=settings, sessions=make_session_factory(engine), serializable=serializable_factory(engine),
+        node="n1", model_sources={"s": "random:v41-tiny@1", "r": "random:v41-tiny@2"}, python=str(fake),
     )
     try:
         yield svc, tmp_path
@@ -109,9 +93,8 @@ def _behave(data_dir: Path, **what: object) -> None:
 
 
 def _request() -> FitRequest:
-    return FitRequest(
-        sender_model="s", receiver_model="r", source={"kind": "corpus", "name": "random"}, budget_tokens=512
-    )
+    return FitRequest(sender_model="s", receiver_model="r", source={"kind": "corpus", "name": "random"},
+                      budget_tokens=512)
 
 
 def _final(svc: FitJobService, job_id: str) -> FitJobView:
@@ -144,13 +127,8 @@ def test_protocol_garbage_and_reported_errors_fail_the_job(service) -> None:
 
 def test_a_rejected_artifact_is_not_registered_and_a_passing_one_is(service) -> None:
     svc, d = service
-    _behave(
-        d,
-        kind="done",
-        passed=False,
-        failures=["attn_cosine_mean=0.1 fails min_attn_cosine=0.9"],
-        registration=_registration(False),
-    )
+    _behave(d, kind="done", passed=False, failures=["attn_cosine_mean=0.1 fails min_attn_cosine=0.9"],
+            registration=_registration(False))
     job = _final(svc, svc.start(_request(), actor="admin").job_id)
     assert job.phase == FitJobPhase.REJECTED and job.passed_gate is False and job.mapper_id == ""
     assert job.reason == "gate not passed: attn_cosine_mean=0.1 fails min_attn_cosine=0.9"
@@ -198,10 +176,8 @@ def test_a_final_phase_is_never_left(backend: str, request: pytest.FixtureReques
     engine = make_engine(url)
     with Session(engine) as s, s.begin():
         repo = FitJobRepository(s)
-        job = repo.create(
-            FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1, node="n1"),
-            rows_total=256,
-        )
+        job = repo.create(FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1,
+                                           node="n1"), rows_total=256)
         assert repo.progress(job.id, rows_done=10, rows_total=256, eta_s=2.0)
         with pytest.raises(ValueError, match="rows_done=300 of rows_total=256"):
             repo.progress(job.id, rows_done=300, rows_total=256, eta_s=None)
@@ -213,18 +189,14 @@ def test_a_final_phase_is_never_left(backend: str, request: pytest.FixtureReques
         with pytest.raises(ValueError, match="final phase"):
             repo.finish(job.id, FitJobPhase.RUNNING, reason="x")
         row = repo.get(job.id)
-        assert row is not None and (row.phase, row.reason, row.rows_done) == (
-            FitJobPhase.CANCELLED,
-            "cancelled by admin",
-            10,
-        )
+        assert row is not None and (row.phase, row.reason, row.rows_done) == (FitJobPhase.CANCELLED,
+                                                                                "cancelled by admin", 10)
         # Start-up recovery fails exactly the node's unfinished rows.
         sub = FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1, node="n1")
         queued, running = repo.create(sub).id, repo.create(sub).id
         repo.set_phase(running, FitJobPhase.RUNNING)
-        other = repo.create(
-            FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1, node="n2")
-        ).id
+        other = repo.create(FitJobSubmission(sender_model="s", receiver_model="r", source={}, budget_tokens=1,
+                                             node="n2")).id
         assert repo.fail_unfinished("n1", "node restarted") == 2
         s.expire_all()
         assert [(r.id, r.phase) for r in repo.unfinished("n2")] == [(other, FitJobPhase.QUEUED)]

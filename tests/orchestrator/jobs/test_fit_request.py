@@ -59,25 +59,12 @@ def test_bad_requests_name_the_bad_value(change: dict, match: str) -> None:
 
 
 def test_the_stored_form_round_trips_and_defaults_are_filled() -> None:
-    req = _req(
-        sequence_tokens=64,
-        gate={
-            "min_attn_cosine": 0.5,
-            "task_episodes": 8,
-            "task_seed": 9,
-            "disabled": ["min_retention_lower", "min_retention_lower"],
-        },
-    )
-    assert req.gate == {
-        "min_attn_cosine": 0.5,
-        "task_episodes": 8,
-        "eval_prompts": 2,
-        "task_seed": 9,
-        "disabled": ["min_retention_lower"],
-    }
-    again = FitRequest.from_stored(
-        sender_model="s", receiver_model="r", source=req.stored_source(), budget_tokens=1024, gate=req.gate
-    )
+    req = _req(sequence_tokens=64, gate={"min_attn_cosine": 0.5, "task_episodes": 8, "task_seed": 9,
+                                         "disabled": ["min_retention_lower", "min_retention_lower"]})
+    assert req.gate == {"min_attn_cosine": 0.5, "task_episodes": 8, "eval_prompts": 2, "task_seed": 9,
+                        "disabled": ["min_retention_lower"]}
+    again = FitRequest.from_stored(sender_model="s", receiver_model="r", source=req.stored_source(),
+                                   budget_tokens=1024, gate=req.gate)
     assert again == req and again.plan.sequence_tokens == 64
     assert FitRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
     assert set(GATE_THRESHOLDS) >= {k for k in req.gate if k.startswith(("min_", "max_"))}
@@ -87,9 +74,8 @@ def test_the_map_options_survive_storage_and_reach_the_fit_spec() -> None:
     from orchestrator.jobs.child import _fit_spec
 
     req = _req(fallback="mlp", attention_weighted=True)
-    again = FitRequest.from_stored(
-        sender_model="s", receiver_model="r", source=req.stored_source(), budget_tokens=1024, gate=req.gate
-    )
+    again = FitRequest.from_stored(sender_model="s", receiver_model="r", source=req.stored_source(),
+                                   budget_tokens=1024, gate=req.gate)
     assert again == req and FitRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
     spec = _fit_spec(again)
     assert spec.fallback == "mlp" and spec.attention_weighted is True
@@ -107,7 +93,7 @@ def test_events_are_one_checked_json_object_per_line() -> None:
     for bad, match in [
         ("not json", "not JSON"),
         ('{"event": "hello"}', "unknown event"),
-        ("[1]", "unknown event"),
+        ('[1]', "unknown event"),
         ('{"event": "progress", "rows_done": 11, "rows_total": 10}', "impossible progress"),
         ('{"event": "progress", "rows_done": "1", "rows_total": 10}', "impossible progress"),
         ('{"event": "phase", "phase": "succeeded"}', "unknown phase"),
