@@ -16,8 +16,9 @@ one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the
 (3) With `--model-load` (minutes; not part of any test suite): the real v41-sib-s checkpoint, many
 sessions at once (`benchmarks/service_model_load.py`), under the batching scheduler and under the
 serial baseline, side by side; one session alone under the batching scheduler; and the 64 sessions
-again with the models in a process of their own (`model_process = "separate"`, `c64_batching_separate`;
-the headline keys are the default, in-process runs).
+again with the models placed the other way (`model_process`: by default "separate", a model process of
+their own; the other run, `c64_batching_inline`, computes in the service's process). The headline keys
+are the default placement's runs.
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
@@ -77,6 +78,9 @@ POOL_TTL_S = 600.0
 CONCURRENCY = (1, 8, 64)
 # the gRPC server a node runs when its settings name none (the headline figures are its)
 DEFAULT_GRPC_SERVER = Settings.__dataclass_fields__["grpc_server"].default
+# where a node's models compute when its settings say nothing (the headline model runs), and the other
+DEFAULT_MODEL_PROCESS = Settings.__dataclass_fields__["model_process"].default
+OTHER_MODEL_PROCESS = {"separate": "inline", "inline": "separate"}[DEFAULT_MODEL_PROCESS]
 
 
 @dataclasses.dataclass
@@ -486,11 +490,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_load:
             other = [s for s in servers if s != headline_server]
             runs = [
-                ("c64_batching", "batching", args.model_sessions, "inline", headline_server),
-                ("c64_serial", "serial", args.model_sessions, "inline", headline_server),
-                ("c1_batching", "batching", 1, "inline", headline_server),
-                ("c64_batching_separate", "batching", args.model_sessions, "separate", headline_server),
-                *[(f"c64_batching_{s}", "batching", args.model_sessions, "inline", s) for s in other],
+                ("c64_batching", "batching", args.model_sessions, DEFAULT_MODEL_PROCESS, headline_server),
+                ("c64_serial", "serial", args.model_sessions, DEFAULT_MODEL_PROCESS, headline_server),
+                ("c1_batching", "batching", 1, DEFAULT_MODEL_PROCESS, headline_server),
+                # the other placement of the models, side by side
+                (
+                    f"c64_batching_{OTHER_MODEL_PROCESS}",
+                    "batching",
+                    args.model_sessions,
+                    OTHER_MODEL_PROCESS,
+                    headline_server,
+                ),  # fmt: skip
+                *[
+                    (f"c64_batching_{s}", "batching", args.model_sessions, DEFAULT_MODEL_PROCESS, s)
+                    for s in other
+                ],
             ]
             for name, scheduler, n, model_process, grpc_server in runs:
                 load[name] = model_load(
@@ -562,9 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         "numerics": numerics_record(),
     }
     out = table_stream(args.json)
-    print(
-        "per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn", file=out
-    )
+    print("per-turn service overhead (model = NO-OP STAND-IN), 64 new + 4 generated tokens per turn",
+          file=out)
     print(
         f"{'server':>7s} {'sessions':>8s} {'turns':>6s} {'p50 ms':>9s} {'p99 ms':>9s} {'turns/s':>8s} "
         f"{'cpu ms':>7s} {'commits':>8s} {'txns':>6s} {'batches':>8s} {'syncs':>6s}  (per turn)",
@@ -579,9 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['store_batches_per_turn']:>8.2f} {s['wal_syncs_per_turn']:>6.2f}",
             file=out,
         )
-    print(
-        "\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history", file=out
-    )
+    print("\nagent-session replay: time to first token, kvresume vs re-prefilling the whole history",
+          file=out)
     print(
         f"{'turn':>4s} {'path':<14s} {'prompt':>6s} {'kvresume ms':>11s} {'re-prefill ms':>13s} "
         f"{'ratio':>6s}",

@@ -112,10 +112,12 @@ class Settings:
     # token in one batch-invariant pass per step, plus prefill chunks under `step_token_budget`) or
     # "serial" (each forward pass alone, one at a time: the baseline). Both give identical tokens and bytes.
     scheduler: str = "batching"
-    # Where the served models compute: "inline" (in this process) or "separate" (a model process of
-    # their own, orchestrator/model_process/: the model's ops and the service's Python then do not share
-    # one GIL). Same tokens and bytes either way (the model process's fingerprints are checked).
-    model_process: str = "inline"
+    # Where the served models compute: "separate" (a model process of their own,
+    # orchestrator/model_process/: the model's ops and the service's Python then do not share one GIL;
+    # this process keeps the models' fingerprints, not their weights) or "inline" (in this process).
+    # Same tokens and bytes either way (the model process's fingerprints are checked). Default separate
+    # since session 16: orchestrator/README.md, "The model process", has the measurements.
+    model_process: str = "separate"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64
@@ -268,13 +270,8 @@ _INT_FIELDS = {
     "fit_max_budget_tokens",
 }
 _BOOL_FIELDS = {"metrics_enabled"}
-_FLOAT_FIELDS = {
-    "pool_ttl_s",
-    "retention_floor_s",
-    "retention_ceiling_s",
-    "audit_anchor_interval_s",
-    "orphan_grace_s",
-}
+_FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s",
+                 "orphan_grace_s"}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -30,6 +30,10 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     # the label names the cpu path the served models computed under, never "auto"
     assert "cpu=auto" not in doc["numerics_profile"] and "cpu=" in doc["numerics_profile"]
     assert doc["model_load"]["c64_serial"]["scheduler"] == "serial"
+    # the headline runs place the models as a node does by default; the other placement runs beside them
+    placements = {name: run["model_process"] for name, run in doc["model_load"].items()}
+    assert placements["c64_batching"] == placements["c64_serial"] == bench.DEFAULT_MODEL_PROCESS
+    assert placements[f"c64_batching_{bench.OTHER_MODEL_PROCESS}"] == bench.OTHER_MODEL_PROCESS
     assert doc["model_load"]["c64_batching"]["turns"] == 4
     # the batching run's steps, measured from the scheduler's metrics; the serial baseline runs none
     batching, serial = doc["model_load"]["c64_batching"], doc["model_load"]["c64_serial"]

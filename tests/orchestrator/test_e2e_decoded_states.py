@@ -57,10 +57,11 @@ def test_kept_state_equals_the_import_path(tmp_path: Path, models) -> None:
     fp = models.get(MODEL).fingerprint_hex
     rng = random.Random(11)
     parts = [_ids(rng, 150)] + [_ids(rng, rng.randrange(5, 40)) for _ in range(4)]
-    on = start_node(tmp_path / "on", models)
-    off = start_node(tmp_path / "off", models, decoded_state_budget_bytes=0)
+    # the model in this process on these three (the states below are compared tensor for tensor here)
+    on = start_node(tmp_path / "on", models, model_process="inline")
+    off = start_node(tmp_path / "off", models, decoded_state_budget_bytes=0, model_process="inline")
     # kept state, but every chunk read and verified each turn (the twin of serving it unread)
-    reads = start_node(tmp_path / "reads", models)
+    reads = start_node(tmp_path / "reads", models, model_process="inline")
     reads.service.engine._prep.kept_state_skips_reads = False
     # the model in a process of its own, which keeps the decoded state there (`RemoteKept` handles here)
     remote = start_node(tmp_path / "remote", models, model_process="separate")
