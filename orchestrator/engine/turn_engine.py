@@ -60,6 +60,7 @@ from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
+from orchestrator.model_process import ModelProcessError
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
 from orchestrator.scheduler import (
     PassWait,
@@ -466,25 +467,16 @@ class TurnEngine:
             status = TurnStatus.DONE
             if persisted:
                 assert outcome is not None
-                windows = self.compute.export_windows(served, state)
-                entry = pack_pool_entry(
-                    fingerprint=served.fingerprint, history=full, windows=windows, chunks=outcome.chunks
-                )
-                # Indexed by content: a later prompt of the tenant that starts with this history (another
-                # session's too: a stateless client resending the conversation) continues from here.
-                content = ContentKey.of(served.fingerprint_hex, full)
-                # Kept beside the pool entry it belongs to (before its put, which drops the previous one).
-                self.decoded.put(
-                    f.tenant_id,
-                    f.session_id,
-                    state,
-                    compute=self.compute,
-                    served=served,
-                    chunks=outcome.chunks,
-                    pool_value=entry,
-                )
-                if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
+                try:
+                    self._pool_turn_end(f, served, state, full, outcome.chunks)
+                except ModelProcessError as exc:
+                    # The turn is committed (its row, its links, its chunks): what failed would only have
+                    # sped up the next turn, which now starts from the stored chunks (a global-only
+                    # replay). Its stream still ends with its record, so no client retries a turn that
+                    # is in the history.
+                    log.warning("turn_end_not_pooled", error=str(exc))
                     self.decoded.discard(f.tenant_id, f.session_id)
+                    self.pool.discard(f.tenant_id, f.session_id)
             yield TurnStatsEvent(
                 turn_index=index,
                 ttft_s=ttft,
@@ -521,6 +513,29 @@ class TurnEngine:
             if status != TurnStatus.DONE:
                 self._abandon(f, turn_id, TurnStatus.FAILED)
             raise
+
+    def _pool_turn_end(
+        self, f: TurnFacts, served: ServedModel, state: Any, full: list[int], chunks: bytes
+    ) -> None:
+        """Pool the committed turn end's windows (and keep its decoded global KV beside them), so that
+        the next turn of the session is a full hit."""
+        windows = self.compute.export_windows(served, state)
+        entry = pack_pool_entry(fingerprint=served.fingerprint, history=full, windows=windows, chunks=chunks)
+        # Indexed by content: a later prompt of the tenant that starts with this history (another
+        # session's too: a stateless client resending the conversation) continues from here.
+        content = ContentKey.of(served.fingerprint_hex, full)
+        # Kept beside the pool entry it belongs to (before its put, which drops the previous one).
+        self.decoded.put(
+            f.tenant_id,
+            f.session_id,
+            state,
+            compute=self.compute,
+            served=served,
+            chunks=chunks,
+            pool_value=entry,
+        )
+        if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
+            self.decoded.discard(f.tenant_id, f.session_id)
 
     @staticmethod
     def _why_not_advanced(conn: Any, f: TurnFacts) -> None:

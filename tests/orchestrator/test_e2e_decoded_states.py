@@ -11,7 +11,9 @@ state.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 from orchestrator.engine import ModelRegistry
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.prefix_reuse import find_reuse
+from storage import PoolMiss
 from tests.orchestrator.engine.node_harness import (
     POOL_TTL_S,
     admin_md,
@@ -214,3 +217,42 @@ def _purge_expiry_isolation(tmp_path: Path, models, database_url: str | None) ->
         assert decoded.stats().bytes_used == 0
     finally:
         node.stop()
+
+
+def test_a_model_process_lost_after_the_commit_ends_the_turn_with_its_record(tmp_path: Path, models) -> None:
+    """The model process dies while a turn pools its committed end (windows export, kept state): the
+    stream still ends with the turn's stats (it is in the history, so no client should retry it), nothing
+    of that end is pooled or kept, and the next turn starts from the stored chunks on a new model process
+    with the tokens an uninterrupted node gives."""
+    rng = random.Random(5)
+    parts = [_ids(rng, 120), _ids(rng, 20), _ids(rng, 15)]
+    node = start_node(tmp_path / "separate", models, model_process="separate")
+    reference = start_node(tmp_path / "inline", models, model_process="inline")
+    try:
+        sid, ref = _new_session(node), _new_session(reference)
+        compute = node.service.engine.compute
+        export_windows = compute.export_windows
+
+        def dies_first(served, state):
+            os.kill(compute._proc.proc.pid, signal.SIGKILL)  # noqa: SLF001 - the model process dies here
+            compute._proc.proc.wait()  # noqa: SLF001
+            return export_windows(served, state)
+
+        first, want = run_turn(node, sid, parts[0], max_new=4), run_turn(reference, ref, parts[0], max_new=4)
+        assert first.tokens == want.tokens
+        compute.export_windows = dies_first
+        try:
+            second = run_turn(node, sid, parts[1], max_new=4)
+        finally:
+            compute.export_windows = export_windows
+        want = run_turn(reference, ref, parts[1], max_new=4)
+        assert second.path == "FULL_HIT" and second.tokens == want.tokens and second.stats.persisted
+        assert node.service.pool.get("acme", sid) == PoolMiss.ABSENT
+        assert node.service.engine.decoded.stats().entries == 0
+        third, want = run_turn(node, sid, parts[2], max_new=4), run_turn(reference, ref, parts[2], max_new=4)
+        assert third.path == "GLOBAL_REPLAY", third.plan.reason
+        assert third.tokens == want.tokens
+        assert compute.running(compute._proc.generation) and compute._proc.generation == 2  # noqa: SLF001
+    finally:
+        node.stop()
+        reference.stop()
