@@ -29,6 +29,7 @@ from orchestrator.db import make_engine, upgrade
 from orchestrator.db.models import FitJobPhase
 from orchestrator.db.repositories import FitJobRepository, FitJobSubmission
 from orchestrator.engine import ModelRegistry, ServedModelSpec
+from orchestrator.jobs import runner as job_runner
 from tests.orchestrator.engine.node_harness import ADMIN, Node, admin_md, md, start_node
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +128,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         n.stop()
 
 
-def test_a_job_is_watched_through_its_phases_and_registers_its_mapper(node: Node) -> None:
+def test_a_job_is_watched_through_its_phases_and_registers_its_mapper(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every progress line reaches SQL: the node's throttle (one write per 0.25 s, the last always) would
+    # otherwise leave only 0 and the total when the child captures this small budget faster than that
+    # (seen on a fast CPU), and the watch below checks that it streams the progress in between.
+    monkeypatch.setattr(job_runner, "_PROGRESS_INTERVAL_S", 0.0)
     job = _start(node.mappers)
     assert _phase(job) == "QUEUED" and job.rows_total == 512 and job.node and job.fallback == "none"
     states = list(node.mappers.WatchJob(mappers_pb2.WatchJobRequest(job_id=job.job_id), metadata=admin_md()))
