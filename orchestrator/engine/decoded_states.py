@@ -75,8 +75,12 @@ class TensorSources:
     n_tokens: int
     fields: dict[int, tuple[torch.Tensor, ...]]
     nbytes: int
-    # a kept state of this process is usable as long as it is held (a model process's may die)
-    usable: bool = True
+
+    @property
+    def usable(self) -> bool:
+        """Always: tensors of this process fill a state as long as they are held (a model process's
+        handle is not, once that process ended)."""
+        return True
 
     @classmethod
     def of(cls, state: ModelState) -> TensorSources:
@@ -118,20 +122,20 @@ class KeptDecoded(Protocol):
 class DecodedSources:
     """The decoded global KV of a history [0, n_tokens) whose stored chunks have digest `chunks`, as the
     compute that ran the turn kept it (`kept`: `TensorSources` in this process, a handle to them in a
-    model process). `fill` goes through that compute.
+    model process); that compute's `fill_decoded` writes it into a state.
     """
 
     fingerprint: bytes
-    n_tokens: int
     chunks: bytes
     kept: KeptDecoded
-    nbytes: int
 
-    @classmethod
-    def kept_by(cls, kept: KeptDecoded, *, fingerprint: bytes, chunks: bytes) -> DecodedSources:
-        return cls(
-            fingerprint=fingerprint, n_tokens=kept.n_tokens, chunks=chunks, kept=kept, nbytes=kept.nbytes
-        )
+    @property
+    def n_tokens(self) -> int:
+        return self.kept.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.kept.nbytes
 
     def matches(self, ranges: list[tuple[int, int]], payload_hashes: list[bytes]) -> bool:
         """Whether stored chunks of these ranges and payload digests are exactly what this decodes (and
@@ -139,11 +143,6 @@ class DecodedSources:
         if not ranges or ranges[-1][1] != self.n_tokens or not self.kept.usable:
             return False
         return chunks_digest_of(ranges, payload_hashes) == self.chunks
-
-    def fill(self, compute: Any, served: Any, state: Any) -> None:
-        """Write the decoded global KV into `state`, a fresh state of `compute`, as the import of the
-        chunks would (`compute.fill_decoded`)."""
-        compute.fill_decoded(served, state, self.kept)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +210,7 @@ class DecodedStates:
         kept = keep(served, state) if keep is not None else None
         if kept is None:
             return False
-        sources = DecodedSources.kept_by(kept, fingerprint=served.fingerprint, chunks=chunks)
+        sources = DecodedSources(fingerprint=served.fingerprint, chunks=chunks, kept=kept)
         with self._lock:
             self._drop((tenant, session))
             if sources.nbytes > self.budget_bytes:

@@ -163,7 +163,7 @@ def read_prefix(
         used_decoded = decoded.matches(ranges, hashes)
     if used_decoded:
         assert decoded is not None
-        decoded.fill(compute, served, state)
+        compute.fill_decoded(served, state, decoded.kept)
         appended, error = len(blobs), None
     else:
         # one import of every named chunk: linear in the history (chunk by chunk would be quadratic)

@@ -165,6 +165,12 @@ class ServedModel:
     pinned_alternates: frozenset[str] | None = None
     _reloaded: Transformer | None = field(default=None, repr=False)
 
+    def alternate_fingerprints(self) -> frozenset[str]:
+        """`pinned_alternates` of these weights: kept from before they were released, or computed now."""
+        if self.pinned_alternates is not None:
+            return self.pinned_alternates
+        return pinned_alternates(self.model, self.numerics)
+
     def weights(self) -> Transformer:
         """The model with its weights: `model`, or, when this process released them, a copy loaded on
         `device` at the first call and kept (a mapper that reads the receiver's weights, applied here)."""

@@ -17,7 +17,7 @@ import torch
 
 from mappers import KVMapper, applicability, apply_mapper, load_mapper, read_metadata
 from model import ModelState, state_from_global
-from orchestrator.engine.served_models import ServedModel, pinned_alternates
+from orchestrator.engine.served_models import ServedModel
 
 __all__ = ["MapperArtifact", "KVMapperApplier", "NoMappers", "ArtifactMappers", "registration_of"]
 
@@ -75,14 +75,6 @@ def _artifact_dir(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
-def _pinned_alternates(served: ServedModel) -> frozenset[str]:
-    """Hex fingerprints of `served`'s very weights and config under the other pinned CPU path (empty
-    when it computes under neither): kept from before its weights were released, or computed now."""
-    if served.pinned_alternates is not None:
-        return served.pinned_alternates
-    return pinned_alternates(served.model, served.numerics)
-
-
 class ArtifactMappers:
     """Applies registered mapper artifacts (`mappers.save_mapper` directories) with `mappers.apply_mapper`.
 
@@ -114,7 +106,7 @@ class ArtifactMappers:
             with self._lock:
                 alternates = self._alternates.get(served.fingerprint)
             if alternates is None:
-                alternates = _pinned_alternates(served)
+                alternates = served.alternate_fingerprints()
                 with self._lock:
                     self._alternates[served.fingerprint] = alternates
             if ref.fingerprint in alternates:

@@ -448,28 +448,25 @@ class ProcessCompute:
         weakref.finalize(handle, self._freed.append, (generation, kept_id))
         return handle
 
-    def fill_decoded(self, served: Any, state: RemoteState, kept: Any) -> None:
+    def _kid(self, kept: Any) -> int:
+        """The id there of what `keep_decoded` kept, checked to be of the running model process."""
         if not isinstance(kept, RemoteKept):
             raise TypeError(f"{type(kept).__name__} was not kept by the model process")
-        if kept.generation != state.generation:
+        if not self.running(kept.generation):
             raise ModelProcessError(
                 f"decoded state {kept.kept_id} was kept by an earlier model process, which ended"
             )
+        return kept.kept_id
+
+    def fill_decoded(self, served: Any, state: RemoteState, kept: Any) -> None:
         state.n_tokens = self._call(
-            "fill_decoded", served.name, self._sid(state), kept.kept_id, served=served, states=(state,)
+            "fill_decoded", served.name, self._sid(state), self._kid(kept), served=served, states=(state,)
         )
 
     def restore_decoded(self, served: Any, kept: Any, tokens: Sequence[int]) -> RemoteState:
         """`new_state`, `fill_decoded` and `seal_prefix` there in one call (a full hit's prefix state)."""
-        if not isinstance(kept, RemoteKept):
-            raise TypeError(f"{type(kept).__name__} was not kept by the model process")
-        proc = self._process()
-        if kept.generation != proc.generation:
-            raise ModelProcessError(
-                f"decoded state {kept.kept_id} was kept by an earlier model process, which ended"
-            )
         (sid, n), generation = self._call_at(
-            "restore_decoded", served.name, kept.kept_id, list(tokens), served=served
+            "restore_decoded", served.name, self._kid(kept), list(tokens), served=served
         )
         return self._handle(sid, n, generation)
 

@@ -188,16 +188,16 @@ class _Worker:
     def op_restore_decoded(self, model: str, kept_id: int, tokens: Sequence[int]) -> tuple[int, int]:
         """A fresh state filled from kept decoded global KV and sealed as `tokens` (one round trip for
         what the turn engine's full hit does in three: `engine.restore_decoded`)."""
-        served = self._served(model)
-        state = self.compute.new_state(served)
-        self.compute.fill_decoded(served, state, self._state(kept_id))
-        self.compute.seal_prefix(served, state, tokens)
+        from orchestrator.engine.model_compute import restore_decoded
+
+        state = restore_decoded(self.compute, self._served(model), self._state(kept_id), tokens)
         return self._keep(state), state.n_tokens
 
     def op_clone_with_windows(self, model: str, sid: int, blob: bytes) -> tuple[int, int]:
         """A copy of the state with the windows imported, kept only when they fit (CacheFormatError)."""
-        copy = self._state(sid).clone()
-        self.compute.import_windows(self._served(model), copy, blob)
+        from orchestrator.engine.model_compute import clone_with_windows
+
+        copy = clone_with_windows(self.compute, self._served(model), self._state(sid), blob)
         return self._keep(copy), copy.n_tokens
 
     def op_prefill(self, model: str, tokens: Sequence[int], sid: int | None, prompt_end: int) -> WireOutput:

@@ -92,7 +92,7 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     ranges = chunk_ranges(n, CHUNK)
     blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
     digest = chunks_digest(ranges, blobs)
-    kept = DecodedSources.kept_by(TensorSources.of(live), fingerprint=served.fingerprint, chunks=digest)
+    kept = DecodedSources(fingerprint=served.fingerprint, chunks=digest, kept=TensorSources.of(live))
     # the live state continues (its appends write past the kept views into the same buffers)
     with torch.inference_mode():
         decode(served.model, torch.tensor([5]), live.clone())
@@ -102,7 +102,7 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     assert done.failure is None and done.end == n
     fast = served.model.new_state(1)
     assert kept.matches(ranges, [hashlib.sha256(b).digest() for b in blobs])
-    kept.fill(TorchCompute(), served, fast)
+    _TORCH.fill_decoded(served, fast, kept.kept)
     _assert_states_equal(_sealed(served, fast, tokens), _sealed(served, slow, tokens))
 
 
@@ -113,8 +113,8 @@ def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
     ranges = chunk_ranges(100, CHUNK)
     blobs = [export_global(live, s, e, fingerprint=served.fingerprint) for s, e in ranges]
     hashes = [hashlib.sha256(b).digest() for b in blobs]
-    kept = DecodedSources.kept_by(
-        TensorSources.of(live), fingerprint=served.fingerprint, chunks=chunks_digest(ranges, blobs)
+    kept = DecodedSources(
+        fingerprint=served.fingerprint, chunks=chunks_digest(ranges, blobs), kept=TensorSources.of(live)
     )
     assert kept.matches(ranges, hashes)
     assert not kept.matches(ranges[:-1], hashes[:-1])  # a shorter prefix (tail expired or purged)
@@ -123,7 +123,7 @@ def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
     assert not kept.matches(ranges, other)
     assert not kept.matches([], [])
     with pytest.raises(ValueError, match="not a fresh state"):
-        kept.fill(TorchCompute(), served, live.clone())
+        _TORCH.fill_decoded(served, live.clone(), kept.kept)
 
 
 def _fake_state(served, n: int, seed: int) -> ModelState:
