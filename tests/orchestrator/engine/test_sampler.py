@@ -51,12 +51,18 @@ def test_greedy_sampler_equals_argmax_of_the_flat_fp32_row_on_random_logits() ->
     gen = torch.Generator().manual_seed(secrets.randbits(62))
     sampler = Sampler(GenerationSpec(max_new_tokens=1, temperature=0.0))
     for trial in range(200):
-        vocab = int(torch.randint(1, 700, (1,), generator=gen))
+        # now and then a real vocabulary's size (numpy's vectorised argmax runs in blocks)
+        vocab = int(torch.randint(1, 700, (1,), generator=gen)) if trial % 25 else 32000 + trial
         logits = torch.randn(2, vocab, generator=gen) * 4
         if trial % 3 == 0:
             logits = logits.round()  # many ties: the first maximal index must win alike
         if trial % 7 == 0:
             logits[:, : vocab // 2] = -torch.inf
+        if trial % 11 == 0:
+            # NaN counts as the maximum on both paths (the fp32 CPU path is numpy's argmax)
+            logits[:, torch.randint(0, vocab, (3,), generator=gen)] = torch.nan
+        if trial % 13 == 0:
+            logits[:, torch.randint(0, vocab, (2,), generator=gen)] = torch.inf
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for view in (logits[:1].to(dtype), logits[1].to(dtype), logits.to(dtype).t()[:, :1].t()):
                 want = int(view.reshape(-1).float().cpu().argmax())
