@@ -17,7 +17,9 @@ one synced SQLite commit, one synced RocksDB batch of one chunk, measured in the
 sessions at once (`benchmarks/service_model_load.py`), under the batching scheduler and under the
 serial baseline, side by side; one session alone under the batching scheduler; and the 64 sessions
 again with the models placed the other way (`model_process`: by default "separate", a model process of
-their own; the other run, `c64_batching_inline`, computes in the service's process). The headline keys
+their own; the other run, `c64_batching_inline`, computes in the service's process), and once more with
+the model process and the service on any CPU (`c64_batching_unpinned`: `model_process_cpus = "none"`;
+the default runs pin them apart as `kvresume serve` does, orchestrator/cpu_split.py). The headline keys
 are the default placement's runs.
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
@@ -66,7 +68,7 @@ from benchmarks.concurrency import run_clients
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
 from benchmarks.service_anchors import measure_anchors
-from benchmarks.service_model_load import ASYNC_POOL_WORKERS, model_load
+from benchmarks.service_model_load import ASYNC_POOL_WORKERS, DEFAULT_MODEL_PROCESS_CPUS, model_load
 from model import CacheFormatError, NumericsProfile, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
@@ -499,24 +501,33 @@ def main(argv: list[str] | None = None) -> int:
         load: dict[str, Any] = {}
         if args.model_load:
             other = [s for s in servers if s != headline_server]
+            sessions, default_cpus = args.model_sessions, DEFAULT_MODEL_PROCESS_CPUS
             runs = [
-                ("c64_batching", "batching", args.model_sessions, DEFAULT_MODEL_PROCESS, headline_server),
-                ("c64_serial", "serial", args.model_sessions, DEFAULT_MODEL_PROCESS, headline_server),
-                ("c1_batching", "batching", 1, DEFAULT_MODEL_PROCESS, headline_server),
+                ("c64_batching", "batching", sessions, DEFAULT_MODEL_PROCESS, headline_server, default_cpus),
+                ("c64_serial", "serial", sessions, DEFAULT_MODEL_PROCESS, headline_server, default_cpus),
+                ("c1_batching", "batching", 1, DEFAULT_MODEL_PROCESS, headline_server, default_cpus),
                 # the other placement of the models, side by side
                 (
                     f"c64_batching_{OTHER_MODEL_PROCESS}",
                     "batching",
-                    args.model_sessions,
+                    sessions,
                     OTHER_MODEL_PROCESS,
                     headline_server,
+                    default_cpus,
                 ),  # fmt: skip
                 *[
-                    (f"c64_batching_{s}", "batching", args.model_sessions, DEFAULT_MODEL_PROCESS, s)
+                    (f"c64_batching_{s}", "batching", sessions, DEFAULT_MODEL_PROCESS, s, default_cpus)
                     for s in other
                 ],
+                # the model process and the service's threads on any CPU (no split), side by side
+                *(
+                    [("c64_batching_unpinned", "batching", sessions, DEFAULT_MODEL_PROCESS, headline_server,
+                      "none")]  # fmt: skip
+                    if default_cpus != "none" and DEFAULT_MODEL_PROCESS == "separate"
+                    else []
+                ),
             ]
-            for name, scheduler, n, model_process, grpc_server in runs:
+            for name, scheduler, n, model_process, grpc_server, cpus in runs:
                 load[name] = model_load(
                     root / f"load-{name}",
                     args.checkpoint,
@@ -525,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                     turns=args.model_turns,
                     model_process=model_process,
                     grpc_server=grpc_server,
+                    model_process_cpus=cpus,
                 )
                 # each run takes minutes: its figures reach stderr at once, whatever happens later
                 print(f"model load {name}: {json.dumps(load[name])}", file=sys.stderr, flush=True)

@@ -20,18 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from benchmarks.concurrency import run_clients
 from orchestrator.api import build_server
+from orchestrator.cpu_split import CpuSplit, enter_cpu_split
 from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
 from orchestrator.settings import Settings
 
-__all__ = ["ASYNC_POOL_WORKERS", "model_load"]
+__all__ = ["ASYNC_POOL_WORKERS", "DEFAULT_MODEL_PROCESS_CPUS", "model_load"]
 
 _TENANTS = ("bench-a", "bench-b", "bench-c", "bench-d")
 # The asyncio server's pool in every benchmark run, whatever the concurrency: its turns hold no thread
 # while they wait for passes (measured: 2, 8 and 64 workers gave the same turns/s at 64 no-op sessions).
 ASYNC_POOL_WORKERS = 8
+# the CPU split `kvresume serve` applies when its settings say nothing (orchestrator/cpu_split.py)
+DEFAULT_MODEL_PROCESS_CPUS = Settings.__dataclass_fields__["model_process_cpus"].default
 
 
 def _registry(checkpoint: Path) -> ModelRegistry:
@@ -61,8 +65,13 @@ def model_load(
     generated: int = 4,
     model_process: str = "inline",
     grpc_server: str = "threads",
+    model_process_cpus: str = DEFAULT_MODEL_PROCESS_CPUS,
 ) -> dict[str, Any]:
-    """One load run; raises RuntimeError when any turn fails."""
+    """One load run; raises RuntimeError when any turn fails.
+
+    `model_process_cpus` is applied as `kvresume serve` applies it (`cpu_split.enter_cpu_split`): with
+    a model process, this process is pinned to the service's CPUs for the run and unpinned after it.
+    """
     settings = Settings(
         data_dir=root,
         tenant_tokens={t: f"tok-{t}" for t in _TENANTS},
@@ -78,9 +87,31 @@ def model_load(
         scheduler=scheduler,
         model_process=model_process,
         grpc_server=grpc_server,
+        model_process_cpus=model_process_cpus,
     )
     registry = _registry(checkpoint)
-    node = build_node(settings, registry=registry, preload=True)
+    split, unpin = enter_cpu_split(
+        model_process_cpus, model_process=model_process, model_threads=torch.get_num_threads()
+    )
+    try:
+        return _run(settings, registry, split, sessions=sessions, turns=turns, first_tokens=first_tokens,
+                    generated=generated)  # fmt: skip
+    finally:
+        unpin()
+
+
+def _run(
+    settings: Settings,
+    registry: ModelRegistry,
+    split: CpuSplit | None,
+    *,
+    sessions: int,
+    turns: int,
+    first_tokens: int,
+    generated: int,
+) -> dict[str, Any]:
+    scheduler, model_process, grpc_server = settings.scheduler, settings.model_process, settings.grpc_server
+    node = build_node(settings, registry=registry, preload=True, model_cpus=split.model if split else ())
     server = build_server(node.ctx, host="127.0.0.1", port=0)
     pb = node.ctx.stubs
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -137,6 +168,8 @@ def model_load(
     return {
         "scheduler": scheduler,
         "model_process": model_process,
+        "model_process_cpus": sorted(split.model) if split else None,
+        "service_cpus": sorted(split.service) if split else None,
         "grpc_server": grpc_server,
         "grpc_workers": settings.grpc_workers,
         "sessions": sessions,

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cpu_split import check_cpu_spec
+
 __all__ = ["Settings", "load_settings", "SETTINGS_VERSION"]
 
 SETTINGS_VERSION = 1
@@ -118,6 +120,12 @@ class Settings:
     # Same tokens and bytes either way (the model process's fingerprints are checked). Default separate
     # since session 16: orchestrator/README.md, "The model process", has the measurements.
     model_process: str = "separate"
+    # CPUs of the model process (with model_process = "separate"), applied by `kvresume serve` and the
+    # benchmarks, never by a library call: "auto" (on Linux with two or more CPUs: the model process takes
+    # one CPU per model thread, never all of them, and the service's process keeps the rest), "none" (no
+    # pinning), or the model process's CPUs as Linux writes them ("3", "2-3"), the service keeping the
+    # others. Measured: 64 sessions on 2 cores, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
+    model_process_cpus: str = "auto"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64
@@ -206,6 +214,7 @@ class Settings:
             raise ValueError(f"grpc_server={self.grpc_server!r} must be 'async' or 'threads'")
         if self.model_process not in ("inline", "separate"):
             raise ValueError(f"model_process={self.model_process!r} must be 'inline' or 'separate'")
+        check_cpu_spec(self.model_process_cpus)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

@@ -14,12 +14,13 @@ import dataclasses
 import ipaddress
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from orchestrator.cli.numerics_flag import add_numerics_flag, enter_numerics
 from orchestrator.cli.output import add_json_flag, text_stream, write_json
 from orchestrator.cli.settings_flags import add_settings_flags, settings_from_args
+from orchestrator.cpu_split import enter_cpu_split
 from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings
 
@@ -80,6 +81,7 @@ def serve(
     on_ready: Callable[[ServiceContext, RunningServer, int | None], None] | None = None,
     preload: bool = False,
     on_http_ready: Callable[[RunningHttpServer], None] | None = None,
+    model_cpus: Collection[int] = (),
 ) -> None:
     """Run the service until `stop` is set: registry migrated, store and pool opened, models registered,
     the turn engine wired, gRPC server, metrics endpoint, and the HTTP API when `settings.http_port` is set.
@@ -88,6 +90,8 @@ def serve(
         on_ready: called once serving, with the context, the server and the metrics port (None: off).
         preload: load every served model before serving (else each on its first turn).
         on_http_ready: called before `on_ready` with the HTTP server, when one is served.
+        model_cpus: the model process's CPUs (`cpu_split.enter_cpu_split`, which pinned this process to
+            the others); empty: no pinning.
     """
     import structlog
 
@@ -95,7 +99,7 @@ def serve(
     from orchestrator.engine import build_node
 
     log = structlog.get_logger(__name__)
-    node = build_node(settings, maintenance=True, preload=preload)
+    node = build_node(settings, maintenance=True, preload=preload, model_cpus=model_cpus)
     ctx = node.ctx
     running = build_server(ctx)
     metrics_server = None
@@ -193,7 +197,18 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    configure_torch(settings.model_numerics, threads=settings.torch_threads or len(os.sched_getaffinity(0)))
+    threads = settings.torch_threads or len(os.sched_getaffinity(0))
+    # The model process on CPUs of its own and this process on the others (the setting's measurements:
+    # orchestrator/cpu_split.py). Before torch starts its threads here, so that they inherit the pinning;
+    # build_node gives the model process at most one thread per CPU of its own.
+    split, _ = enter_cpu_split(
+        settings.model_process_cpus,
+        model_process=settings.model_process,
+        model_threads=settings.torch_threads,
+    )
+    if split is not None:
+        log.info("cpu_split", model_process_cpus=sorted(split.model), service_cpus=sorted(split.service))
+    configure_torch(settings.model_numerics, threads=threads)
     log.info("numerics_profile", **profile_report(settings.model_numerics))
 
     http_ports: list[int] = []
@@ -216,7 +231,14 @@ def _run(args: argparse.Namespace) -> int:
               f"(region {settings.region}{metrics}); Ctrl-C stops", file=text_stream(args.json), flush=True)
         write_json(doc, args.json)
 
-    serve(settings, stop, on_ready=on_ready, preload=True, on_http_ready=lambda h: http_ports.append(h.port))
+    serve(
+        settings,
+        stop,
+        on_ready=on_ready,
+        preload=True,
+        on_http_ready=lambda h: http_ports.append(h.port),
+        model_cpus=split.model if split is not None else (),
+    )
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import structlog
@@ -239,6 +239,7 @@ def build_node(
     compute: ModelCompute | None = None,
     preload: bool = False,
     prefill_chunk_tokens: int = 1024,
+    model_cpus: Collection[int] = (),
 ) -> NodeService:
     """Open the registry, the store (under `data_dir/kv`), the pool and the models; wire the engine.
 
@@ -251,6 +252,9 @@ def build_node(
         compute: the model operations (default: the real model; benchmarks pass a no-op stand-in).
         preload: load every served model now (else on its first turn, inside that turn's latency).
         prefill_chunk_tokens: longest prompt slice run in one forward pass.
+        model_cpus: the CPUs of the model process (`model_process = "separate"`, default compute), one
+            torch thread each at most: an entry point's `cpu_split.enter_cpu_split`, which pinned this
+            process to the others. Empty: no pinning.
 
     Raises:
         ValueError: a served-model source or a chunk size that does not fit the models' ratios.
@@ -328,8 +332,12 @@ def build_node(
         CostTable.load(settings.calibration_file) if settings.calibration_file is not None else CostTable()
     )
     if compute is None:
+        threads = torch.get_num_threads()
         compute = (
-            ProcessCompute.from_registry(registry, threads=torch.get_num_threads())
+            # one thread per CPU of its own at most: more would take turns on the same cores
+            ProcessCompute.from_registry(
+                registry, threads=min(threads, len(model_cpus)) if model_cpus else threads, cpus=model_cpus
+            )
             if settings.model_process == "separate"
             else TorchCompute()
         )

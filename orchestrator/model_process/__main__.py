@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 
+from orchestrator.cpu_split import pin_process
 from orchestrator.model_process.wire import loads
 from orchestrator.model_process.worker import WorkerConfig, serve_forever
 
@@ -22,6 +23,9 @@ def _watch_parent() -> None:
 def main() -> int:
     line = sys.stdin.buffer.readline()
     config: WorkerConfig = loads(bytes.fromhex(line.decode().strip()))
+    if config.cpus:
+        # before the models load and torch starts its threads (each inherits its creator's CPUs)
+        pin_process(config.cpus)
     threading.Thread(target=_watch_parent, name="kvresume-model-lifeline", daemon=True).start()
     serve_forever(config)
     return 0

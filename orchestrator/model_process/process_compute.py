@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
@@ -185,6 +185,7 @@ class ProcessCompute:
         specs, device, kernel_backend, cpu_path, linear_math: the served models, as the parent's
             `ModelRegistry` has them (`from_registry` takes them from one).
         threads: torch intra-op threads of the model process.
+        cpus: the CPUs the model process pins itself to (orchestrator/cpu_split.py); empty: none.
         connections: most calls in flight at once.
         start_timeout_s: how long a start may take (importing torch, loading the models).
     """
@@ -198,6 +199,7 @@ class ProcessCompute:
         cpu_path: str = "portable",
         linear_math: str = "exact",
         threads: int = 1,
+        cpus: Collection[int] = (),
         connections: int = 8,
         python: str | None = None,
         start_timeout_s: float = 120.0,
@@ -206,7 +208,7 @@ class ProcessCompute:
             raise ValueError(f"connections={connections} must be >= 1")
         self._config_args = dict(
             specs=dict(specs), device=device, kernel_backend=kernel_backend, cpu_path=cpu_path,
-            linear_math=linear_math, threads=threads,
+            linear_math=linear_math, threads=threads, cpus=tuple(sorted(cpus)),
         )  # fmt: skip
         self._connections = connections
         self._python = python or sys.executable
@@ -219,7 +221,9 @@ class ProcessCompute:
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
 
     @classmethod
-    def from_registry(cls, registry: Any, *, threads: int = 1, connections: int = 8) -> ProcessCompute:
+    def from_registry(
+        cls, registry: Any, *, threads: int = 1, cpus: Collection[int] = (), connections: int = 8
+    ) -> ProcessCompute:
         return cls(
             specs={name: registry.spec(name) for name in registry.names},
             device=registry.device,
@@ -227,6 +231,7 @@ class ProcessCompute:
             cpu_path=registry.cpu_path,
             linear_math=registry.linear_math,
             threads=threads,
+            cpus=cpus,
             connections=connections,
         )
 

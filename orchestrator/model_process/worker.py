@@ -45,6 +45,8 @@ class WorkerConfig:
     linear_math: str
     threads: int
     authkey: bytes
+    # the CPUs this process pins itself to before torch loads (orchestrator/cpu_split.py); empty: none
+    cpus: tuple[int, ...] = ()
 
 
 class _Worker:

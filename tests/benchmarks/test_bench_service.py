@@ -5,6 +5,7 @@ headline keys. Slow: about a minute and a half on the 2-core VM (the 64-session 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -21,6 +22,7 @@ HEADLINE = (
 @pytest.mark.slow
 def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     path = tmp_path / "service.json"
+    before = os.sched_getaffinity(0)
     rc = bench.main(["--turns", "4", "--overhead-turns", "2", "--model-load", "--model-sessions", "2",
                      "--model-turns", "2", "--json", str(path)])  # fmt: skip
     assert rc in (0, None)
@@ -35,6 +37,17 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     assert placements["c64_batching"] == placements["c64_serial"] == bench.DEFAULT_MODEL_PROCESS
     assert placements[f"c64_batching_{bench.OTHER_MODEL_PROCESS}"] == bench.OTHER_MODEL_PROCESS
     assert doc["model_load"]["c64_batching"]["turns"] == 4
+    # the default runs split the CPUs as `kvresume serve` does (where there are two to split); the
+    # unpinned arm runs beside them
+    if len(os.sched_getaffinity(0)) >= 2 and bench.DEFAULT_MODEL_PROCESS == "separate":
+        for name in ("c64_batching", "c64_serial", "c1_batching"):
+            run = doc["model_load"][name]
+            assert run["model_process_cpus"] and run["service_cpus"], name
+            assert not set(run["model_process_cpus"]) & set(run["service_cpus"]), name
+        unpinned = doc["model_load"]["c64_batching_unpinned"]
+        assert unpinned["model_process_cpus"] is None and unpinned["turns"] == 4
+    # and leave this process on every CPU it had
+    assert os.sched_getaffinity(0) == before
     # the batching run's steps, measured from the scheduler's metrics; the serial baseline runs none
     batching, serial = doc["model_load"]["c64_batching"], doc["model_load"]["c64_serial"]
     assert batching["steps"] > 0 and batching["decodes_per_step"] >= 1

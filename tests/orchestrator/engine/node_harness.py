@@ -100,6 +100,8 @@ def start_node(
     database_url: str | None = None,
     region: str = "eu-1",
     prefill_chunk_tokens: int = 1024,
+    model_cpus: Any = (),
+    preload: bool = False,
     **settings: Any,
 ) -> Node:
     s = Settings(
@@ -118,7 +120,14 @@ def start_node(
         **settings,
     )
     clock = ManualClock()
-    service = build_node(s, registry=models, pool_clock=clock, prefill_chunk_tokens=prefill_chunk_tokens)
+    service = build_node(
+        s,
+        registry=models,
+        pool_clock=clock,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        model_cpus=model_cpus,
+        preload=preload,
+    )
     server = build_server(service.ctx, host="127.0.0.1", port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     return Node(service=service, server=server, channel=channel, pool_clock=clock)
