@@ -91,7 +91,10 @@ def model_load(
     )
     registry = _registry(checkpoint)
     split, unpin = enter_cpu_split(
-        model_process_cpus, model_process=model_process, model_threads=torch.get_num_threads()
+        model_process_cpus,
+        model_process=model_process,
+        model_threads=torch.get_num_threads(),
+        device=settings.model_device,
     )
     try:
         return _run(settings, registry, split, sessions=sessions, turns=turns, first_tokens=first_tokens,

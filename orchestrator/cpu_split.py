@@ -70,15 +70,22 @@ def _affinity_supported() -> bool:
     return hasattr(os, "sched_getaffinity") and hasattr(os, "sched_setaffinity")
 
 
-def plan_cpu_split(spec: str, *, model_threads: int, allowed: Iterable[int] | None = None) -> CpuSplit | None:
+def plan_cpu_split(
+    spec: str, *, model_threads: int, allowed: Iterable[int] | None = None, device: str = "cpu"
+) -> CpuSplit | None:
     """The split `spec` asks for on this machine, or None for no pinning.
 
     Args:
-        spec: "none"; "auto": with two or more CPUs allowed to this process, the model process takes the
-            last `model_threads` of them (0: all but one), never all, and the service the rest; else a
-            CPU list for the model process, the service keeping the other allowed CPUs.
-        model_threads: the model's intra-op threads (the model process gets one CPU per thread).
+        spec: "none"; "auto": for models computing on the CPU with two or more CPUs allowed to this
+            process, the service keeps the first quarter of them (at least one) and the model process
+            takes the rest, or only the last `model_threads` of the rest when that is fewer (measured on
+            2 CPUs only, where this is one each); else a CPU list for the model process, the service
+            keeping the other allowed CPUs.
+        model_threads: the model's intra-op threads (0: as many as it may have; the model process gets at
+            most one CPU per thread).
         allowed: the CPUs this process may run on (default: its current affinity).
+        device: where the models compute; on an accelerator "auto" splits nothing (the model process
+            there mostly launches kernels, and no measurement says what its share should be).
 
     Raises:
         ValueError: naming the value, for a list on an OS without CPU affinity, CPUs this process may not
@@ -93,9 +100,10 @@ def plan_cpu_split(spec: str, *, model_threads: int, allowed: Iterable[int] | No
         raise ValueError(f"model_process_cpus={spec!r}: this operating system offers no CPU affinity")
     usable = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
     if spec == "auto":
-        if len(usable) < 2:
+        if len(usable) < 2 or device != "cpu":
             return None
-        take = model_threads if 0 < model_threads < len(usable) else len(usable) - 1
+        rest = len(usable) - max(1, -(-len(usable) // 4))
+        take = min(model_threads, rest) if model_threads > 0 else rest
         model = frozenset(usable[-take:])
     else:
         model = parse_cpu_list(spec)
@@ -153,7 +161,7 @@ def pin_process(cpus: Iterable[int]) -> Callable[[], None]:
 
 
 def enter_cpu_split(
-    spec: str, *, model_process: str, model_threads: int
+    spec: str, *, model_process: str, model_threads: int, device: str = "cpu"
 ) -> tuple[CpuSplit | None, Callable[[], None]]:
     """For an entry point: plan the split and pin this process's threads to the service's CPUs, when the
     models compute in a model process ("separate"; inline there is nothing to split). Returns the split
@@ -162,7 +170,9 @@ def enter_cpu_split(
     Raises:
         ValueError: an explicit list this machine cannot honour (`plan_cpu_split`).
     """
-    split = plan_cpu_split(spec, model_threads=model_threads) if model_process == "separate" else None
+    if model_process != "separate":
+        return None, lambda: None
+    split = plan_cpu_split(spec, model_threads=model_threads, device=device)
     if split is None:
         return None, lambda: None
     return split, pin_process(split.service)

@@ -121,10 +121,11 @@ class Settings:
     # since session 16: orchestrator/README.md, "The model process", has the measurements.
     model_process: str = "separate"
     # CPUs of the model process (with model_process = "separate"), applied by `kvresume serve` and the
-    # benchmarks, never by a library call: "auto" (on Linux with two or more CPUs: the model process takes
-    # one CPU per model thread, never all of them, and the service's process keeps the rest), "none" (no
-    # pinning), or the model process's CPUs as Linux writes them ("3", "2-3"), the service keeping the
-    # others. Measured: 64 sessions on 2 cores, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
+    # benchmarks, never by a library call: "auto" (models on the CPU, Linux, two or more CPUs: the
+    # service's process keeps the first quarter of them, at least one, and the model process the rest, at
+    # most one per model thread; on an accelerator no pinning), "none" (no pinning), or the model process's
+    # CPUs as Linux writes them ("3", "2-3"), the service keeping the others. Measured: 64 sessions on 2
+    # CPUs, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
     model_process_cpus: str = "auto"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").

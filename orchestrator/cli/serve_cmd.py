@@ -205,6 +205,7 @@ def _run(args: argparse.Namespace) -> int:
         settings.model_process_cpus,
         model_process=settings.model_process,
         model_threads=settings.torch_threads,
+        device=settings.model_device,
     )
     if split is not None:
         log.info("cpu_split", model_process_cpus=sorted(split.model), service_cpus=sorted(split.service))

@@ -56,15 +56,24 @@ def test_the_plan_gives_the_model_process_its_threads_worth_of_cpus_never_all() 
     assert plan_cpu_split("auto", model_threads=1, allowed=two) == CpuSplit(frozenset({1}), frozenset({0}))
     # 0 threads: every core the model may have, which is all but the service's one
     assert plan_cpu_split("auto", model_threads=0, allowed=two) == CpuSplit(frozenset({1}), frozenset({0}))
+    # the service keeps the first quarter (at least one CPU), the model process the rest or fewer
     eight = set(range(8))
     assert plan_cpu_split("auto", model_threads=0, allowed=eight) == CpuSplit(
-        frozenset(range(1, 8)), frozenset({0})
+        frozenset(range(2, 8)), frozenset({0, 1})
     )
     assert plan_cpu_split("auto", model_threads=2, allowed=eight) == CpuSplit(
         frozenset({6, 7}), frozenset(range(6))
     )
     assert plan_cpu_split("auto", model_threads=8, allowed=eight) == CpuSplit(
-        frozenset(range(1, 8)), frozenset({0})
+        frozenset(range(2, 8)), frozenset({0, 1})
+    )
+    assert plan_cpu_split("auto", model_threads=0, allowed={0, 1, 2}) == CpuSplit(
+        frozenset({1, 2}), frozenset({0})
+    )
+    # models on an accelerator: "auto" pins nothing, an explicit list still applies
+    assert plan_cpu_split("auto", model_threads=1, allowed=eight, device="cuda") is None
+    assert plan_cpu_split("7", model_threads=1, allowed=eight, device="cuda") == CpuSplit(
+        frozenset({7}), frozenset(range(7))
     )
     # the allowed set need not start at 0 nor be contiguous (a container's cpuset)
     assert plan_cpu_split("auto", model_threads=1, allowed={4, 9}) == CpuSplit(frozenset({9}), frozenset({4}))
