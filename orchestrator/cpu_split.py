@@ -26,6 +26,9 @@ from dataclasses import dataclass
 __all__ = ["CpuSplit", "check_cpu_spec", "enter_cpu_split", "parse_cpu_list", "pin_process", "plan_cpu_split"]
 
 _LIST_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+# Above any CPU id Linux numbers (its NR_CPUS is at most 8192): a typo like "0-4000000000" is refused, not
+# expanded into billions of ids.
+_MAX_CPU_ID = 65535
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         last = int(m.group(2)) if m.group(2) is not None else first
         if last < first:
             raise ValueError(f"model_process_cpus={text!r}: range {item.strip()!r} runs backwards")
+        if last > _MAX_CPU_ID:
+            raise ValueError(f"model_process_cpus={text!r}: CPU id {last} is beyond {_MAX_CPU_ID}")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
 

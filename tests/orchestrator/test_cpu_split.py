@@ -49,6 +49,9 @@ def test_cpu_lists_parse_as_linux_writes_them() -> None:
             parse_cpu_list(bad)
     with pytest.raises(ValueError, match="range '3-1' runs backwards"):
         parse_cpu_list("3-1")
+    # refused at once, not expanded into billions of ids
+    with pytest.raises(ValueError, match="CPU id 4000000000 is beyond 65535"):
+        parse_cpu_list("0-4000000000")
 
 
 def test_the_plan_gives_the_model_process_its_threads_worth_of_cpus_never_all() -> None:
