@@ -123,9 +123,10 @@ class NoOpCompute:
         self._w = window
         self._group = group
         self._kept_per_token = kept_bytes_per_token
-        # One read-only row of zero logits per vocabulary size, shared by every pass: allocating and
-        # zeroing a fresh one per pass (128 kB at v41-tiny's vocabulary) cost about 27 us a pass inside
-        # the service, a cost of this stand-in that a real model's output does not have.
+        # One read-only row of zero logits per vocabulary size, shared by every pass: a fresh one per pass
+        # cost about 27 us a pass inside the service (cProfile, one session; the op is tiny at v41-tiny's
+        # 512 ids, but torch lets go of the GIL for it and the turn's thread then waits to get it back
+        # from the gRPC and client threads), a cost of this stand-in that a real model's output lacks.
         self._zero_logits: dict[int, torch.Tensor] = {}
 
     def _logits(self, served: ServedModel) -> torch.Tensor:
