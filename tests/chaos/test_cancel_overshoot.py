@@ -2,16 +2,17 @@
 
 Real node at the default scheduling settings (batching, the default step_token_budget, prefill slices of
 at most 1024 tokens, so at most one budget per step), loopback gRPC, one served model. A long prefill
-(8192 tokens) runs alone; then either its gRPC deadline passes (1 s) or the owner calls Abort after 1 s.
-The overshoot is the time from the deadline (or the Abort's return) until the turn no longer runs in
-the server (its session's running-turn handle is gone, so a retry would be admitted). The target is
-one bounded step: a step of one budget of prefill tokens is timed in the same run, and the overshoot
-must stay within one step plus the turn's own unwind (about 0.5 s here). Figures go to the chaos report under
-`cancel_overshoot_<model>`.
+(8192 tokens, or more where steps are fast: four deadlines' worth of steps) runs alone; then either its
+gRPC deadline passes (1 s) or the owner calls Abort after 1 s. The overshoot is the time from the
+deadline (or the Abort's return) until the turn no longer runs in the server (its session's running-turn
+handle is gone, so a retry would be admitted). The target is one bounded step: a step of one budget of
+prefill tokens is timed in the same run, and the overshoot must stay within one step plus the turn's own
+unwind (about 0.5 s here). Figures go to the chaos report under `cancel_overshoot_<model>`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -91,13 +92,17 @@ def _measure(
                 if event.WhichOneof("event") == "stats":
                     steps.append(event.stats.ttft_s)
         step_s = statistics.median(steps[1:])
+        # Long enough to be still prefilling when the deadline passes, on a fast machine too: at least
+        # four deadlines' worth of steps (on session 17's machine 8192 tokens of v41-sib-s took under
+        # the 1 s deadline, and the turn ended before it).
+        prompt = max(PROMPT, budget * math.ceil(4 * DEADLINE_S / step_s))
 
         deadline_overshoot = []
         for _ in range(reps):
             sid = new_session()
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
-                for _ in sessions.Turn(request(sid, PROMPT), metadata=MD, timeout=DEADLINE_S):
+                for _ in sessions.Turn(request(sid, prompt), metadata=MD, timeout=DEADLINE_S):
                     pass
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             deadline_overshoot.append(_ended(service, start + DEADLINE_S))
@@ -105,7 +110,7 @@ def _measure(
         abort_overshoot = []
         for _ in range(reps):
             sid = new_session()
-            stream = sessions.Turn(request(sid, PROMPT), metadata=MD)
+            stream = sessions.Turn(request(sid, prompt), metadata=MD)
 
             def drain(stream=stream) -> None:
                 try:
@@ -128,7 +133,7 @@ def _measure(
         service.close()
     figures = {
         "model": spec.source,
-        "prompt_tokens": PROMPT,
+        "prompt_tokens": prompt,
         "deadline_s": DEADLINE_S,
         "step_token_budget": budget,
         "step_ttft_s_median": round(step_s, 4),
