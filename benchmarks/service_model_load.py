@@ -7,7 +7,9 @@ the run's wall time, the engine's TTFT p99 (stats.ttft_s), the mean scheduler qu
 pass, and aggregate decode tokens/s (generated tokens over wall time); for the batching scheduler also
 its steps, the mean decode batch, the CPU time of the threads that ran the steps per turn (in-process:
 the model's arithmetic and Python; with a model process only this side's) and the steps' wall time over
-that CPU time (above 1: the steps waited for the GIL the service's threads hold, or for a core).
+that CPU time (above 1: the steps waited for the GIL the service's threads hold, or for a core); and the
+CPU per turn of this process (the service with the in-process clients) and of the model process, in all
+and by operation (its own accounting), which say which of the two bounds the run.
 """
 
 from __future__ import annotations
@@ -155,7 +157,13 @@ def _run(
             with lock:
                 errors.append(f"{exc.code().name}: {exc.details()}")
 
+    # With a model process, its own accounting before and after the run (the model's CPU is there)
+    model_stats = getattr(node.engine.compute, "stats", None)
+    model0 = model_stats() if model_stats is not None else None
+    cpu0 = time.process_time()
     wall = run_clients(session, sessions)
+    service_cpu = time.process_time() - cpu0
+    model1 = model_stats() if model_stats is not None else None
     metrics = node.ctx.metrics
     wait_sum, wait_count = _sum_count(metrics.queue_wait)
     step_wall, steps = _sum_count(metrics.step_seconds)
@@ -188,4 +196,22 @@ def _run(
         "decodes_per_step": decoded / decode_steps if decode_steps else None,
         "step_cpu_ms_per_turn": step_cpu / len(latencies) * 1e3 if steps else None,
         "step_wall_over_cpu": step_wall / step_cpu if step_cpu else None,
+        # this process (the service and the benchmark's in-process clients), and the model process
+        "service_cpu_ms_per_turn": service_cpu / len(latencies) * 1e3,
+        **_model_process_cpu(model0, model1, len(latencies)),
+    }
+
+
+def _model_process_cpu(before: dict | None, after: dict | None, turns: int) -> dict[str, Any]:
+    """The model process's CPU per turn over the run, in all and by operation (`ProcessCompute.stats`;
+    None without a model process)."""
+    if before is None or after is None:
+        return {"model_process_cpu_ms_per_turn": None, "model_ops_cpu_ms_per_turn": None}
+    ops = {
+        op: (cpu - before["ops"].get(op, (0, 0.0, 0.0))[1]) / turns * 1e3
+        for op, (_, cpu, _) in after["ops"].items()
+    }
+    return {
+        "model_process_cpu_ms_per_turn": (after["process_cpu_s"] - before["process_cpu_s"]) / turns * 1e3,
+        "model_ops_cpu_ms_per_turn": {op: ms for op, ms in sorted(ops.items(), key=lambda kv: -kv[1]) if ms},
     }

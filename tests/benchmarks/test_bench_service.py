@@ -54,6 +54,15 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     # one thread runs a step, so its CPU time never exceeds the step's wall time
     assert batching["step_cpu_ms_per_turn"] > 0 and batching["step_wall_over_cpu"] >= 0.95
     assert serial["steps"] == 0 and serial["step_wall_over_cpu"] is None
+    # which process bounds a run: this one's CPU per turn, and the model process's in all and by operation
+    for name, run in doc["model_load"].items():
+        assert run["service_cpu_ms_per_turn"] > 0, name
+        if run["model_process"] == "separate":
+            ops = run["model_ops_cpu_ms_per_turn"]
+            assert run["model_process_cpu_ms_per_turn"] >= sum(ops.values()) * 0.9, name
+            assert "decode_many" in ops or "decode" in ops, name
+        else:
+            assert run["model_process_cpu_ms_per_turn"] is None, name
     # both gRPC servers side by side: the headline's sweeps are the default server's
     assert set(doc["overhead_by_grpc_server"]) == {"threads", "async"}
     assert {s["grpc_server"] for s in doc["overhead"]} == {doc["grpc_server"]}
