@@ -95,7 +95,9 @@ def _measure(
         # Long enough to be still prefilling when the deadline passes, on a fast machine too: at least
         # four deadlines' worth of steps (on session 17's machine 8192 tokens of v41-sib-s took under
         # the 1 s deadline, and the turn ended before it).
-        prompt = max(PROMPT, budget * math.ceil(4 * DEADLINE_S / step_s))
+        # At most the node's turn limit: a longer prompt would be refused (RESOURCE_EXHAUSTED), not timed.
+        limit = service.ctx.settings.max_turn_tokens
+        prompt = min(max(PROMPT, budget * math.ceil(4 * DEADLINE_S / step_s)), limit)
 
         deadline_overshoot = []
         for _ in range(reps):
