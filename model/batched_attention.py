@@ -36,7 +36,7 @@ from kernels import (
     select_topk,
     sparse_attn,
 )
-from model.append_buffer import append_rows
+from model.append_buffer import append_rows_many
 from model.attention import Attention, ProjectedRows
 from model.invariant import rowwise_linear
 from model.rope import apply_rope
@@ -55,11 +55,18 @@ class Selection:
             first index source.
         widths: each sequence's K, min(index_topk, visible entries) as its lone pass has.
         candidates: [N, 1, P] int64 candidate pool of the candidate source, or None.
+        picked, picked_source: the rows `ids` name in source layer `picked_source`'s KV, per sequence
+            (`attend_rows` gathers them once per source and selections; only the layer that writes that
+            source, or one that publishes new selections, gathers them again).
     """
 
     ids: torch.Tensor | None = None
     widths: list[int] | None = None
     candidates: torch.Tensor | None = None
+    # the global rows the selections name in one source (kv_source_of), gathered per sequence: a later
+    # layer of the half that reads the same source with the same selections reads the same rows
+    picked: list[torch.Tensor] | None = None
+    picked_source: int | None = None
 
 
 def batchable(model, state: ModelState) -> bool:
@@ -86,8 +93,8 @@ def batchable(model, state: ModelState) -> bool:
 
 def _apart(t: torch.Tensor) -> list[torch.Tensor]:
     """Rows of a stacked [N, ...] result as N tensors [1, ...] with storage of their own, so that a state
-    never pins the memory of the other sequences of a step."""
-    return [r.clone() for r in t.split(1)]
+    never pins the memory of the other sequences of a step (`split_copy`: one call, not a clone per row)."""
+    return list(torch.split_copy(t, 1))
 
 
 def _write_ring(layer: int, old: torch.Tensor, rows: ProjectedRows, states: Sequence[ModelState],
@@ -135,24 +142,27 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence
             ck, cs = carry_kv[pick], carry_score[pick]
             pooled = (ck * cs.softmax(dim=1)).sum(dim=1, keepdim=True)  # [G, 1, D]
             latent = comp.norm(pooled.to(x.dtype))
-    fresh: dict[int, dict[str, torch.Tensor]] = {}
+    extra: dict[str, torch.Tensor] = {}
     if closing:
         pick = torch.tensor(closing, device=x.device)
         # batchable states hold entries [0, start // m): the closing entry is start // m, never stored yet
         freqs = table[starts[pick] // m * m].unsqueeze(1)  # [G, 1, rope/2] at each entry's position j*m
         extra = attn.entry_fields(latent, freqs, backend=backend)
-        for j, i in enumerate(closing):
-            fresh[i] = {name: t[j : j + 1] for name, t in extra.items()}
+    # each closing source's new entry appended as append_rows would, every field of all of them in one call
+    appended: dict[int, dict[str, torch.Tensor]] = {i: {} for i in closing}
+    for name, t in extra.items():
+        grown = append_rows_many([getattr(srcs[i], name) for i in closing], t)  # t [G, 1, ...]
+        for i, g in zip(closing, grown, strict=True):
+            appended[i][name] = g
     for i, (s, src) in enumerate(zip(states, srcs, strict=True)):
         fields = dict(kv=src.kv, index_k=src.index_k, kv_packed=src.kv_packed, kv_scales=src.kv_scales,
                       index_packed=src.index_packed, index_scales=src.index_scales)  # fmt: skip
-        for name, rows in fresh.get(i, {}).items():
-            fields[name] = append_rows(fields[name], rows)
+        fields |= appended.get(i, {})
         carry_kv_i, carry_score_i = carries[i]
         s.sources[layer] = SourceCache(
             ratio=src.ratio, carry_kv=carry_kv_i, carry_score=carry_score_i, **fields
         )
-        if i in fresh and "index_k" in fresh[i]:
+        if "index_k" in appended.get(i, {}):
             s.extra["index_k_slot"] = layer
 
 
@@ -242,11 +252,15 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
             _select(attn, x, rows, freqs, states, src_layer, starts, sel, backend)
         assert sel.ids is not None and sel.widths is not None
         widths, entries = sel.widths, sel.ids
-        # the global rows each sequence's selections name, gathered from its own source (as gather_selected)
-        picked = [
-            s.sources[src_layer].kv[0, e[:k].clamp_min(0)]
-            for s, e, k in zip(states, entries, widths, strict=True)
-        ]
+        if attn.is_kv_source or attn.is_index_source or sel.picked is None or sel.picked_source != src_layer:
+            # the global rows each sequence's selections name, gathered from its own source (as
+            # gather_selected); the source changes only at its own layer, the selections only here
+            clamped = entries.clamp_min(0)
+            sel.picked = [
+                s.sources[src_layer].kv[0, e[:k]] for s, e, k in zip(states, clamped, widths, strict=True)
+            ]
+            sel.picked_source = src_layer
+        picked = sel.picked
     o = None
     for k, members in _by_width(widths).items():
         whole = len(members) == n

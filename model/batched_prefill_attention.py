@@ -117,8 +117,9 @@ def chunk_batchable(model, r: ChunkRows, layers: range) -> bool:
 
 
 def _apart(t: torch.Tensor) -> list[torch.Tensor]:
-    """Rows of a stacked [N, ...] result as N tensors [1, ...] with storage of their own."""
-    return [x.clone() for x in t.split(1)]
+    """Rows of a stacked [N, ...] result as N tensors [1, ...] with storage of their own (`split_copy`: one
+    call, not a clone per row)."""
+    return list(torch.split_copy(t, 1))
 
 
 def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], t_max: int,
