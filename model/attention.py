@@ -270,6 +270,11 @@ class Attention(nn.Module):
         """The row-wise output stage: o [B, T, H, D] attention values -> [B, T, dim] (freqs as `project`)."""
         b, t = o.shape[:2]
         o = apply_rope(o, freqs, self.rope_dim, inverse=True)
+        if self.n_groups == 1:
+            # the official einsum of one group is the plain product: torch runs the einsum's bmm of bf16
+            # as one mm per batch, the product F.linear runs (bitwise equal, tests/model/test_linear.py),
+            # so it takes the compiled bf16 linear (kernels/bf16_gemm; 4x the einsum on v41-sib-s)
+            return self.wo_b(self.wo_a(o.flatten(2)))
         o = o.view(b, t, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)

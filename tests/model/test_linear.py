@@ -68,3 +68,25 @@ def test_linear_with_inference_tensor_weights_is_not_cached_but_equal() -> None:
         want = kernels.fp8_linear(x, layer.weight, layer.scale, out_dtype=torch.bfloat16)
         assert torch.equal(layer(x), want)
         assert layer._prepared is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 24, 97])
+def test_one_group_output_projection_equals_the_official_einsum(rows: int) -> None:
+    """`Attention.project_out` of one group runs wo_a as a plain bf16 Linear (the compiled path from two
+    rows on) instead of the official einsum "bsgd,grd->bsgr": equal bit for bit, on fresh wide-range
+    values (their last bits show any other summation order) and on ordinary ones."""
+    seed = torch.randint(0, 2**31 - 1, ()).item()
+    g = torch.Generator().manual_seed(seed)
+    for d, r in ((128, 64), (64, 32), (256, 96)):
+        layer = Linear(d, r, "bf16")
+        with torch.no_grad():
+            exponent = torch.randint(-6, 7, (r, d), generator=g).float()
+            layer.weight.copy_((torch.exp2(exponent) * (torch.rand(r, d, generator=g) - 0.5)).bfloat16())
+        for wide in (True, False):
+            o = torch.randn(2, rows, d, generator=g)
+            if wide:
+                o = o * torch.exp2(torch.randint(-6, 7, o.shape, generator=g).float())
+            o = o.bfloat16()
+            official = torch.einsum("bsgd,grd->bsgr", o.unsqueeze(2), layer.weight.view(1, r, d)).flatten(2)
+            with torch.inference_mode():
+                assert torch.equal(layer(o), official), f"seed {seed}, d {d}, r {r}, wide {wide}"
