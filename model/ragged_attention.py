@@ -55,13 +55,17 @@ def ragged_sparse_attn(
     device = q.device
     scale = torch.tensor(softmax_scale, dtype=torch.float32, device=device)
     qf = q.float()
+    # the buffer converted once, then gathered: the same values as converting the gathered rows (bf16 ->
+    # fp32 is exact), and the buffer (each sequence's ring, rows and selections) is never longer than the
+    # rows gathered from it ([S, K] of them)
+    kvf = kv[0].float()
     acc_o = torch.zeros(b, t, h, d, dtype=torch.float32, device=device)
     sum_exp = torch.zeros(b, t, h, dtype=torch.float32, device=device)
     running_max = torch.full((b, t, h), _RUNNING_MAX_INIT, dtype=torch.float32, device=device)
     for start in range(0, k, _BLOCK):
         idxs = topk_idxs[0, :, start : start + _BLOCK].long()  # [S, blk]
         valid = idxs != -1
-        kv_blk = (kv[0, idxs.clamp_min(0)].float() * valid.unsqueeze(-1)).unsqueeze(0)  # [1, S, blk, D]
+        kv_blk = (kvf[idxs.clamp_min(0)] * valid.unsqueeze(-1)).unsqueeze(0)  # [1, S, blk, D]
         scores = torch.einsum("bmhd,bmkd->bmhk", qf, kv_blk)
         scores = torch.where(valid.unsqueeze(0).unsqueeze(2), scores, -torch.inf) * scale
         prev_max = running_max
