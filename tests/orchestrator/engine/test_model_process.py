@@ -330,3 +330,29 @@ def test_callers_waiting_for_a_connection_wake_when_the_model_process_dies(model
         assert errors and all(isinstance(e, ModelProcessError) for e in errors), errors
     finally:
         compute.close()
+
+
+def test_the_model_process_loads_its_models_outside_inference_mode(models: ModelRegistry) -> None:
+    """The worker serves under `torch.inference_mode()`, but loads its models outside it: weights made
+    inside it are inference tensors (no version counter), and a Linear then caches neither its packed
+    bf16 weight nor its decoded FP8/FP4 one, redoing that work on every call (a third of the bf16
+    linears' time in a 64-session load run, session 18)."""
+    from model.linear import Linear
+    from orchestrator.model_process.worker import WorkerConfig, _Worker
+
+    compute = ProcessCompute.from_registry(models, threads=1)
+    threads = torch.get_num_threads()
+    try:
+        worker = _Worker(WorkerConfig(authkey=b"k" * 32, **compute._config_args))
+        with torch.inference_mode():
+            served = worker._served("a")
+            linears = [m for m in served.model.modules() if isinstance(m, Linear)]
+            assert linears and not any(m.weight.is_inference() for m in linears)
+            plain = [m for m in linears if not m.quantized]
+            quantized = [m for m in linears if m.quantized]
+            assert plain and plain[0]._packed_bf16() is plain[0]._packed_bf16()
+            if quantized:
+                assert quantized[0].prepared_weight() is quantized[0].prepared_weight()
+    finally:
+        torch.set_num_threads(threads)
+        compute.close()
