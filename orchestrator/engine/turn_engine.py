@@ -358,8 +358,10 @@ class TurnEngine:
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
             chunk = prompt[pos:end]
+            # another chunk or the first decode follows at once (unless the first token ends the turn)
             out = yield from await_pass(
-                self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner)
+                self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner,
+                                              follow_up=True)  # fmt: skip
             )
             state, logits = out.state, out.logits
             passes.append(out.stats)
@@ -421,7 +423,11 @@ class TurnEngine:
                     finish = FinishReason.ABORTED
                     break
                 self._check(turn, handle)
-                out = yield from await_pass(self.scheduler.submit_decode(served, token, state, owner=owner))
+                # another decode follows unless this one ends the turn unpersisted (or meets a stop token)
+                more = len(output) + 1 < turn.generation.max_new_tokens or plan.persist
+                out = yield from await_pass(
+                    self.scheduler.submit_decode(served, token, state, owner=owner, follow_up=more)
+                )
                 state = out.state
                 token = sampler(out.logits)
             decode_s = time.perf_counter() - decode_started

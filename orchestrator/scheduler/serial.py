@@ -52,12 +52,16 @@ class SerialScheduler:
 
     # The serial scheduler has no queue: a submitted pass runs now, in the asking thread, and its future
     # is done when it returns (the one-at-a-time baseline holds its thread through its passes).
+    # (`follow_up` is the batching loop's hint; with no steps there is nothing to wait for)
     def submit_prefill(
-        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner
+        self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner,
+        follow_up: bool = False,
     ) -> Future:
         return _ran(self.prefill, served, tokens, state, prompt_end=prompt_end, owner=owner)
 
-    def submit_decode(self, served: Any, token: int, state: Any, *, owner: WorkOwner) -> Future:
+    def submit_decode(
+        self, served: Any, token: int, state: Any, *, owner: WorkOwner, follow_up: bool = False
+    ) -> Future:
         return _ran(self.decode, served, token, state, owner=owner)
 
     def running(self, model: str) -> int:

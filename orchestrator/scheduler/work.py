@@ -48,6 +48,9 @@ class PassRequest:
     tokens: Sequence[int] | None = None
     prompt_end: int = 0
     token: int | None = None
+    # the turn will ask for its next pass as soon as this one returns (a chunk before the prompt's last,
+    # a prompt or decode with more tokens to generate): the step loop waits briefly for it (batching.py)
+    follow_up: bool = False
     future: Future = field(default_factory=Future)
 
     @property

@@ -268,3 +268,77 @@ def test_an_idle_loop_runs_the_pass_in_the_asking_thread_and_queued_ones_in_one_
         assert threads[1] == first[0].name and threads[2] == "kvresume-step-m"
     finally:
         sched.close()
+
+
+@dataclass
+class Timed(Recorder):
+    """A Recorder that also notes when each pass ended (prefill) or began (decode_many)."""
+
+    times: list[tuple[str, float]] = field(default_factory=list)
+
+    def prefill(self, served, tokens: Sequence[int], state, *, prompt_end: int):
+        out = super().prefill(served, tokens, state, prompt_end=prompt_end)
+        self.times.append(("prefill_end", time.perf_counter()))
+        return out
+
+    def decode_many(self, served, tokens: Sequence[int], states):
+        self.times.append(("decode_start", time.perf_counter()))
+        return super().decode_many(served, tokens, states)
+
+
+def _prompt_then_decode(sched, rec: Recorder, *, follows: bool):
+    """Turn x: a prompt chunk that says a decode follows (it blocks in the recorder's gate); turn y: a
+    decode queued meanwhile. With `follows`, x asks for its decode 0.1 s after its chunk returns (what a
+    turn does in between: sample, stream the token)."""
+
+    def x():
+        owner = _owner("a", "x")
+        sched.submit_prefill(Served(), [7], None, prompt_end=1, owner=owner, follow_up=True).result()
+        if follows:
+            time.sleep(0.1)
+            sched.decode(Served(), 55, object(), owner=owner)
+
+    rec.gate.clear()
+    threads, _ = _in_threads([x])
+    time.sleep(0.2)
+    more, results = _in_threads([lambda: sched.decode(Served(), 44, object(), owner=_owner("b", "y"))])
+    time.sleep(0.2)
+    rec.gate.set()
+    for th in threads + more:
+        th.join(timeout=10)
+    return results
+
+
+def test_the_step_after_a_prompt_waits_for_the_turns_that_said_they_would_ask_again(monkeypatch) -> None:
+    """A turn whose prompt chunk ran in the last step asks for its first decode moments later: the next
+    step waits for it (`follow_up`), so both decodes share one step instead of x missing it."""
+    import orchestrator.scheduler.batching as batching
+
+    monkeypatch.setattr(batching, "FOLLOW_UP_WAIT_MAX_S", 2.0)  # room for a slow machine's thread switch
+    monkeypatch.setattr(batching, "FOLLOW_UP_WAIT_FRACTION", 10.0)
+    rec = Recorder()
+    sched = BatchingScheduler(rec)
+    try:
+        assert _prompt_then_decode(sched, rec, follows=True) == [("decoded", 44)]
+        decodes = [ts for kind, ts in rec.steps if kind == "decode_many"]
+        assert decodes == [[55, 44]] or decodes == [[44, 55]], rec.steps
+    finally:
+        sched.close()
+
+
+def test_the_wait_for_follow_ups_is_bounded(monkeypatch) -> None:
+    """A turn that said it would ask again and does not (a stop token, a failure) holds the next step
+    only until the wait's deadline: a fraction of the last step, at most FOLLOW_UP_WAIT_MAX_S."""
+    import orchestrator.scheduler.batching as batching
+
+    monkeypatch.setattr(batching, "FOLLOW_UP_WAIT_MAX_S", 0.3)
+    monkeypatch.setattr(batching, "FOLLOW_UP_WAIT_FRACTION", 10.0)
+    rec = Timed()
+    sched = BatchingScheduler(rec)
+    try:
+        assert _prompt_then_decode(sched, rec, follows=False) == [("decoded", 44)]
+        ended = next(t for kind, t in rec.times if kind == "prefill_end")
+        started = next(t for kind, t in rec.times if kind == "decode_start")
+        assert 0.25 <= started - ended < 3.0, started - ended
+    finally:
+        sched.close()
