@@ -17,6 +17,7 @@ rows, at 1 and 2 threads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,17 +60,30 @@ def lone_runs(
     buf = flat.new_zeros(-(-n // SIMD_STEP) * SIMD_STEP)
     buf[:n] = flat
     piece = (_GRAIN - 1) // SIMD_STEP * SIMD_STEP
-    out = torch.cat([op(buf[i : i + piece]) for i in range(0, buf.numel(), piece)])[:n]
+    if buf.numel() <= piece:
+        out = op(buf)[:n]
+    else:
+        out = torch.cat([op(buf[i : i + piece]) for i in range(0, buf.numel(), piece)])[:n]
+    tail = _tail_elements(tuple(runs), per_row, x.device)
+    if tail.numel():
+        out[tail] = op(rows_apart(flat[tail].view(-1, 1))).view(-1)
+    return out.view(x.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_elements(runs: tuple[int, ...], per_row: int, device: torch.device) -> torch.Tensor:
+    """The flat indices of the elements each run's lone call computes with the scalar function (past its
+    last whole SIMD step). Cached: a pass asks for the same runs in every layer of a half (read-only)."""
     tails: list[int] = []
     at = 0
     for t in runs:
         length = t * per_row
         tails += range(at + length - length % SIMD_STEP, at + length)
         at += length
-    tail = torch.tensor(tails, dtype=torch.int64, device=x.device)
-    if tail.numel():
-        out[tail] = op(rows_apart(flat[tail].view(-1, 1))).view(-1)
-    return out.view(x.shape)
+    # a normal tensor even when first asked for in inference mode, so that a later caller outside it may
+    # use it as an index that autograd saves
+    with torch.inference_mode(False):
+        return torch.tensor(tails, dtype=torch.int64, device=device)
 
 
 def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int]) -> torch.Tensor:
