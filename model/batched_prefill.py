@@ -34,7 +34,7 @@ from model.batched_prefill_attention import (
     chunk_batchable,
 )
 from model.inference import PREFILL_MODES, PrefillPlan, plan_prefill
-from model.invariant import fp32_linear
+from model.invariant import fp32_linear, stacked_fp32_linear
 from model.mhc import collapse, expand, identity_pre
 from model.ragged_mixes import lone_runs, ragged_mixes
 from model.state import ModelState
@@ -73,12 +73,8 @@ def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tor
     [S, topk] fp32, ids [S, topk] int64, each sequence's rows as its lone gate routes them: the fp32 score
     product per sequence (its sums depend on the row count), its transcendental op as each sequence's lone
     run has it (`ragged_mixes.lone_runs`), the rest (row-wise) once."""
-    w = gate.weight.float()
-    at, parts = 0, []
-    for t in runs:
-        parts.append(fp32_linear(flat[at : at + t].float(), w))  # [T_i, E]
-        at += t
-    scores = torch.cat(parts) / gate.gate_temp  # [S, E]
+    # each sequence's rows as its own T_i-row product (one product over the stack where that is exact)
+    scores = stacked_fp32_linear(flat.float(), gate.weight.float(), runs) / gate.gate_temp  # [S, E]
     if gate.score_func == "softmax":
         scores = scores.softmax(dim=-1)  # one row's values at a time
     elif gate.score_func == "sigmoid":

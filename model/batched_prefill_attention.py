@@ -45,6 +45,7 @@ from kernels import (
 )
 from model.append_buffer import append_rows_many
 from model.attention import Attention, ProjectedRows
+from model.invariant import stacked_fp32_linear
 from model.ragged_attention import ragged_sparse_attn
 from model.rope import apply_rope
 from model.state import ModelState, SourceCache
@@ -175,8 +176,12 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         carries = [(None, None)] * len(seqs)
     else:
         # fp32 products of T_c rows each, as the lone pass makes them (the sums depend on the row count,
-        # and a batched product of equal-length blocks equals them only under some MKL modes and threads)
-        kvs, scores = [comp.wkv(cx.float()) for cx in xs], [comp.wgate(cx.float()) for cx in xs]
+        # and a batched product of equal-length blocks equals them only under some MKL modes and threads):
+        # one product over the rows of all sequences where that gives every row its lone sums
+        runs = [cx.size(1) for cx in xs]
+        stack = torch.cat(xs, dim=1)[0].float()  # [sum T_c, dim]
+        kvs = stacked_fp32_linear(stack, comp.wkv.weight, runs).unsqueeze(0).split(runs, dim=1)
+        scores = stacked_fp32_linear(stack, comp.wgate.weight, runs).unsqueeze(0).split(runs, dim=1)
         group_kv, group_score = [], []
         for kv, score, cstart, src in zip(kvs, scores, cstarts, srcs, strict=True):
             t = kv.size(1)

@@ -21,8 +21,9 @@ still match bitwise with it.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ __all__ = [
     "rows_apart",
     "rowwise_linear",
     "set_fp32_rows_free",
+    "stacked_fp32_linear",
 ]
 
 # torch's CPU bmm runs products of fewer multiply-adds than this per matrix with a plain loop of its own,
@@ -121,3 +123,72 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
     return out.view(*lead, weight.size(0))
+
+
+# The row counts at which `_stacks_freely` compares a stacked product with products of two rows: the
+# smallest plain product, odd and SIMD-unaligned counts, and the sizes a batched prefill's stack reaches
+# (a step's budget of 512 prompt rows plus the decoder's window rows; 1536 keeps a margin).
+_STACK_CHECK_ROWS = (4, 5, 24, 97, 256, 513, 1536)
+
+
+def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """fp32 values of random sign over 2^-6..2^6: the sums' order shows in far more outputs than with
+    normal values."""
+    exponent = torch.randint(-6, 7, shape, generator=gen).float()
+    sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+    return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))
+
+
+@functools.lru_cache(maxsize=64)
+def _stacks_freely(k: int, n: int, threads: int) -> bool:
+    """Whether, in this process (at `threads` intra-op threads), a plain fp32 product of many rows gives
+    every row the sums of a small product (`fp32_linear` of two rows) for weights [n, k]: checked on
+    wide-range values at several row counts (`_STACK_CHECK_ROWS`) the first time a shape is asked for.
+    The numerics probe checks 2-16 rows against 40; this checks the larger stacks of a batched prefill
+    too. Where it fails, `stacked_fp32_linear` runs one product per sequence, as the lone passes do."""
+    gen = torch.Generator().manual_seed(20261205 + 7919 * k + n)
+    weight = _wide(gen, n, k)
+    x = _wide(gen, max(_STACK_CHECK_ROWS), k)
+    with torch.inference_mode():
+        for m in _STACK_CHECK_ROWS:
+            rows = x[:m]
+            pairs = torch.cat([fp32_linear(rows[i : i + 2], weight) for i in range(0, m - m % 2, 2)])
+            if not torch.equal(F.linear(rows, weight)[: pairs.size(0)], pairs):
+                return False
+    return True
+
+
+def stacked_fp32_linear(x: torch.Tensor, weight: torch.Tensor, runs: Sequence[int]) -> torch.Tensor:
+    """x [S, K] fp32 rows of N sequences one after another (sequence i: runs[i] rows) @ weight[N_out, K]^T
+    -> [S, N_out], each sequence's rows bit for bit its own `fp32_linear` of runs[i] rows, in as few
+    products as that allows.
+
+    A product of two or more rows gives each row the sums of the many-row kernel (`fp32_linear` pads
+    two and three rows to GEMM_MIN_ROWS), so the rows of every sequence of two or more rows go in one
+    product over the stack, where `_stacks_freely` found that true for this shape and thread count. A
+    sequence of one row keeps its own one-row product (a matrix-vector kernel of its own, except where
+    `fp32_rows_free`). Elsewhere, one product per sequence.
+
+    Raises:
+        ValueError: runs that do not add up to the rows of x.
+    """
+    if x.dim() != 2 or sum(runs) != x.size(0):
+        raise ValueError(f"runs {list(runs)} must add up to the rows of a 2-D x, got {tuple(x.shape)}")
+    k, n = x.size(1), weight.size(0)
+    stackable = _FP32_ROWS_FREE or any(t > 1 for t in runs)
+    if len(runs) > 1 and stackable and (_FP32_ROWS_FREE or _stacks_freely(k, n, torch.get_num_threads())):
+        out = fp32_linear(x, weight)
+        if _FP32_ROWS_FREE:
+            return out
+        at = 0
+        for t in runs:
+            if t == 1:
+                out[at : at + 1] = fp32_linear(x[at : at + 1], weight)
+            at += t
+        return out
+    out = x.new_empty(x.size(0), n)
+    at = 0
+    for t in runs:
+        out[at : at + t] = fp32_linear(x[at : at + t], weight)
+        at += t
+    return out

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels import sinkhorn
-from model.invariant import fp32_linear, rows_apart
+from model.invariant import rows_apart, stacked_fp32_linear
 
 __all__ = ["SIMD_STEP", "lone_runs", "ragged_mixes"]
 
@@ -87,17 +87,14 @@ def _tail_elements(runs: tuple[int, ...], per_row: int, device: torch.device) ->
 
 
 def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int]) -> torch.Tensor:
-    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row `F.linear` -> [S, N] fp32.
+    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row `fp32_linear` -> [S, N]
+    fp32 (`invariant.stacked_fp32_linear`: one product over the stack where that gives every row its lone
+    sums, one-row sequences apart).
 
-    Per sequence, not as [G, T] blocks of equal-length sequences in one batched product: that equals the
-    lone products under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows,
-    K = 1024, between the threads) nor under AVX2,STRICT for one-row blocks (measured on the Intel VM)."""
-    out = flat.new_empty(flat.size(0), fn.size(0))
-    at = 0
-    for t in runs:
-        out[at : at + t] = fp32_linear(flat[at : at + t].unsqueeze(0), fn)[0]
-        at += t
-    return out
+    Never as [G, T] blocks of equal-length sequences in one batched product: that equals the lone products
+    under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows, K = 1024,
+    between the threads) nor under AVX2,STRICT for one-row blocks (measured on the Intel VM)."""
+    return stacked_fp32_linear(flat, fn, runs)
 
 
 def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tuple[torch.Tensor, ...]:

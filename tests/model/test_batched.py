@@ -22,11 +22,12 @@ from model import (
     export_global,
     export_windows,
     init_random,
+    invariant,
     load_preset,
     prefill,
 )
 from model.batched_attention import batchable
-from model.invariant import fp32_linear, fp32_rows_free, rowwise_linear
+from model.invariant import fp32_linear, fp32_rows_free, rowwise_linear, stacked_fp32_linear
 from model.moe import Gate
 
 
@@ -109,6 +110,31 @@ def test_fp32_linear_gives_small_products_the_rows_of_a_large_one() -> None:
                 assert got.shape == (1, m, n)
                 assert torch.equal(got[0], whole[start : start + m]), (k, n, m, start)
     assert fp32_linear(x[:0], w).shape == (0, w.size(0))
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+def test_stacked_products_give_each_sequence_its_own_product(monkeypatch, stacks: bool) -> None:
+    """`stacked_fp32_linear` over ragged runs (one-row sequences among them) equals each run's own
+    `fp32_linear`, bit for bit, on fresh wide-range values; also where the first-use check refuses to
+    stack (then one product per sequence)."""
+    if not stacks:
+        monkeypatch.setattr(invariant, "_stacks_freely", lambda k, n, threads: False)
+    rng = random.Random(random.randrange(1 << 30))
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for k, n in ((384, 24), (96, 2), (96, 64)):
+        w = invariant._wide(gen, n, k)
+        for _ in range(4):
+            sizes = [1, 1, 2, 3, 5, 24, rng.randrange(1, 60)]
+            runs = [rng.choice(sizes) for _ in range(rng.randrange(1, 12))]
+            x = invariant._wide(gen, sum(runs), k)
+            got = stacked_fp32_linear(x, w, runs)
+            at, alone = 0, []
+            for t in runs:
+                alone.append(fp32_linear(x[at : at + t], w))
+                at += t
+            assert torch.equal(got, torch.cat(alone)), (k, n, runs)
+    with pytest.raises(ValueError, match="must add up"):
+        stacked_fp32_linear(torch.zeros(3, 8), torch.zeros(2, 8), [1, 1])
 
 
 def _new_states(model: Transformer, rng: random.Random, lengths: list[int]) -> list:
