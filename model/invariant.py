@@ -175,7 +175,8 @@ def stacked_fp32_linear(x: torch.Tensor, weight: torch.Tensor, runs: Sequence[in
     if x.dim() != 2 or sum(runs) != x.size(0):
         raise ValueError(f"runs {list(runs)} must add up to the rows of a 2-D x, got {tuple(x.shape)}")
     k, n = x.size(1), weight.size(0)
-    stackable = _FP32_ROWS_FREE or any(t > 1 for t in runs)
+    # (a stack larger than the first-use check covered runs per sequence)
+    stackable = _FP32_ROWS_FREE or (any(t > 1 for t in runs) and x.size(0) <= max(_STACK_CHECK_ROWS))
     if len(runs) > 1 and stackable and (_FP32_ROWS_FREE or _stacks_freely(k, n, torch.get_num_threads())):
         out = fp32_linear(x, weight)
         if _FP32_ROWS_FREE:
