@@ -99,15 +99,7 @@ class _Worker:
             return len(self._states)
 
     def _served(self, model: str) -> Any:
-        import torch
-
-        # Loaded outside the serving loop's inference mode: weights made inside it would be inference
-        # tensors, which keep no version counter, so a Linear could cache neither its packed bf16 weight
-        # nor its decoded FP8/FP4 one and redid that work on every call (as the in-process node, whose
-        # models load before any pass, never did). Measured: pack_weight was a third of the bf16 linears'
-        # time in the model process of a 64-session load run.
-        with torch.inference_mode(False):
-            served = self.registry.get(model)
+        served = self.registry.get(model)  # loads outside the serving loop's inference mode (the registry)
         if served is None:
             raise ValueError(f"model process: model {model!r} is not served")
         return served

@@ -50,10 +50,6 @@ FOLLOW_UP_WAIT_FRACTION = 0.1
 FOLLOW_UP_WAIT_MAX_S = 0.02
 
 
-def _key(owner: WorkOwner) -> tuple[str, str]:
-    return owner.tenant_id, owner.session_id
-
-
 class _ModelLoop:
     """The step loop of one served model: a queue of pass requests and the thread that runs them."""
 
@@ -68,7 +64,7 @@ class _ModelLoop:
         # a step is running (the loop's, or one inline in the asking turn's thread)
         self._busy = False
         # the turns of the last step that will ask again at once, and until when the next step waits
-        self._expected: set[tuple[str, str]] = set()
+        self._expected: set[WorkOwner] = set()  # (frozen: equal per tenant and session)
         self._expect_until = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
         self._thread.start()
@@ -82,7 +78,7 @@ class _ModelLoop:
             # runs it (same pass, same fair-order and step bookkeeping) instead of waking the loop and
             # being woken again: on a loaded machine each of the two wake-ups can cost milliseconds.
             # (not while the loop holds the step for other turns' follow-ups: this one joins them)
-            inline = not self._busy and not self._waiting and not (self._expected - {_key(request.owner)})
+            inline = not self._busy and not self._waiting and not (self._expected - {request.owner})
             if inline:
                 self._expected = set()
                 self._busy = True
@@ -150,7 +146,7 @@ class _ModelLoop:
         """Hold the next step (the condition held) until every turn of the last step that said it would
         ask again has asked, or the wait's deadline passed, or the loop closes."""
         while self._expected and not self._closed:
-            self._expected -= {_key(r.owner) for r in self._waiting}
+            self._expected -= {r.owner for r in self._waiting}
             left = self._expect_until - time.perf_counter()
             if not self._expected or left <= 0:
                 break
@@ -181,7 +177,7 @@ class _ModelLoop:
         tokens = len(decodes) + sum(r.rows for r in prefills)
         ended = time.perf_counter()
         with self._cond:
-            self._expected = {_key(r.owner) for r in decodes + prefills if r.follow_up}
+            self._expected = {r.owner for r in decodes + prefills if r.follow_up}
             wait = min(FOLLOW_UP_WAIT_MAX_S, FOLLOW_UP_WAIT_FRACTION * (ended - started))
             self._expect_until = ended + wait
         obs.step(self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started,
