@@ -133,7 +133,7 @@ _STACK_CHECK_ROWS = (4, 5, 24, 97, 256, 513, 1536)
 
 def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
     """fp32 values of random sign over 2^-6..2^6: the sums' order shows in far more outputs than with
-    normal values."""
+    normal values (kernels/bf16_gemm has the bf16 twin; full fp32 mantissas here, as the products take)."""
     exponent = torch.randint(-6, 7, shape, generator=gen).float()
     sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
     return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))
@@ -175,12 +175,16 @@ def stacked_fp32_linear(x: torch.Tensor, weight: torch.Tensor, runs: Sequence[in
     if x.dim() != 2 or sum(runs) != x.size(0):
         raise ValueError(f"runs {list(runs)} must add up to the rows of a 2-D x, got {tuple(x.shape)}")
     k, n = x.size(1), weight.size(0)
+    if _FP32_ROWS_FREE:
+        return fp32_linear(x, weight)  # every row count, one row included, has the stacked rows' sums
     # (a stack larger than the first-use check covered runs per sequence)
-    stackable = _FP32_ROWS_FREE or (any(t > 1 for t in runs) and x.size(0) <= max(_STACK_CHECK_ROWS))
-    if len(runs) > 1 and stackable and (_FP32_ROWS_FREE or _stacks_freely(k, n, torch.get_num_threads())):
+    if (
+        any(t > 1 for t in runs)
+        and len(runs) > 1
+        and x.size(0) <= max(_STACK_CHECK_ROWS)
+        and _stacks_freely(k, n, torch.get_num_threads())
+    ):
         out = fp32_linear(x, weight)
-        if _FP32_ROWS_FREE:
-            return out
         at = 0
         for t in runs:
             if t == 1:
