@@ -8,11 +8,11 @@ all sequences are stacked along one axis (ragged: [1, S, ...], S = sum of the ro
 - run once over the stack: the attention projections, norms, the mHC collapse / expand and the experts,
   whose results per row do not depend on the other rows in the call (bf16 and block-scaled linears,
   elementwise ops without transcendental functions);
-- the mHC mixes in one pass too (`model.ragged_mixes`: their fp32 products per sequence, their sigmoid /
-  exp as each sequence's lone run has them);
+- the mHC mixes in one pass too (`model.ragged_mixes`: each sequence's fp32 products its own, their
+  sigmoid / exp as each sequence's lone run has them);
 - the attention stage batched across sequences (`model.batched_prefill_attention`), a sequence it cannot
   take, or every sequence with `batched_attention=False`, by `Attention.attend` alone (the slow twin);
-- the MoE gate once, but its fp32 score product per sequence and its softplus as each lone run has it;
+- the MoE gate once, but each sequence's fp32 score product its own and its softplus as its lone run has it;
 - per sequence: the head's one-row product.
 So each sequence's logits, state and exported bytes are bit-identical to its lone prefill under
 tie_break "deterministic" (tests/model/test_batched_prefill.py compares them on fresh random chunks).
@@ -56,8 +56,8 @@ def _rows(rows: ProjectedRows, span: slice) -> ProjectedRows:
 
 def _mixes(block, h: torch.Tensor, seqs: list[ChunkRows], which: str) -> tuple[torch.Tensor, ...]:
     """The mHC mixes of each sequence's rows as its lone pass computes them, over the whole stack
-    (`model.ragged_mixes`: the fp32 products per sequence, the transcendental ops as each sequence's lone
-    run has them)."""
+    (`model.ragged_mixes`: each sequence's fp32 products its own, the transcendental ops as each sequence's
+    lone run has them)."""
     return ragged_mixes(block, h, [s.t for s in seqs], which)
 
 
@@ -71,8 +71,8 @@ def _moe(moe, x: torch.Tensor, seqs: list[ChunkRows]) -> torch.Tensor:
 def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`Gate.forward` op for op over the stack flat [S, dim] (sequence i: runs[i] rows) -> weights
     [S, topk] fp32, ids [S, topk] int64, each sequence's rows as its lone gate routes them: the fp32 score
-    product per sequence (its sums depend on the row count), its transcendental op as each sequence's lone
-    run has it (`ragged_mixes.lone_runs`), the rest (row-wise) once."""
+    product each sequence's own (`invariant.stacked_fp32_linear`), its transcendental op as each sequence's
+    lone run has it (`ragged_mixes.lone_runs`), the rest (row-wise) once."""
     # each sequence's rows as its own T_i-row product (one product over the stack where that is exact)
     scores = stacked_fp32_linear(flat.float(), gate.weight.float(), runs) / gate.gate_temp  # [S, E]
     if gate.score_func == "softmax":
@@ -91,8 +91,8 @@ def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tor
 def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, seqs: list[ChunkRows],
            table: torch.Tensor, batched: list[int],
            sel: ChunkSelection) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`Block.forward` over the stacked rows h [1, S, hc, d], pre [1, S, hc]; the fp32 mixes per sequence
-    (or block), the attention stage batched for the sequences in `batched` (`attend_chunks`) and alone
+    """`Block.forward` over the stacked rows h [1, S, hc, d], pre [1, S, hc]; the fp32 mixes each
+    sequence's own, the attention stage batched for the sequences in `batched` (`attend_chunks`) and alone
     for the others (`Attention.attend`, the slow twin). Updates each sequence's state as
     `Transformer._run_layer` does."""
     block = model.layers[layer]

@@ -10,7 +10,8 @@ on fresh random ragged chunks, at 1 and 2 threads):
 - integer work (window ids, ring slots, visible counts, candidate pools, top-k ranking) is exact whatever
   the batch; the ring writes are index copies;
 - the format kernels work per block, RMSNorm and RoPE per row, the bf16 linears are row-invariant, and
-  the compressor's fp32 products (whose sums depend on the number of rows M) run per sequence; its
+  the compressor's fp32 products (whose sums depend on the number of rows M) give each sequence its own
+  product's sums (`invariant.stacked_fp32_linear`); its
   pooling softmax runs
   over the m slots of a group, vectorized across the channels only, so the groups of all sequences go in
   one call;

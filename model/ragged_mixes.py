@@ -4,8 +4,9 @@ axis) in one pass over all rows, each sequence's coefficients bit for bit those 
 Knows nothing of attention or states. Three kinds of op are in the mixes:
 - row-wise exact ops (the mean square, products and divisions, the Sinkhorn sums over 4 lanes) give the
   same bits whatever the other rows: they run over the stack as they are;
-- the fp32 product of the raw mixes reduces differently for different numbers of rows M: it runs per
-  sequence;
+- the fp32 product of the raw mixes reduces differently for different numbers of rows M below
+  GEMM_MIN_ROWS: each sequence gets its own product's sums (`invariant.stacked_fp32_linear`: one product
+  over the stack where checked exact, one-row sequences apart);
 - the transcendental ops (sigmoid, exp; rsqrt too, for safety) run in torch's CPU elementwise loop, which
   computes whole SIMD steps of a contiguous run vectorized and the rest of the run with the scalar
   function, and the two differ in the last bit (measured: sigmoid on this project's VMs). `lone_runs`
@@ -86,17 +87,6 @@ def _tail_elements(runs: tuple[int, ...], per_row: int, device: torch.device) ->
         return torch.tensor(tails, dtype=torch.int64, device=device)
 
 
-def _products(flat: torch.Tensor, fn: torch.Tensor, runs: Sequence[int]) -> torch.Tensor:
-    """The raw mixes flat [S, K] @ fn^T, each sequence's rows as its own T_i-row `fp32_linear` -> [S, N]
-    fp32 (`invariant.stacked_fp32_linear`: one product over the stack where that gives every row its lone
-    sums, one-row sequences apart).
-
-    Never as [G, T] blocks of equal-length sequences in one batched product: that equals the lone products
-    under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows, K = 1024,
-    between the threads) nor under AVX2,STRICT for one-row blocks (measured on the Intel VM)."""
-    return stacked_fp32_linear(flat, fn, runs)
-
-
 def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tuple[torch.Tensor, ...]:
     """`Block._mixes` of every sequence of the stack h [1, S, hc, d] (sequence i: runs[i] rows in order)
     -> pre [1, S, hc], post [1, S, hc], comb [1, S, hc, hc] fp32, each sequence's rows bit for bit its
@@ -105,7 +95,11 @@ def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tup
     hc, eps, iters = block.hc, block.hc_eps, block.sinkhorn_iters
     flat = h[0].flatten(1).float()  # [S, hc*d]
     rsqrt = lone_runs(torch.rsqrt, flat.square().mean(-1, keepdim=True) + block.norm_eps, runs)
-    m = _products(flat, fn, runs) * rsqrt  # [S, (2 + hc) * hc]
+    # each sequence's rows as its own T_i-row product, in one product over the stack where that is exact;
+    # never as [G, T] blocks of equal-length sequences in one batched product: that equals the lone
+    # products under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows,
+    # K = 1024, between the threads) nor under AVX2,STRICT for one-row blocks (measured on the Intel VM)
+    m = stacked_fp32_linear(flat, fn, runs) * rsqrt  # [S, (2 + hc) * hc]
     # `mhc.split_sinkhorn` op for op, its transcendental ops as each sequence's lone run has them
     scale, base = scale.float(), base.float()
     pre = lone_runs(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc], runs) + eps
