@@ -27,6 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
@@ -50,16 +51,31 @@ class ModelProcessError(RuntimeError):
 
 class RemoteState:
     """A cache state held by the model process: its id there, the process generation it belongs to, and
-    its length (kept current by every call that changes it). `clone()` copies it there."""
+    its length (kept current by every call that changes it). `clone()` copies it there.
 
-    __slots__ = ("_owner", "generation", "state_id", "n_tokens", "__weakref__")
+    A full hit's prefix state (`ProcessCompute.restore_decoded`) starts out pending: `pending` holds
+    what restores it (the model, the kept decoded KV, the history), and `state_id` is None until the
+    first call that names it restores it there. Why: a full hit continues from a copy of it with the
+    pooled windows (`clone_with_windows`), which a pending state gets in one round trip that restores
+    straight into the copy, so the prefix itself is restored only when a turn uses it (a global-only
+    replay): one round trip and one copy of the global KV less per full-hit turn."""
+
+    __slots__ = ("_owner", "generation", "state_id", "n_tokens", "pending", "__weakref__")
     batch = 1
 
-    def __init__(self, owner: ProcessCompute, generation: int, state_id: int, n_tokens: int) -> None:
+    def __init__(
+        self,
+        owner: ProcessCompute,
+        generation: int,
+        state_id: int | None,
+        n_tokens: int,
+        pending: _PendingRestore | None = None,
+    ) -> None:
         self._owner = owner
         self.generation = generation
         self.state_id = state_id
         self.n_tokens = n_tokens
+        self.pending = pending
 
     def clone(self) -> RemoteState:
         return self._owner.clone(self)
@@ -90,6 +106,16 @@ class RemoteKept:
 
     def __repr__(self) -> str:
         return f"RemoteKept(id={self.kept_id}, generation={self.generation}, n_tokens={self.n_tokens})"
+
+
+@dataclass(frozen=True)
+class _PendingRestore:
+    """What restores a pending `RemoteState` there: `restore_decoded` of the served model, the kept KV
+    and the history (the handle to the kept KV is held here, so it stays there until the restore)."""
+
+    served: Any
+    kept: RemoteKept
+    tokens: tuple[int, ...]
 
 
 class _Process:
@@ -216,6 +242,8 @@ class ProcessCompute:
         self._proc: _Process | None = None
         self._generation = 0
         self._lock = threading.Lock()
+        # one restore of a pending prefix state at a time (`_restore_pending`)
+        self._restore_lock = threading.Lock()
         self._closed = False
         # (generation, state id) of handles gone here; sent with the next call
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -324,14 +352,31 @@ class ProcessCompute:
         return handle
 
     def _sid(self, state: RemoteState | None) -> int | None:
-        """The id of `state` there (None: no state)."""
+        """The id of `state` there (None: no state), restoring a pending state there first."""
         if state is None:
             return None
         if not isinstance(state, RemoteState):
             # every state of a node with a model process is made there (a model swap's mapped state by
             # `state_from_global`), so this is a wiring bug, not a turn's input
             raise TypeError(f"{type(state).__name__} is not a state of the model process")
+        if state.pending is not None:
+            self._restore_pending(state)
+        assert state.state_id is not None
         return state.state_id
+
+    def _restore_pending(self, state: RemoteState) -> None:
+        """Restore a pending prefix state there (`restore_decoded`), once, whichever thread asks first."""
+        with self._restore_lock:
+            restore = state.pending
+            if restore is None:
+                return
+            (sid, n), generation = self._call_at(
+                "restore_decoded", restore.served.name, self._kid(restore.kept), list(restore.tokens),
+                served=restore.served,
+            )  # fmt: skip
+            state.state_id, state.n_tokens, state.generation = sid, n, generation
+            state.pending = None  # lets the kept KV go when nothing else holds it
+            weakref.finalize(state, self._freed.append, (generation, sid))
 
     def _output(self, wire: WireOutput, state: RemoteState | None, generation: int) -> PassOutput:
         if state is not None and wire.state_id == state.state_id:
@@ -469,15 +514,25 @@ class ProcessCompute:
         )
 
     def restore_decoded(self, served: Any, kept: Any, tokens: Sequence[int]) -> RemoteState:
-        """`new_state`, `fill_decoded` and `seal_prefix` there in one call (a full hit's prefix state)."""
-        (sid, n), generation = self._call_at(
-            "restore_decoded", served.name, self._kid(kept), list(tokens), served=served
-        )
-        return self._handle(sid, n, generation)
+        """A full hit's prefix state: `new_state`, `fill_decoded` and `seal_prefix` there, in one call,
+        made when a call first names the state (pending until then: `RemoteState`). The kept KV is
+        checked now (a kept handle of another compute or of an ended process raises here, as before)."""
+        self._kid(kept)
+        tokens = tuple(int(t) for t in tokens)
+        pending = _PendingRestore(served, kept, tokens)
+        return RemoteState(self, kept.generation, None, len(tokens), pending=pending)
 
     def clone_with_windows(self, served: Any, state: RemoteState, blob: bytes) -> RemoteState:
         """`clone` and `import_windows` there in one call; a copy the windows do not fit is not kept.
-        Raises CacheFormatError."""
+        For a pending prefix state, the restore goes straight into the copy (`restore_with_windows`
+        there) and the prefix stays pending. Raises CacheFormatError."""
+        restore = state.pending if isinstance(state, RemoteState) else None
+        if restore is not None:
+            (sid, n), generation = self._call_at(
+                "restore_with_windows", served.name, self._kid(restore.kept), list(restore.tokens), blob,
+                served=served,
+            )  # fmt: skip
+            return self._handle(sid, n, generation)
         (sid, n), generation = self._call_at(
             "clone_with_windows", served.name, self._sid(state), blob, served=served, states=(state,)
         )

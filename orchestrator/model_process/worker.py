@@ -195,6 +195,19 @@ class _Worker:
         state = restore_decoded(self.compute, self._served(model), self._state(kept_id), tokens)
         return self._keep(state), state.n_tokens
 
+    def op_restore_with_windows(
+        self, model: str, kept_id: int, tokens: Sequence[int], blob: bytes
+    ) -> tuple[int, int]:
+        """`op_restore_decoded` with the windows imported into the restored state (what restoring the
+        prefix and then `op_clone_with_windows` of it gives a full hit, without the prefix or its copy);
+        kept only when the windows fit (CacheFormatError)."""
+        from orchestrator.engine.model_compute import restore_decoded
+
+        served = self._served(model)
+        state = restore_decoded(self.compute, served, self._state(kept_id), tokens)
+        self.compute.import_windows(served, state, blob)
+        return self._keep(state), state.n_tokens
+
     def op_clone_with_windows(self, model: str, sid: int, blob: bytes) -> tuple[int, int]:
         """A copy of the state with the windows imported, kept only when they fit (CacheFormatError)."""
         from orchestrator.engine.model_compute import clone_with_windows

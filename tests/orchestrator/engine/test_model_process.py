@@ -182,26 +182,38 @@ def test_kept_decoded_state_fills_as_in_process_compute(
     assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
     with pytest.raises(TypeError, match="not kept by the model process"):
         remote.fill_decoded(served, remote.new_state(served), kept_a)
-    # a full hit's restore in one call there each (`restore_decoded`, `clone_with_windows`), against the
-    # same steps one call at a time here
+    # a full hit's state in one call there (`restore_with_windows`: the prefix restored straight into
+    # the windowed state, the prefix itself pending), against the same steps one call at a time here
     calls = remote.stats()["ops"]
     ra, rb = restore_decoded(local, served, kept_a, history), restore_decoded(remote, served, kept_b, history)
     ca, cb = clone_with_windows(local, served, ra, windows), clone_with_windows(remote, served, rb, windows)
     after = remote.stats()["ops"]
-    for op in ("restore_decoded", "clone_with_windows"):
-        assert after[op][0] == calls.get(op, (0,))[0] + 1
-    for op in ("new_state", "fill_decoded", "seal_prefix", "clone", "import_windows"):
+    assert after["restore_with_windows"][0] == calls.get("restore_with_windows", (0,))[0] + 1
+    for op in ("restore_decoded", "clone_with_windows", "new_state", "fill_decoded", "seal_prefix", "clone",
+               "import_windows"):  # fmt: skip
         assert after.get(op, (0,))[0] == calls.get(op, (0,))[0], op
-    assert cb.state_id != rb.state_id and cb.n_tokens == ca.n_tokens == len(history)
+    assert rb.pending is not None and rb.state_id is None and rb.n_tokens == len(history)
+    assert cb.state_id is not None and cb.n_tokens == ca.n_tokens == len(history)
     out_a = local.prefill(served, step, ca, prompt_end=len(history) + len(step))
     out_b = remote.prefill(served, step, cb, prompt_end=len(history) + len(step))
     assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
-    # the prefix state keeps no windows: a global-only replay from it equals here and there
+    # windows that do not fit: nothing is kept there, and the prefix stays pending
+    gc.collect()
+    remote.held_states()  # frees of handles gone so far travel with it
+    held = remote.held_states()
+    with pytest.raises(CacheFormatError):
+        clone_with_windows(remote, served, rb, windows[:-5])
+    assert remote.held_states() == held and rb.pending is not None
+    # the prefix state keeps no windows: a global-only replay from it (restored there by this first call
+    # that names it, once) equals here and there
     out_a = local.prefill(served, step, ra, prompt_end=len(history) + len(step))
     out_b = remote.prefill(served, step, rb, prompt_end=len(history) + len(step))
     assert out_a.stats == out_b.stats and torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    assert rb.pending is None and remote.stats()["ops"]["restore_decoded"][0] == calls.get(
+        "restore_decoded", (0,)
+    )[0] + 1
     gc.collect()
-    remote.held_states()  # frees of handles gone so far travel with it
+    remote.held_states()
     held = remote.held_states()
     with pytest.raises(CacheFormatError):
         clone_with_windows(remote, served, rb, windows[:-5])
