@@ -37,6 +37,11 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     assert placements["c64_batching"] == placements["c64_serial"] == bench.DEFAULT_MODEL_PROCESS
     assert placements[f"c64_batching_{bench.OTHER_MODEL_PROCESS}"] == bench.OTHER_MODEL_PROCESS
     assert doc["model_load"]["c64_batching"]["turns"] == 4
+    # one session's short run: the median of its repeats
+    one = doc["model_load"]["c1_batching"]
+    repeats = one["repeats_decode_tokens_per_s"]
+    assert len(repeats) == bench.ONE_SESSION_REPEATS and repeats == sorted(repeats)
+    assert one["decode_tokens_per_s"] == repeats[len(repeats) // 2] and one["turns"] == 2
     # the default runs split the CPUs as `kvresume serve` does (where there are two to split); the
     # unpinned arm runs beside them
     if len(os.sched_getaffinity(0)) >= 2 and bench.DEFAULT_MODEL_PROCESS == "separate":
