@@ -347,8 +347,11 @@ class ProcessCompute:
     # -- states ---------------------------------------------------------------------------------------
 
     def _handle(self, state_id: int, n_tokens: int, generation: int) -> RemoteState:
-        handle = RemoteState(self, generation, state_id, n_tokens)
-        weakref.finalize(handle, self._freed.append, (generation, state_id))
+        return self._freed_with(RemoteState(self, generation, state_id, n_tokens), generation, state_id)
+
+    def _freed_with(self, handle: Any, generation: int, held_id: int) -> Any:
+        """`handle`, whose drop here frees `held_id` there (sent with the next call to that process)."""
+        weakref.finalize(handle, self._freed.append, (generation, held_id))
         return handle
 
     def _sid(self, state: RemoteState | None) -> int | None:
@@ -376,7 +379,7 @@ class ProcessCompute:
             )  # fmt: skip
             state.state_id, state.n_tokens, state.generation = sid, n, generation
             state.pending = None  # lets the kept KV go when nothing else holds it
-            weakref.finalize(state, self._freed.append, (generation, sid))
+            self._freed_with(state, generation, sid)
 
     def _output(self, wire: WireOutput, state: RemoteState | None, generation: int) -> PassOutput:
         if state is not None and wire.state_id == state.state_id:
@@ -494,9 +497,7 @@ class ProcessCompute:
         )
         if kept_id is None:
             return None
-        handle = RemoteKept(self, generation, kept_id, n_tokens, nbytes)
-        weakref.finalize(handle, self._freed.append, (generation, kept_id))
-        return handle
+        return self._freed_with(RemoteKept(self, generation, kept_id, n_tokens, nbytes), generation, kept_id)
 
     def _kid(self, kept: Any) -> int:
         """The id there of what `keep_decoded` kept, checked to be of the running model process."""
