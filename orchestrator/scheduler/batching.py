@@ -4,7 +4,8 @@ as continuous-batching engines do (vLLM v1's scheduler beside its model runner, 
 Each step takes every waiting decode token (up to `max_batch_sequences`, in fair order) into one
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
 budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
-decode: a long prompt costs everyone one bounded chunk per step, not its whole length). Turns wait in
+decode: a long prompt costs everyone one bounded chunk per step, not its whole length); chunks that come
+in while the decode pass runs join the prefill pass under what is left of the budget. Turns wait in
 on a future per pass (in their own threads, or on the asyncio server's loop without a thread: the
 turn engine yields a `PassWait`). One step runs at a time: the loop thread's, or, when the loop is
 idle and nothing waits, the asking turn's own (the step the loop would have run: that request alone,
@@ -48,6 +49,21 @@ log = structlog.get_logger(__name__)
 # Decodes answered mid-step re-ask while the prefill pass runs and need no wait.
 FOLLOW_UP_WAIT_FRACTION = 0.1
 FOLLOW_UP_WAIT_MAX_S = 0.02
+
+
+def _under_budget(ranked: list[PassRequest], budget: int, *, first_free: bool) -> list[PassRequest]:
+    """The prefill chunks of `ranked` (in its order) whose rows fit `budget`; with `first_free`, the first
+    chunk whatever its size (at least one chunk per step, so a budget smaller than a chunk cannot stall
+    prefills)."""
+    picked: list[PassRequest] = []
+    for r in ranked:
+        if r.is_decode:
+            continue
+        if r.rows > budget and (picked or not first_free):
+            break
+        picked.append(r)
+        budget -= r.rows
+    return picked
 
 
 class _ModelLoop:
@@ -126,21 +142,28 @@ class _ModelLoop:
             self._busy = True
             ranked = self._order.rank(self._waiting)
             decodes = [r for r in ranked if r.is_decode][: self._s.max_batch_sequences]
-            budget = self._s.step_token_budget - len(decodes)
-            prefills: list[PassRequest] = []
-            for r in ranked:
-                if r.is_decode:
-                    continue
-                # at least one chunk per step, so a budget smaller than a chunk cannot stall prefills
-                if prefills and r.rows > budget:
-                    break
-                prefills.append(r)
-                budget -= r.rows
-            taken = set(map(id, decodes + prefills))
-            self._waiting = [r for r in self._waiting if id(r) not in taken]
+            prefills = _under_budget(ranked, self._s.step_token_budget - len(decodes), first_free=True)
             self._step += 1
-            self._order.served(decodes + prefills, self._step)
+            self._taken(decodes + prefills)
             return decodes, prefills
+
+    def _taken(self, requests: list[PassRequest]) -> None:
+        """Take `requests` out of the queue into the current step (the condition held)."""
+        taken = set(map(id, requests))
+        self._waiting = [r for r in self._waiting if id(r) not in taken]
+        self._order.served(requests, self._step)
+
+    def _late_prefills(self, budget: int, first_free: bool) -> list[PassRequest]:
+        """The prefill chunks that arrived while the step's decode pass ran, in fair order, under what is
+        left of the step's budget: they join this step's prefill pass instead of waiting for the next
+        step (a turn's prompt that comes in during a decode pass saves a whole step)."""
+        with self._cond:
+            waiting = [r for r in self._waiting if not r.is_decode]
+            if not waiting:
+                return []
+            late = _under_budget(self._order.rank(waiting), budget, first_free=first_free)
+            self._taken(late)
+            return late
 
     def _await_follow_ups(self) -> None:
         """Hold the next step (the condition held) until every turn of the last step that said it would
@@ -172,6 +195,13 @@ class _ModelLoop:
             obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
         if decodes:
             self._decode(decodes)
+            left = self._s.step_token_budget - len(decodes) - sum(r.rows for r in prefills)
+            late = self._late_prefills(left, first_free=not prefills)
+            if late:
+                now = time.perf_counter()
+                for r in late:
+                    obs.waited(self.model, "prefill", now - r.enqueued_at)
+                prefills = prefills + late
         if prefills:
             self._prefill(prefills)
         tokens = len(decodes) + sum(r.rows for r in prefills)

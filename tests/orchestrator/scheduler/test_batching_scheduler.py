@@ -342,3 +342,42 @@ def test_the_wait_for_follow_ups_is_bounded(monkeypatch) -> None:
         assert 0.25 <= started - ended < 3.0, started - ended
     finally:
         sched.close()
+
+
+def test_prompt_chunks_that_come_during_a_decode_pass_join_that_steps_prefill_pass() -> None:
+    threads: list[str] = []
+
+    class Where(Recorder):
+        def prefill(self, served, tokens, state, *, prompt_end):
+            threads.append(threading.current_thread().name)
+            return super().prefill(served, tokens, state, prompt_end=prompt_end)
+
+    rec = Where()
+    sched = BatchingScheduler(rec, max_batch_sequences=8, step_token_budget=10)
+    try:
+        rec.gate.clear()
+        # an idle loop: this decode's step runs in its own thread and holds in its decode pass
+        running, decoded = _in_threads([lambda: sched.decode(Served(), 5, object(), owner=_owner("a", "d"))])
+        time.sleep(0.2)
+        # two 5-row chunks come in during that pass: the step's budget has 10 - 1 decode row left for them
+        calls = [
+            (lambda i=i: sched.prefill(Served(), [i] * 5, None, prompt_end=5, owner=_owner(f"t{i}", "p")))
+            for i in (1, 2)
+        ]
+        waiting, prefilled = _in_threads(calls)
+        loop = sched._loops["m"]  # noqa: SLF001 - the loop's queue is what this waits on
+        deadline = time.monotonic() + 5
+        while loop.waiting() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.waiting() == 2 and rec.steps == []
+        rec.gate.set()
+        for th in running + waiting:
+            th.join(timeout=10)
+        assert decoded == [("decoded", 5)]
+        assert sorted(prefilled) == [("prefilled", [1] * 5), ("prefilled", [2] * 5)]
+        # the chunk that fit what was left of the budget ran in the decode's own step (its thread), after
+        # the decode pass; the other waited for the loop's next step
+        assert [kind for kind, _ in rec.steps] == ["decode_many", "prefill", "prefill"]
+        assert threads == [running[0].name, "kvresume-step-m"]
+    finally:
+        sched.close()
