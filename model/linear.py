@@ -94,7 +94,7 @@ class Linear(nn.Module):
                 return fp32_linear(x, self.weight)
             if bf16_linear_takes_compiled_path(x, self.weight):
                 # bitwise F.linear, compiled where it reproduces torch (kernels/bf16_gemm)
-                return bf16_linear(x, self.weight, self._packed_bf16())
+                return bf16_linear(x, self.weight, self._packed_bf16(), checked=True)
             return F.linear(x, self.weight)
         return prepared_linear(x, self.prepared_weight(), out_dtype=torch.bfloat16, math=self.math)
 

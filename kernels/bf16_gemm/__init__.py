@@ -36,13 +36,17 @@ def bf16_linear_takes_compiled_path(x: torch.Tensor, weight: torch.Tensor) -> bo
     )
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+def bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None, *, checked: bool = False
+) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T, bf16 -> [..., N] bf16, bitwise F.linear(x, weight).
 
     Args:
         packed: `pack_bf16_weight(weight)`, when the caller keeps it (else it is packed here).
+        checked: the caller has just had `bf16_linear_takes_compiled_path(x, weight)` say yes (a caller
+            that packs its weight only for the compiled path asks first; the check is not run twice).
     """
-    if not bf16_linear_takes_compiled_path(x, weight):
+    if not checked and not bf16_linear_takes_compiled_path(x, weight):
         return F.linear(x, weight)
     k, n = weight.size(1), weight.size(0)
     if packed is None:
