@@ -5,7 +5,7 @@ Each step takes every waiting decode token (up to `max_batch_sequences`, in fair
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
 budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
 decode: a long prompt costs everyone one bounded chunk per step, not its whole length); chunks that come
-in while the decode pass runs join the prefill pass under what is left of the budget. Turns wait in
+in while the loop's decode pass runs join the prefill pass under what is left of the budget. Turns wait in
 on a future per pass (in their own threads, or on the asyncio server's loop without a thread: the
 turn engine yields a `PassWait`). One step runs at a time: the loop thread's, or, when the loop is
 idle and nothing waits, the asking turn's own (the step the loop would have run: that request alone,
@@ -182,19 +182,25 @@ class _ModelLoop:
             if work is None:
                 return
             try:
-                self._run_step(*work)
+                self._run_step(*work, late_prefills=True)
             finally:
                 with self._cond:
                     self._busy = False
 
-    def _run_step(self, decodes: list[PassRequest], prefills: list[PassRequest]) -> None:
-        """Run one step's passes (each request's future gets its result or its error) and report it."""
+    def _run_step(
+        self, decodes: list[PassRequest], prefills: list[PassRequest], *, late_prefills: bool = False
+    ) -> None:
+        """Run one step's passes (each request's future gets its result or its error) and report it.
+        late_prefills: prompt chunks that came in during the decode pass join the prefill pass (the loop's
+        steps; a step run inline in the asking turn's thread returns to that turn after its pass, and
+        the loop takes what came in meanwhile)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         obs = self._s.observer
         for r in decodes + prefills:
             obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
         if decodes:
             self._decode(decodes)
+        if decodes and late_prefills:
             left = self._s.step_token_budget - len(decodes) - sum(r.rows for r in prefills)
             late = self._late_prefills(left, first_free=not prefills)
             if late:

@@ -345,39 +345,51 @@ def test_the_wait_for_follow_ups_is_bounded(monkeypatch) -> None:
 
 
 def test_prompt_chunks_that_come_during_a_decode_pass_join_that_steps_prefill_pass() -> None:
-    threads: list[str] = []
+    in_decode, decode_gate = threading.Event(), threading.Event()
+    prefill_steps: list[tuple[list, int]] = []  # (tokens, the loop's step) of each prefill
 
-    class Where(Recorder):
+    class Held(Recorder):
+        def decode_many(self, served, tokens, states):
+            in_decode.set()
+            decode_gate.wait()
+            return super().decode_many(served, tokens, states)
+
         def prefill(self, served, tokens, state, *, prompt_end):
-            threads.append(threading.current_thread().name)
-            return super().prefill(served, tokens, state, prompt_end=prompt_end)
+            out = super().prefill(served, tokens, state, prompt_end=prompt_end)
+            prefill_steps.append((list(tokens), loop._step))  # noqa: SLF001 - which step ran it
+            return out
 
-    rec = Where()
+    rec = Held()
     sched = BatchingScheduler(rec, max_batch_sequences=8, step_token_budget=10)
     try:
         rec.gate.clear()
-        # an idle loop: this decode's step runs in its own thread and holds in its decode pass
-        running, decoded = _in_threads([lambda: sched.decode(Served(), 5, object(), owner=_owner("a", "d"))])
+        # the blocker's step runs in its own thread; the decode queued meanwhile is the loop's next step
+        first, _ = _in_threads([lambda: _blocker(sched)])
         time.sleep(0.2)
-        # two 5-row chunks come in during that pass: the step's budget has 10 - 1 decode row left for them
+        loop = sched._loops["m"]  # noqa: SLF001 - the loop's queue and steps are what this checks
+        decoding, decoded = _in_threads([lambda: sched.decode(Served(), 5, object(), owner=_owner("a", "d"))])
+        time.sleep(0.2)
+        rec.gate.set()
+        assert in_decode.wait(timeout=5) and loop.waiting() == 0
+        # two 5-row chunks come in during that decode pass: its step's budget has 10 - 1 rows left for them
         calls = [
             (lambda i=i: sched.prefill(Served(), [i] * 5, None, prompt_end=5, owner=_owner(f"t{i}", "p")))
             for i in (1, 2)
         ]
         waiting, prefilled = _in_threads(calls)
-        loop = sched._loops["m"]  # noqa: SLF001 - the loop's queue is what this waits on
         deadline = time.monotonic() + 5
         while loop.waiting() < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert loop.waiting() == 2 and rec.steps == []
-        rec.gate.set()
-        for th in running + waiting:
+        assert loop.waiting() == 2
+        decode_gate.set()
+        for th in first + decoding + waiting:
             th.join(timeout=10)
         assert decoded == [("decoded", 5)]
         assert sorted(prefilled) == [("prefilled", [1] * 5), ("prefilled", [2] * 5)]
-        # the chunk that fit what was left of the budget ran in the decode's own step (its thread), after
-        # the decode pass; the other waited for the loop's next step
-        assert [kind for kind, _ in rec.steps] == ["decode_many", "prefill", "prefill"]
-        assert threads == [running[0].name, "kvresume-step-m"]
+        # the chunk that fit what was left of the budget ran in the decode's step, after its decode pass;
+        # the other waited for the next step
+        assert [kind for kind, _ in rec.steps] == ["prefill", "decode_many", "prefill", "prefill"]
+        (_, blocker_step), (_, joined), (_, next_one) = prefill_steps
+        assert joined == blocker_step + 1 and next_one == joined + 1
     finally:
         sched.close()
