@@ -35,8 +35,9 @@ class Sampler:
                 # 32K vocabulary (measured, Intel Xeon, torch 2.13), and it keeps the GIL, where torch's
                 # op lets go of it and the turn's thread then waits for the service's other threads to get
                 # it back (about 34 us a call at 512 ids under cProfile, one no-op session). Both give the
-                # first maximal index and count NaN as the maximum (test_sampler.py compares them).
-                return int(logits.reshape(-1).numpy().argmax())
+                # first maximal index and count NaN as the maximum (test_sampler.py compares them). The
+                # flattening too is numpy's: torch's reshape is a dispatched op, which lets go of the GIL.
+                return int(logits.numpy().reshape(-1).argmax())
             # argmax of the logits where they are: the same index as of their flat fp32 CPU copy (the
             # cast to fp32 is exact and the flat order is the logical order), one dispatch instead of four
             return int(logits.argmax())

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import structlog
-import torch
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
@@ -63,6 +63,8 @@ from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 from orchestrator.model_process import ModelProcessError
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
 from orchestrator.scheduler import (
+    Continued,
+    DecodeChain,
     PassWait,
     SerialScheduler,
     TurnScheduler,
@@ -349,25 +351,57 @@ class TurnEngine:
         turn: TurnInput,
         handle: TurnHandle,
         owner: WorkOwner,
-    ) -> Generator[PassWait, None, tuple[torch.Tensor, Any, list[PassStats]]]:
+        chain: DecodeChain,
+    ) -> Generator[PassWait, None, tuple[Continued, list[PassStats]]]:
+        """The prompt's chunks, one pass each; the last one starts the turn's decode chain (its result
+        holds the first token, and that token's decode already queued where the scheduler queues)."""
         start = state.n_tokens if state is not None else 0
         passes: list[PassStats] = []
-        logits = None
         pos = start
-        while pos < len(prompt):
+        while True:
             self._check(turn, handle)
             end = min(pos + self._chunk, len(prompt))
             chunk = prompt[pos:end]
-            # another chunk or the first decode follows at once (unless the first token ends the turn)
-            out = yield from await_pass(
+            last = end >= len(prompt)
+            # another chunk follows at once; after the last one the chain queues the first decode
+            got = yield from await_pass(
                 self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner,
-                                              follow_up=True)  # fmt: skip
+                                              follow_up=not last, chain=chain if last else None)  # fmt: skip
             )
-            state, logits = out.state, out.logits
+            out = got.output if last else got
+            state = out.state
             passes.append(out.stats)
+            if last:
+                return got, passes
             pos = end
-        assert logits is not None and state is not None
-        return logits, state, passes
+
+    def _decode_of(self, served: ServedModel, got: Continued, owner: WorkOwner) -> Future:
+        """The decode of `got`'s token: the one the scheduler queued, else submitted now (continuing the
+        chain when the turn goes on after it)."""
+        if got.next is not None:
+            return got.next
+        assert got.token is not None
+        return self.scheduler.submit_decode(served, got.token, got.output.state, owner=owner, chain=got.then)
+
+    def _drain(
+        self, served: ServedModel, got: Continued, output: list[int], owner: WorkOwner
+    ) -> Generator[TurnEvent | PassWait, None, Any]:
+        """After the turn halted its chain early (an Abort that keeps the partial turn): the state that
+        covers every token the turn keeps. Passes the chain queued before the halt still end; a token
+        sampled before it is kept (and streamed), and the last kept token is decoded."""
+        while True:
+            if got.token is None:  # halted before sampling: this pass's state covers the output
+                return got.output.state
+            if got.next is None:
+                plain = self.scheduler.submit_decode(served, got.token, got.output.state, owner=owner)
+                return (yield from await_pass(plain)).state
+            after = yield from await_pass(got.next)
+            if not isinstance(after, Continued):  # the turn's last decode: nothing sampled after it
+                return after.state
+            got = after
+            if got.token is not None:
+                output.append(got.token)
+                yield TokenChunkEvent(ids=(got.token,), text=served.codec.decode([got.token]))
 
     def run_turn(self, turn: TurnInput, handle: TurnHandle) -> Iterator[TurnEvent]:
         """The turn's events, this thread waiting out each forward pass (`turn_steps`, driven inline)."""
@@ -399,49 +433,59 @@ class TurnEngine:
             state = self._start_state(f)
             loaded = state.n_tokens if state is not None else 0
             prompt = f.history + f.new_tokens
-            logits, state, passes = yield from self._prefill(served, prompt, state, turn, handle, owner)
-            counts = actual_counts(
-                plan.path, loaded=loaded, history_len=len(f.history), prompt_len=len(prompt), passes=passes
-            )
-            if counts != plan.counts:
-                log.warning("turn_counts_differ_from_plan", planned=str(plan.counts), actual=str(counts))
-            sampler = Sampler(turn.generation)
             stops = set(turn.generation.stop_token_ids)
-            token = sampler(logits)
-            ttft = time.perf_counter() - started
-            finish = FinishReason.LENGTH
-            decode_started = time.perf_counter()
-            while True:
-                output.append(token)
-                yield TokenChunkEvent(ids=(token,), text=served.codec.decode([token]))
-                if token in stops:
-                    finish = FinishReason.STOP
-                    break
-                if len(output) >= turn.generation.max_new_tokens:
-                    break
-                if handle.cancelled and handle.keep_partial:
-                    finish = FinishReason.ABORTED
-                    break
-                self._check(turn, handle)
-                # another decode follows unless this one ends the turn unpersisted (or meets a stop token)
-                more = len(output) + 1 < turn.generation.max_new_tokens or plan.persist
-                out = yield from await_pass(
-                    self.scheduler.submit_decode(served, token, state, owner=owner, follow_up=more)
-                )
-                state = out.state
-                token = sampler(out.logits)
-            decode_s = time.perf_counter() - decode_started
-            full = prompt + output
-            persisted = False
-            outcome = None
-            partial = finish == FinishReason.ABORTED
-            self._check(turn, handle, finishing_partial=partial)
-            if plan.persist:
-                # The last sampled token has not run through the model yet; run it so the stored
-                # global KV covers the whole history the next turn resumes.
-                last = self.scheduler.submit_decode(served, output[-1], state, owner=owner)
-                state = (yield from await_pass(last)).state
+            # The scheduler samples each token as its pass ends and queues the next decode (chains.py);
+            # this thread streams them, checks cancellation between them, and halts the chain early.
+            gen = turn.generation
+            chain = DecodeChain(
+                Sampler(gen), stops=stops, max_new_tokens=gen.max_new_tokens, persist=plan.persist
+            )
+            try:
+                got, passes = yield from self._prefill(served, prompt, state, turn, handle, owner, chain)
+                counts = actual_counts(plan.path, loaded=loaded, history_len=len(f.history),
+                                       prompt_len=len(prompt), passes=passes)  # fmt: skip
+                if counts != plan.counts:
+                    log.warning("turn_counts_differ_from_plan", planned=str(plan.counts), actual=str(counts))
+                ttft = time.perf_counter() - started
+                finish = FinishReason.LENGTH
+                decode_started = time.perf_counter()
+                while True:
+                    assert got.token is not None  # only a halt leaves a pass without a token
+                    token = got.token
+                    output.append(token)
+                    yield TokenChunkEvent(ids=(token,), text=served.codec.decode([token]))
+                    if token in stops:
+                        finish = FinishReason.STOP
+                        break
+                    if len(output) >= turn.generation.max_new_tokens:
+                        break
+                    if handle.cancelled and handle.keep_partial:
+                        finish = FinishReason.ABORTED
+                        break
+                    self._check(turn, handle)
+                    got = yield from await_pass(self._decode_of(served, got, owner))
+                decode_s = time.perf_counter() - decode_started
+                full = prompt + output
+                persisted = False
+                outcome = None
+                partial = finish == FinishReason.ABORTED
+                if partial:
+                    chain.halt()
                 self._check(turn, handle, finishing_partial=partial)
+                if plan.persist:
+                    # The last sampled token has not run through the model yet: its decode (queued by the
+                    # chain, or submitted now) makes the stored global KV cover the whole history the
+                    # next turn resumes.
+                    if partial:
+                        state = yield from self._drain(served, got, output, owner)
+                        full = prompt + output
+                    else:
+                        state = (yield from await_pass(self._decode_of(served, got, owner))).state
+                    self._check(turn, handle, finishing_partial=partial)
+            finally:
+                # a turn that stops early (an error, a cancellation, a client gone) queues nothing more
+                chain.halt()
+            if plan.persist:
                 outcome = persist_chunks(
                     self.store,
                     tenant=f.tenant_id,

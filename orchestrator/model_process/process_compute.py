@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -290,6 +290,13 @@ class ProcessCompute:
         `served`: the model the call uses (its fingerprint is checked once per model process);
         `states`: the handles named in `args`, which must belong to this very process.
         """
+        return self._start_at(op, *args, served=served, states=states)()
+
+    def _start_at(
+        self, op: str, *args: Any, served: Any = None, states: Sequence[Any] = ()
+    ) -> Callable[[], tuple[Any, int]]:
+        """`_call_at` in two halves: this one sends the call; the function it returns waits for the
+        answer (and must be called: it gives the connection back)."""
         proc = self._process()
         for state in states:
             if state is not None and state.generation != proc.generation:
@@ -305,9 +312,14 @@ class ProcessCompute:
                     "(numerics or weights differ)"
                 )
             proc.checked.add(served.name)
-        return self._send(proc, op, args), proc.generation
+        finish = self._start(proc, op, args)
+        return lambda: (finish(), proc.generation)
 
     def _send(self, proc: _Process, op: str, args: tuple[Any, ...]) -> Any:
+        return self._start(proc, op, args)()
+
+    def _start(self, proc: _Process, op: str, args: tuple[Any, ...]) -> Callable[[], Any]:
+        """Send `op(*args)` on a connection of its own; the function that waits for its value."""
         frees = []
         while self._freed:
             try:
@@ -318,19 +330,30 @@ class ProcessCompute:
                 frees.append(sid)
         payload = dumps((op, args, frees))
         conn = proc.checkout()
-        try:
-            conn.send_bytes(payload)
-            reply: Reply = loads(conn.recv_bytes())
-        except (EOFError, OSError) as exc:
+
+        def lost(exc: BaseException) -> ModelProcessError:
             conn.close()
             self._died(proc, f"{type(exc).__name__}: {exc}")
-            raise ModelProcessError(
+            return ModelProcessError(
                 f"the model process ended during {op} (exit code {proc.proc.poll()}); its states are lost"
-            ) from exc
-        proc.checkin(conn)
-        if reply.error is not None:
-            raise reply.error
-        return reply.value
+            )
+
+        try:
+            conn.send_bytes(payload)
+        except (EOFError, OSError) as exc:
+            raise lost(exc) from exc
+
+        def finish() -> Any:
+            try:
+                reply: Reply = loads(conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise lost(exc) from exc
+            proc.checkin(conn)
+            if reply.error is not None:
+                raise reply.error
+            return reply.value
+
+        return finish
 
     def _died(self, proc: _Process, why: str) -> None:
         with self._lock:
@@ -480,12 +503,28 @@ class ProcessCompute:
         states: Sequence[RemoteState | None],
         prompt_ends: Sequence[int],
     ) -> list[PassOutput]:
+        return self.start_prefill_many(served, chunks, states, prompt_ends)()
+
+    def start_prefill_many(
+        self,
+        served: Any,
+        chunks: Sequence[Sequence[int]],
+        states: Sequence[RemoteState | None],
+        prompt_ends: Sequence[int],
+    ) -> Callable[[], list[PassOutput]]:
+        """`prefill_many` in two halves: this one sends the pass; the function it returns waits for its
+        outputs (and must be called). The batching loop samples the step's decode chains meanwhile."""
         sids = [self._sid(s) for s in states]
-        wires, generation = self._call_at(
+        finish = self._start_at(
             "prefill_many", served.name, [list(c) for c in chunks], sids, list(prompt_ends),
             served=served, states=states,
         )  # fmt: skip
-        return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+        def outputs() -> list[PassOutput]:
+            wires, generation = finish()
+            return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+        return outputs
 
     # -- decoded global KV kept beside pool entries (engine/decoded_states.py) ----------------------------
 

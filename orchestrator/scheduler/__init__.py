@@ -8,6 +8,7 @@ baseline). Both give every session the same tokens and stored bytes.
 
 from orchestrator.scheduler.admission import Admission
 from orchestrator.scheduler.batching import DEFAULT_STEP_TOKEN_BUDGET, BatchingScheduler
+from orchestrator.scheduler.chains import Continued, DecodeChain, continue_chain
 from orchestrator.scheduler.fair_order import FairOrder
 from orchestrator.scheduler.metrics_observer import MetricsObserver
 from orchestrator.scheduler.pass_wait import PassWait, await_pass, wait_inline
@@ -18,6 +19,9 @@ __all__ = [
     "DEFAULT_STEP_TOKEN_BUDGET",
     "Admission",
     "BatchingScheduler",
+    "Continued",
+    "DecodeChain",
+    "continue_chain",
     "FairOrder",
     "MetricsObserver",
     "NullObserver",

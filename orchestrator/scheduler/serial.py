@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from orchestrator.scheduler.admission import Admission
+from orchestrator.scheduler.chains import DecodeChain, continue_chain
 from orchestrator.scheduler.work import NullObserver, SchedulerObserver, StepCompute, WorkOwner
 
 __all__ = ["SerialScheduler"]
@@ -53,16 +54,26 @@ class SerialScheduler:
     # The serial scheduler has no queue: a submitted pass runs now, in the asking thread, and its future
     # is done when it returns (the one-at-a-time baseline holds its thread through its passes).
     # (`follow_up` is the batching loop's hint; with no steps there is nothing to wait for)
+    # A decode chain (chains.py) samples here, in the asking thread, and queues nothing: the turn
+    # submits the next decode itself (its Continued has no `next`).
     def submit_prefill(
         self, served: Any, tokens: Sequence[int], state: Any, *, prompt_end: int, owner: WorkOwner,
-        follow_up: bool = False,
+        follow_up: bool = False, chain: DecodeChain | None = None,
     ) -> Future:
-        return _ran(self.prefill, served, tokens, state, prompt_end=prompt_end, owner=owner)
+        return _ran(
+            self._chained, chain, self.prefill, served, tokens, state, prompt_end=prompt_end, owner=owner
+        )
 
     def submit_decode(
-        self, served: Any, token: int, state: Any, *, owner: WorkOwner, follow_up: bool = False
+        self, served: Any, token: int, state: Any, *, owner: WorkOwner, follow_up: bool = False,
+        chain: DecodeChain | None = None,
     ) -> Future:
-        return _ran(self.decode, served, token, state, owner=owner)
+        return _ran(self._chained, chain, self.decode, served, token, state, owner=owner)
+
+    @staticmethod
+    def _chained(chain: DecodeChain | None, call: Any, *args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        return out if chain is None else continue_chain(chain, out, queue=None)
 
     def running(self, model: str) -> int:
         return self._admission.running(model)

@@ -10,6 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from orchestrator.scheduler.chains import DecodeChain
+
 __all__ = ["WorkOwner", "StepCompute", "PassRequest", "SchedulerObserver", "NullObserver"]
 
 
@@ -51,6 +53,9 @@ class PassRequest:
     # the turn will ask for its next pass as soon as this one returns (a chunk before the prompt's last,
     # a prompt or decode with more tokens to generate): the step loop waits briefly for it (batching.py)
     follow_up: bool = False
+    # the turn's decode chain (chains.py): after the pass, the step samples the next token and queues
+    # its decode; the future then holds a `Continued`, not the bare output
+    chain: DecodeChain | None = None
     future: Future = field(default_factory=Future)
 
     @property
