@@ -5,9 +5,11 @@ Each step takes every waiting decode token (up to `max_batch_sequences`, in fair
 batch-invariant `decode_many` pass, plus prefill or replay chunks in fair order until the step's token
 budget is used, run together in one batch-invariant `prefill_many` pass (chunked prefill interleaved with
 decode: a long prompt costs everyone one bounded chunk per step, not its whole length); chunks that come
-in while the loop's decode pass runs join the prefill pass under what is left of the budget. Turns wait in
-on a future per pass (in their own threads, or on the asyncio server's loop without a thread: the
-turn engine yields a `PassWait`). One step runs at a time: the loop thread's, or, when the loop is
+in while the loop's decode pass runs join the prefill pass under what is left of the budget. A turn's
+decodes form a chain (chains.py): the step samples each token as its pass ends and queues the token's
+decode itself, so the next step has it without waiting for the turn. Turns wait on a future per pass
+(in their own threads, or on the asyncio server's loop without a thread: the turn engine yields a
+`PassWait`). One step runs at a time: the loop thread's, or, when the loop is
 idle and nothing waits, the asking turn's own (the step the loop would have run: that request alone,
 without the two thread handoffs). Cancellation, deadlines and disconnects are checked by the turn
 between passes, so they take effect at the next step, and a step is bounded by the budget.
