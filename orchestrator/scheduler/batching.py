@@ -85,6 +85,10 @@ class _ModelLoop:
         # the turns of the last step that will ask again at once, and until when the next step waits
         self._expected: set[WorkOwner] = set()  # (frozen: equal per tenant and session)
         self._expect_until = 0.0
+        # the running step: whether its chains queue their next decodes, and the turns whose chain wants
+        # a decode it left to them to submit (`_run_step`)
+        self._chains_queue = True
+        self._deferred: set[WorkOwner] = set()
         self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
         self._thread.start()
 
@@ -109,7 +113,8 @@ class _ModelLoop:
         if inline:
             alone = [request]
             try:
-                self._run_step(alone if request.is_decode else [], [] if request.is_decode else alone)
+                self._run_step(alone if request.is_decode else [], [] if request.is_decode else alone,
+                               in_loop=False)  # fmt: skip
             finally:
                 with self._cond:
                     self._busy = False
@@ -185,24 +190,29 @@ class _ModelLoop:
             if work is None:
                 return
             try:
-                self._run_step(*work, late_prefills=True)
+                self._run_step(*work, in_loop=True)
             finally:
                 with self._cond:
                     self._busy = False
 
-    def _run_step(
-        self, decodes: list[PassRequest], prefills: list[PassRequest], *, late_prefills: bool = False
-    ) -> None:
+    def _run_step(self, decodes: list[PassRequest], prefills: list[PassRequest], *, in_loop: bool) -> None:
         """Run one step's passes (each request's future gets its result or its error) and report it.
-        late_prefills: prompt chunks that came in during the decode pass join the prefill pass (the loop's
-        steps; a step run inline in the asking turn's thread returns to that turn after its pass, and
-        the loop takes what came in meanwhile)."""
+
+        in_loop: the loop thread's step. Prompt chunks that came in during its decode pass join its
+        prefill pass, and its decode chains queue their next decodes. A step run inline in the asking
+        turn's thread (`submit`: the loop was idle) does neither: it returns to that turn, whose token
+        would otherwise wait for others' prompts, and whose next decode, submitted by the turn after it
+        streamed the token, runs inline again while the loop stays idle (queued, it would cost two
+        thread handoffs a token: measured, one no-op session's turn 4.8 -> 6.5 ms).
+        """
         started, cpu_started = time.perf_counter(), time.thread_time()
+        self._chains_queue = in_loop
+        self._deferred = set()
         obs = self._s.observer
         for r in decodes + prefills:
             obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
         decoded = self._decode(decodes) if decodes else []
-        if decodes and late_prefills:
+        if decodes and in_loop:
             left = self._s.step_token_budget - len(decodes) - sum(r.rows for r in prefills)
             late = self._late_prefills(left, first_free=not prefills)
             if late:
@@ -219,7 +229,8 @@ class _ModelLoop:
         tokens = len(decodes) + sum(r.rows for r in prefills)
         ended = time.perf_counter()
         with self._cond:
-            self._expected = {r.owner for r in decodes + prefills if r.follow_up}
+            # (a chain that wants a decode it did not queue: its turn asks for it at once)
+            self._expected = {r.owner for r in decodes + prefills if r.follow_up} | self._deferred
             wait = min(FOLLOW_UP_WAIT_MAX_S, FOLLOW_UP_WAIT_FRACTION * (ended - started))
             self._expect_until = ended + wait
         obs.step(self.model, sequences=len(decodes), tokens=tokens, seconds=time.perf_counter() - started,
@@ -300,22 +311,26 @@ class _ModelLoop:
 
     def _resolve(self, done: list[tuple[PassRequest, Any]]) -> None:
         """Give each request its pass's output; for a decode chain's pass, sample the turn's next token
-        first and queue its decode (chains.py), so that the next step takes it without waiting for the
-        turn. Every chain is continued before any future is set: a set future wakes its turn's thread,
-        which then contends for the GIL with this one at every op that lets go of it (measured with the
-        futures set one by one as each chain went on: 18 ms between a step's two passes, against 1)."""
+        first and, in the loop's steps, queue its decode (chains.py), so that the next step takes it
+        without waiting for the turn. Every chain is continued before any future is set: a set future
+        wakes its turn's thread, which then contends for the GIL with this one at every op that lets go
+        of it (measured with the futures set one by one as each chain went on: 18 ms between a step's
+        two passes, against 1)."""
         results: list[tuple[PassRequest, Any, BaseException | None]] = []
         for r, out in done:
             if r.chain is None:
                 results.append((r, out, None))
                 continue
+            queue = (lambda token, then, r=r, out=out: self._queue_next(r, out, token, then)
+                     ) if self._chains_queue else None  # fmt: skip
             try:
-                go_on = continue_chain(r.chain, out, lambda token, then, r=r, out=out: self._queue_next(
-                    r, out, token, then))  # fmt: skip
+                go_on = continue_chain(r.chain, out, queue)
             except BaseException as exc:  # noqa: BLE001 - a sampler's failure is the turn's own error
                 results.append((r, None, exc))
             else:
                 results.append((r, go_on, None))
+                if go_on.decode and go_on.next is None:
+                    self._deferred.add(r.owner)
         for r, value, exc in results:
             if exc is not None:
                 r.future.set_exception(exc)

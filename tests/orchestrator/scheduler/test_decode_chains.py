@@ -7,6 +7,7 @@ partial turn after an Abort)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -69,20 +70,41 @@ def _chain(max_new: int, *, persist: bool, stops: Sequence[int] = ()) -> DecodeC
     return DecodeChain(lambda logits: logits + 1, stops=stops, max_new_tokens=max_new, persist=persist)
 
 
-def _follow(first: Future, timeout: float = 10) -> tuple[list[int], object]:
-    """The tokens of a chain from its prompt's future on, following the decodes the scheduler queued; and
-    what the last queued decode gave (a bare output: nothing is sampled after it), or None."""
-    got = first.result(timeout=timeout)
-    tokens = []
+def _follow(sched, first: Future, owner: WorkOwner | None = None) -> tuple[list[int], object, int]:
+    """Play the turn from its prompt's future on: the chain's tokens, following the decodes the scheduler
+    queued and submitting those it left to the turn (as the turn engine does); what the last decode gave
+    (a bare output: nothing is sampled after it) or None; and how many decodes the turn submitted."""
+    owner = owner or _owner()
+    got = first.result(timeout=10)
+    tokens, submitted = [], 0
     while True:
         assert isinstance(got, Continued)
         tokens.append(got.token)
+        if not got.decode:
+            return tokens, None, submitted
         if got.next is None:
-            return tokens, None
-        after = got.next.result(timeout=timeout)
+            submitted += 1
+            pending = sched.submit_decode(Served(), got.token, got.output.state, owner=owner, chain=got.then)
+        else:
+            pending = got.next
+        after = pending.result(timeout=10)
         if not isinstance(after, Continued):
-            return tokens, after
+            return tokens, after, submitted
         got = after
+
+
+def _hold_loop(sched, compute: IntCompute) -> threading.Thread:
+    """A prompt without a chain that holds the loop inside its prefill (run in its own thread) until
+    `compute.prefill_gate` is set: requests submitted meanwhile are the loop's, not run inline."""
+    compute.prefill_gate.clear()
+    compute.in_prefill.clear()
+    blocker = threading.Thread(
+        target=lambda: sched.submit_prefill(Served(), [0], object(), prompt_end=1, owner=_owner("b"))
+    )
+    blocker.start()
+    while not compute.in_prefill.wait(0.01):
+        pass
+    return blocker
 
 
 @pytest.fixture
@@ -95,10 +117,13 @@ def batching():
 
 def test_a_chain_samples_each_token_and_queues_its_decode_without_the_turn_asking(batching) -> None:
     sched, compute = batching
+    blocker = _hold_loop(sched, compute)
     chain = _chain(4, persist=True)
     first = sched.submit_prefill(Served(), [3, 5], object(), prompt_end=2, owner=_owner(), chain=chain)
-    tokens, last = _follow(first)
-    assert tokens == [6, 7, 8, 9] and chain.sampled == 4
+    compute.prefill_gate.set()
+    blocker.join(timeout=10)
+    tokens, last, submitted = _follow(sched, first)
+    assert tokens == [6, 7, 8, 9] and chain.sampled == 4 and submitted == 0
     # a persisted turn decodes its last token too, and samples nothing after it
     assert isinstance(last, Out) and last.logits == 9
     decodes = [(toks, thread) for kind, toks, thread in compute.passes if kind == "decode_many"]
@@ -107,11 +132,25 @@ def test_a_chain_samples_each_token_and_queues_its_decode_without_the_turn_askin
     assert all(thread == "kvresume-step-m" for _, thread in decodes), decodes
 
 
+def test_an_idle_loop_leaves_each_decode_to_the_turn_which_runs_it_inline(batching) -> None:
+    sched, compute = batching
+    first = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner(),
+                                 chain=_chain(3, persist=True))  # fmt: skip
+    tokens, last, submitted = _follow(sched, first)
+    assert tokens == [6, 7, 8] and isinstance(last, Out) and last.logits == 8 and submitted == 3
+    # one session alone: every pass ran in the asking thread, none queued for the loop
+    here = threading.current_thread().name
+    assert [(kind, toks, thread) for kind, toks, thread in compute.passes] == [
+        ("prefill", [5], here), ("decode_many", [6], here), ("decode_many", [7], here),
+        ("decode_many", [8], here)
+    ]
+
+
 def test_a_chain_that_is_not_persisted_leaves_its_last_token_undecoded(batching) -> None:
     sched, compute = batching
     first = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner(),
                                  chain=_chain(3, persist=False))  # fmt: skip
-    tokens, last = _follow(first)
+    tokens, last, _ = _follow(sched, first)
     assert tokens == [6, 7, 8] and last is None
     assert [toks for kind, toks, _ in compute.passes if kind == "decode_many"] == [[6], [7]]
 
@@ -121,7 +160,7 @@ def test_a_stop_token_ends_the_chain(batching, persist) -> None:
     sched, compute = batching
     first = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner(),
                                  chain=_chain(10, persist=persist, stops=[8]))  # fmt: skip
-    tokens, last = _follow(first)
+    tokens, last, _ = _follow(sched, first)
     assert tokens == [6, 7, 8]
     decoded = [toks for kind, toks, _ in compute.passes if kind == "decode_many"]
     assert decoded == ([[6], [7], [8]] if persist else [[6], [7]])
@@ -130,31 +169,31 @@ def test_a_stop_token_ends_the_chain(batching, persist) -> None:
 
 def test_chains_of_several_turns_share_their_steps(batching) -> None:
     sched, compute = batching
-    compute.prefill_gate.clear()
-    # a prompt without a chain holds the loop in its step (run in its own thread) ...
-    blocker = threading.Thread(
-        target=lambda: sched.submit_prefill(Served(), [0], object(), prompt_end=1, owner=_owner("b"))
-    )
-    blocker.start()
-    while not compute.in_prefill.wait(0.01):
-        pass
-    # ... while three turns' prompts queue: one step prefills them, then each step decodes all three
+    blocker = _hold_loop(sched, compute)
+    # three turns' prompts queue while the loop is held: one step prefills them, then each step decodes
+    # all three, without any turn asking
     firsts = [sched.submit_prefill(Served(), [10 * i], object(), prompt_end=1, owner=_owner(f"s{i}"),
                                    chain=_chain(3, persist=True)) for i in (1, 2, 3)]  # fmt: skip
     compute.prefill_gate.set()
     blocker.join(timeout=10)
-    assert [_follow(f)[0] for f in firsts] == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    followed = [_follow(sched, f, _owner(f"s{i}")) for i, f in zip((1, 2, 3), firsts, strict=True)]
+    assert [(tokens, submitted) for tokens, _, submitted in followed] == [
+        ([11, 12, 13], 0), ([21, 22, 23], 0), ([31, 32, 33], 0)
+    ]
     steps = [toks for kind, toks, _ in compute.passes if kind == "decode_many"]
     assert steps == [[11, 21, 31], [12, 22, 32], [13, 23, 33]]
 
 
 def test_a_halted_chain_samples_nothing_more(batching) -> None:
     sched, compute = batching
+    blocker = _hold_loop(sched, compute)
     chain = _chain(10, persist=True)
     first = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner(), chain=chain)
+    compute.gate.clear()  # the loop will wait inside the decode of 6
+    compute.prefill_gate.set()
+    blocker.join(timeout=10)
     got = first.result(timeout=10)
     assert got.token == 6 and got.next is not None
-    compute.gate.clear()  # hold the loop in the decode of 6 ... (or before it)
     chain.halt()
     compute.gate.set()
     after = got.next.result(timeout=10)
@@ -177,7 +216,7 @@ def test_a_sampler_that_fails_fails_that_turns_pass_alone(batching) -> None:
         failing.result(timeout=10)
     fine = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner("b"),
                                 chain=_chain(2, persist=False))  # fmt: skip
-    assert _follow(fine)[0] == [6, 7]
+    assert _follow(sched, fine)[0] == [6, 7]
 
 
 def test_the_serial_scheduler_samples_in_the_asking_thread_and_queues_nothing() -> None:
@@ -244,15 +283,21 @@ def test_a_steps_prefill_pass_goes_out_before_its_decode_chains_are_sampled(fail
         return logits + 1
 
     try:
-        compute.gate.clear()
-        # a chain's decode holds the loop; two prompts (no chains) come in meanwhile
+        blocker = _hold_loop(sched, compute)
         first = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner("a"),
                                      chain=DecodeChain(sample, stops=(), max_new_tokens=2, persist=False))
+        compute.gate.clear()  # the loop's step of the chain's first decode waits inside that pass ...
+        compute.prefill_gate.set()
+        blocker.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while "decode [6]" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # ... while two prompts (no chains) come in: they join that step's prefill pass
         prompts = [sched.submit_prefill(Served(), [p], object(), prompt_end=1, owner=_owner(f"p{p}"))
                    for p in (20, 30)]  # fmt: skip
         compute.gate.set()
         assert [p.result(timeout=10).logits for p in prompts] == [20, 30]
-        assert _follow(first)[0] == [6, 7]
+        assert _follow(sched, first)[0] == [6, 7]
     finally:
         sched.close()
     step = events[events.index("decode [6]"):]
