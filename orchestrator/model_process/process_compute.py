@@ -490,11 +490,23 @@ class ProcessCompute:
     def decode_many(
         self, served: Any, tokens: Sequence[int], states: Sequence[RemoteState]
     ) -> list[PassOutput]:
+        return self.start_decode_many(served, tokens, states)()
+
+    def start_decode_many(
+        self, served: Any, tokens: Sequence[int], states: Sequence[RemoteState]
+    ) -> Callable[[], list[PassOutput]]:
+        """`decode_many` in two halves, as `start_prefill_many`: the batching loop hands the last step's
+        prompts their first tokens while the model computes this pass."""
         sids = [self._sid(s) for s in states]
-        wires, generation = self._call_at(
+        finish = self._start_at(
             "decode_many", served.name, [int(t) for t in tokens], sids, served=served, states=states
         )
-        return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+        def outputs() -> list[PassOutput]:
+            wires, generation = finish()
+            return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+
+        return outputs
 
     def prefill_many(
         self,

@@ -89,6 +89,10 @@ class _ModelLoop:
         # a decode it left to them to submit (`_run_step`)
         self._chains_queue = True
         self._deferred: set[WorkOwner] = set()
+        # the last step's prompt results, held until this step's decode pass is sent (`_publish_held`),
+        # and where `_resolve` puts them while the step holds them (None: it sets futures at once)
+        self._held: list[tuple[PassRequest, Any, BaseException | None]] = []
+        self._holding: list[tuple[PassRequest, Any, BaseException | None]] | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvresume-step-{model}", daemon=True)
         self._thread.start()
 
@@ -185,15 +189,35 @@ class _ModelLoop:
         self._expected = set()
 
     def _run(self) -> None:
-        while True:
-            work = self._take()
-            if work is None:
-                return
-            try:
-                self._run_step(*work, in_loop=True)
-            finally:
-                with self._cond:
-                    self._busy = False
+        try:
+            while True:
+                if self._held and not self._next_step_ready():
+                    self._publish_held()
+                work = self._take()
+                if work is None:
+                    return
+                try:
+                    self._run_step(*work, in_loop=True)
+                finally:
+                    with self._cond:
+                        self._busy = False
+        finally:
+            self._publish_held()
+
+    def _next_step_ready(self) -> bool:
+        """Whether `_take` would start the next step at once (work waits, and no turn is waited for)."""
+        with self._cond:
+            return bool(self._waiting) and not self._expected and not self._closed
+
+    def _publish_held(self) -> None:
+        """Set the futures of the last step's prompt chunks (`_run_step` holds them until the next decode
+        pass is sent, or until the loop would wait)."""
+        held, self._held = self._held, []
+        for r, value, exc in held:
+            if exc is not None:
+                r.future.set_exception(exc)
+            else:
+                r.future.set_result(value)
 
     def _run_step(self, decodes: list[PassRequest], prefills: list[PassRequest], *, in_loop: bool) -> None:
         """Run one step's passes (each request's future gets its result or its error) and report it.
@@ -211,7 +235,11 @@ class _ModelLoop:
         obs = self._s.observer
         for r in decodes + prefills:
             obs.waited(self.model, "decode" if r.is_decode else "prefill", started - r.enqueued_at)
-        decoded = self._decode(decodes) if decodes else []
+        if decodes:
+            decoded = self._decode(decodes)
+        else:
+            decoded = []
+            self._publish_held()
         if decodes and in_loop:
             left = self._s.step_token_budget - len(decodes) - sum(r.rows for r in prefills)
             late = self._late_prefills(left, first_free=not prefills)
@@ -225,7 +253,15 @@ class _ModelLoop:
         prefilled = self._start_prefill(prefills) if prefills else None
         self._resolve(decoded)
         if prefilled is not None:
-            prefilled()
+            # The prompts' results wait until the next step's decode pass is sent, where passes are sent
+            # apart (a model process): their turns' threads wake to stream a token and contend for the
+            # GIL with this thread, which meanwhile samples their chains and starts the next step.
+            self._holding = [] if in_loop and self._sends_apart() else None
+            try:
+                prefilled()
+            finally:
+                if self._holding is not None:
+                    self._held, self._holding = self._holding, None
         tokens = len(decodes) + sum(r.rows for r in prefills)
         ended = time.perf_counter()
         with self._cond:
@@ -287,13 +323,25 @@ class _ModelLoop:
             else:
                 self._resolve([(r, out)])
 
+    def _sends_apart(self) -> bool:
+        return getattr(self._s.compute, "start_decode_many", None) is not None
+
     def _decode(self, decodes: list[PassRequest]) -> list[tuple[PassRequest, Any]]:
         """The step's decode pass; the requests that got an output, with it, for `_resolve` (the others
-        got their error here)."""
+        got their error here). The last step's held prompt results go out as soon as the pass is sent."""
         served = decodes[0].served
+        tokens, states = [r.token for r in decodes], [r.state for r in decodes]
+        start = getattr(self._s.compute, "start_decode_many", None)
         try:
-            outs = self._s.compute.decode_many(served, [r.token for r in decodes], [r.state for r in decodes])
+            if start is not None:
+                finish = start(served, tokens, states)
+                self._publish_held()
+                outs = finish()
+            else:
+                self._publish_held()
+                outs = self._s.compute.decode_many(served, tokens, states)
         except BaseException as exc:  # noqa: BLE001 - isolate the failing sequence, below
+            self._publish_held()
             if len(decodes) == 1:
                 decodes[0].future.set_exception(exc)
                 return []
@@ -331,6 +379,9 @@ class _ModelLoop:
                 results.append((r, go_on, None))
                 if go_on.decode and go_on.next is None:
                     self._deferred.add(r.owner)
+        if self._holding is not None:
+            self._holding.extend(results)
+            return
         for r, value, exc in results:
             if exc is not None:
                 r.future.set_exception(exc)

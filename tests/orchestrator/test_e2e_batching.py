@@ -103,15 +103,17 @@ def _serve(
 
 
 def _record_steps(node) -> list:
-    """Wrap the scheduler's batched passes of `node` to note each one's composition (not its results)."""
+    """Wrap the scheduler's batched passes of `node` to note each one's composition (not its results);
+    a model process's passes are sent apart (`start_decode_many`, `start_prefill_many`)."""
     compute = node.service.engine.scheduler.compute
     steps: list = []
-    for kind in ("decode_many", "prefill_many"):
+    for kind in ("decode_many", "prefill_many", "start_decode_many", "start_prefill_many"):
         real = getattr(compute, kind, None)
         if real is None:
             continue
+        pass_kind = kind.removeprefix("start_")
 
-        def noted(served, work, states, *args, _real=real, _kind=kind, **kwargs):
+        def noted(served, work, states, *args, _real=real, _kind=pass_kind, **kwargs):
             rows = [1] * len(states) if _kind == "decode_many" else [len(w) for w in work]
             steps.append((_kind, [0 if s is None else s.n_tokens for s in states], rows))
             return _real(served, work, states, *args, **kwargs)

@@ -312,3 +312,56 @@ def test_a_steps_prefill_pass_goes_out_before_its_decode_chains_are_sampled(fail
         assert [(kind, toks) for kind, toks, _ in compute.passes if kind == "prefill"][-2:] == [
             ("prefill", [20]), ("prefill", [30])
         ]
+
+
+class DecodesApart(SentApart):
+    """SentApart that sends its decode passes apart too."""
+
+    def start_decode_many(self, served, tokens, states):
+        self.events.append(f"decode sent {list(tokens)}")
+
+        def outputs():
+            self.events.append("decode done")
+            return [Out(logits=t, state=s) for t, s in zip(tokens, states, strict=True)]
+
+        return outputs
+
+
+def test_a_steps_prompt_results_go_out_once_the_next_decode_pass_is_sent() -> None:
+    events: list[str] = []
+    compute = DecodesApart(events)
+    sched = BatchingScheduler(compute)
+    try:
+        blocker = _hold_loop(sched, compute)
+        chained = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner("a"),
+                                       chain=_chain(2, persist=False))  # fmt: skip
+        plain = sched.submit_prefill(Served(), [20], object(), prompt_end=1, owner=_owner("b"))
+        for name, future in (("chained", chained), ("plain", plain)):
+            future.add_done_callback(lambda _, name=name: events.append(f"published {name}"))
+        compute.prefill_gate.set()
+        blocker.join(timeout=10)
+        assert plain.result(timeout=10).logits == 20
+        assert _follow(sched, chained)[0] == [6, 7]
+    finally:
+        sched.close()
+    step = events[events.index("prefill sent [[5], [20]]"):]
+    # the prompts' pass, then the next step's decode pass sent (with the chain's first decode), and only
+    # then the prompts' results, while the model computes that pass
+    assert step[:5] == ["prefill sent [[5], [20]]", "prefill done", "decode sent [6]", "published chained",
+                        "published plain"], events  # fmt: skip
+
+
+def test_held_prompt_results_go_out_when_no_step_follows() -> None:
+    events: list[str] = []
+    compute = DecodesApart(events)
+    sched = BatchingScheduler(compute)
+    try:
+        blocker = _hold_loop(sched, compute)
+        prompts = [sched.submit_prefill(Served(), [p], object(), prompt_end=1, owner=_owner(f"p{p}"))
+                   for p in (20, 30)]  # fmt: skip
+        compute.prefill_gate.set()
+        blocker.join(timeout=10)
+        # no chain, nothing else waits: the loop hands the results out before it waits for work
+        assert [p.result(timeout=5).logits for p in prompts] == [20, 30]
+    finally:
+        sched.close()
