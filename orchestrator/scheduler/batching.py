@@ -212,7 +212,8 @@ class _ModelLoop:
     def _publish_held(self) -> None:
         """Set the futures of the last step's prompt chunks (`_run_step` holds them until the next decode
         pass is sent, or until the loop would wait)."""
-        held, self._held = self._held, []
+        with self._cond:  # (a step run inline in a turn's thread may publish them too)
+            held, self._held = self._held, []
         for r, value, exc in held:
             if exc is not None:
                 r.future.set_exception(exc)
@@ -261,7 +262,9 @@ class _ModelLoop:
                 prefilled()
             finally:
                 if self._holding is not None:
-                    self._held, self._holding = self._holding, None
+                    with self._cond:
+                        self._held.extend(self._holding)
+                    self._holding = None
         tokens = len(decodes) + sum(r.rows for r in prefills)
         ended = time.perf_counter()
         with self._cond:
