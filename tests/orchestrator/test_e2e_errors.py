@@ -192,6 +192,64 @@ def test_abort_keep_partial_keeps_the_streamed_tokens(node) -> None:
     assert t.tokens == reference[2]
 
 
+def test_abort_keep_partial_drains_the_decodes_its_chain_queued(node) -> None:
+    """The Abort above while another session's long turn keeps the step loop busy: the aborted turn's
+    decodes then run in the loop's steps, each queued by the turn's decode chain as the pass before it
+    ended, ahead of the turn's thread. The Abort halts the chain; the turn keeps and streams every token
+    sampled before that took effect, and its stored state covers exactly those (the next turn is a full
+    hit equal to the uninterrupted computation)."""
+    pb, st = node.pb, node.sessions
+    compute = node.service.engine.scheduler.compute
+    # the decode passes as the scheduler sends them (a model process's apart, `start_decode_many`)
+    kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
+    real, sizes = getattr(compute, kind), []
+
+    def noted(served, tokens, states):
+        sizes.append(len(states))
+        return real(served, tokens, states)
+
+    sid, other = _session(node), _session(node)
+    first = run_turn(node, sid, _ids(41, 30))
+    history = _ids(41, 30) + first.tokens
+    new = _ids(42, 6)
+    setattr(compute, kind, noted)  # (an instance attribute: the scheduler calls it for every decode pass)
+    try:
+        background = threading.Thread(
+            target=run_turn, args=(node, other, _ids(40, 30)), kwargs={"max_new": 64}
+        )
+        background.start()
+        request = _turn_request(node, sid, new, max_new=64)
+        request.request_id = "drain-me"
+        events = iter(st.Turn(request, metadata=md()))
+        next(events)  # the plan
+        streamed = list(next(events).tokens.ids)
+        # both turns' decodes in one pass: the loop runs the steps, and the chains queue the decodes
+        deadline = threading.Event()
+        for _ in range(400):
+            if 2 in sizes:
+                break
+            deadline.wait(0.01)
+        assert 2 in sizes, sizes[:20]
+        st.Abort(pb.sessions.AbortRequest(request_id="drain-me", keep_partial=True), metadata=md())
+        for event in events:
+            if event.WhichOneof("event") == "tokens":
+                streamed += list(event.tokens.ids)
+            else:
+                stats = event.stats
+        background.join(timeout=120)
+    finally:
+        delattr(compute, kind)
+    assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
+    assert stats.generated_tokens == len(streamed) < 64
+    turns = [(_ids(41, 30), len(first.tokens)), (new, len(streamed)), (_ids(43, 5), 3)]
+    reference = continued_greedy(node.service.registry, "a", turns)
+    assert streamed == reference[1]
+    assert _state(node, sid) == (2, history + new + streamed)
+    t = run_turn(node, sid, _ids(43, 5))
+    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(history + new + streamed)
+    assert t.tokens == reference[2]
+
+
 def test_deadline_leaves_the_session_at_its_last_turn(node) -> None:
     st = node.sessions
     sid = _session(node)
