@@ -3,7 +3,9 @@
 Sits between the turn engine (which plans turns, owns SQL and storage) and the model compute, as vLLM's
 v1 scheduler sits beside its model runner: `batching` (the default) runs every session's decode token of
 a step in one batch-invariant pass plus bounded prefill chunks; `serial` runs each pass alone (the
-baseline). Both give every session the same tokens and stored bytes.
+baseline). Both give every session the same tokens and stored bytes. A turn hands its generation over
+as a decode chain (`chains`): the scheduler samples each token and queues its decode as the pass before
+ends, and the turn streams what comes.
 """
 
 from orchestrator.scheduler.admission import Admission
