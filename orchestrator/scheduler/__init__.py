@@ -10,7 +10,7 @@ ends, and the turn streams what comes.
 
 from orchestrator.scheduler.admission import Admission
 from orchestrator.scheduler.batching import DEFAULT_STEP_TOKEN_BUDGET, BatchingScheduler
-from orchestrator.scheduler.chains import Continued, DecodeChain, continue_chain
+from orchestrator.scheduler.chains import Continued, DecodeChain
 from orchestrator.scheduler.fair_order import FairOrder
 from orchestrator.scheduler.metrics_observer import MetricsObserver
 from orchestrator.scheduler.pass_wait import PassWait, await_pass, wait_inline
@@ -23,7 +23,6 @@ __all__ = [
     "BatchingScheduler",
     "Continued",
     "DecodeChain",
-    "continue_chain",
     "FairOrder",
     "MetricsObserver",
     "NullObserver",

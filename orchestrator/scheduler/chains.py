@@ -58,10 +58,6 @@ class DecodeChain:
         with self._lock:
             self._halted = True
 
-    @property
-    def halted(self) -> bool:
-        return self._halted
-
     def after(self, logits: Any) -> tuple[int, bool, bool] | None:
         """The next token from a chain pass's logits: (token, its decode is wanted, sampling goes on after
         that decode), or None when the chain was halted."""
