@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from kernels.native import load_library
 
-__all__ = ["OUTPUTS_PER_BLOCK", "covers", "linear_packed", "pack_weight", "usable"]
+__all__ = ["covers", "linear_packed", "outputs_per_block", "pack_weight", "usable"]
 
 _SOURCE = Path(__file__).with_name("cpu_bf16_gemm.c")
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
-# outputs per transposed weight block (the C file's OUTS: one fp32 AVX2 vector)
-OUTPUTS_PER_BLOCK = 8
+# outputs per transposed weight block where the library does not load (nothing packed is used then)
+_AVX2_OUTPUTS_PER_BLOCK = 8
 # torch's CPU capability whose bf16 dot product the C file reproduces
 _CAPABILITY = "AVX2"
 # The probe's shapes: K from one tail step to several 64-wide chunks plus a tail, N not a multiple of 8.
@@ -39,7 +39,18 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.linear_bf16.argtypes = [_P, _P, _I64, _I64, _INT, _P]
     lib.linear_bf16.restype = _INT
+    lib.linear_bf16_outputs_per_block.argtypes = []
+    lib.linear_bf16_outputs_per_block.restype = _INT
     return lib
+
+
+@cache
+def outputs_per_block() -> int:
+    """Outputs per block of the packed weight: the C file's OUTS, one fp32 vector register of the
+    instruction set it was built for (16 with AVX-512F, else 8). Same bits either way: each output is a
+    lane of its own (the C file's comment)."""
+    lib = _library()
+    return int(lib.linear_bf16_outputs_per_block()) if lib is not None else _AVX2_OUTPUTS_PER_BLOCK
 
 
 def covers(rows: int, k: int) -> bool:
@@ -49,22 +60,22 @@ def covers(rows: int, k: int) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> fp32 [ceil(N/8), K, 8]: blocks of 8 outputs, transposed (zeros past N)."""
+    """weight [N, K] bf16 -> fp32 [ceil(N/B), K, B]: blocks of B outputs, transposed (zeros past N), B
+    the library's `outputs_per_block()`."""
     n, k = weight.shape
-    blocks = -(-n // OUTPUTS_PER_BLOCK)
-    padded = weight.new_zeros(blocks * OUTPUTS_PER_BLOCK, k, dtype=torch.float32)
+    per = outputs_per_block()
+    blocks = -(-n // per)
+    padded = weight.new_zeros(blocks * per, k, dtype=torch.float32)
     padded[:n] = weight.float()
-    return padded.view(blocks, OUTPUTS_PER_BLOCK, k).transpose(1, 2).contiguous()
+    return padded.view(blocks, per, k).transpose(1, 2).contiguous()
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
-    """x [M, K] bf16 (contiguous CPU) times the packed weight of N outputs -> [M, N] bf16, or None when the
-    C code could not allocate its scratch memory or the packed weight is not 32-byte aligned (torch's
-    allocations are; the caller then runs torch)."""
+    """x [M, K] bf16 (contiguous CPU) times the weight of N outputs as `pack_weight` packed it in this
+    process -> [M, N] bf16, or None when the C code could not allocate its scratch memory (the caller then
+    runs torch). The C code loads the packed weight unaligned, so any contiguous tensor will do."""
     lib = _library()
     assert lib is not None
-    if packed.data_ptr() % 32:
-        return None  # the C code loads whole AVX2 vectors of the packed weight (32-byte aligned)
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.bfloat16)
     if lib.linear_bf16(x.data_ptr(), packed.data_ptr(), m, n, k, out.data_ptr()):

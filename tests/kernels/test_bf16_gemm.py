@@ -1,7 +1,8 @@
 """The compiled CPU bf16 linear (kernels/bf16_gemm) against its slow twin, torch's own F.linear: every
 output's bits, on fresh random inputs of the model's widths and the edges of the C code's order (one tail
-step, whole 64-wide chunks, chunks plus a tail, N not a multiple of 8, wide-range values where the sums'
-order shows, subnormal products that tell a fused multiply-add from a plain one, NaN and infinities)."""
+step, whole 64-wide chunks, chunks plus a tail, N not a multiple of the block's 8 or 16 outputs,
+wide-range values where the sums' order shows, subnormal products that tell a fused multiply-add from a
+plain one, NaN and infinities)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def test_compiled_linear_equals_torch_bit_for_bit(k: int) -> None:
             got = cpu.linear_packed(x, pack_bf16_weight(w), n)
             assert got is not None
             assert torch.equal(_bits(got), _bits(F.linear(x, w))), (seed, k, m, n)
+
+
+def test_the_packed_weight_has_one_vector_register_of_outputs_per_block() -> None:
+    """16 outputs a block where the build targets AVX-512F (one 512-bit register), 8 elsewhere (one AVX2
+    register): the library says which, and `pack_bf16_weight` packs to match (zeros past N)."""
+    from kernels.native import cpu_flags
+
+    per = cpu.outputs_per_block()
+    assert per == (16 if "avx512f" in cpu_flags() else 8)
+    w = torch.randn(19, 32).bfloat16()
+    packed = pack_bf16_weight(w)
+    assert packed.shape == (-(-19 // per), 32, per)
+    assert torch.equal(packed.transpose(1, 2).reshape(-1, 32)[:19], w.float())
+    assert not packed.transpose(1, 2).reshape(-1, 32)[19:].any()
 
 
 def test_tiny_products_and_non_finite_values_keep_every_bit() -> None:
