@@ -254,10 +254,12 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
         widths, entries = sel.widths, sel.ids
         if attn.is_kv_source or attn.is_index_source or sel.picked is None or sel.picked_source != src_layer:
             # the global rows each sequence's selections name, gathered from its own source (as
-            # gather_selected); the source changes only at its own layer, the selections only here
+            # gather_selected); the source changes only at its own layer, the selections only here.
+            # index_select copies whole rows (advanced indexing went element by element): the same values
             clamped = entries.clamp_min(0)
             sel.picked = [
-                s.sources[src_layer].kv[0, e[:k]] for s, e, k in zip(states, clamped, widths, strict=True)
+                s.sources[src_layer].kv[0].index_select(0, e[:k])
+                for s, e, k in zip(states, clamped, widths, strict=True)
             ]
             sel.picked_source = src_layer
         picked = sel.picked
