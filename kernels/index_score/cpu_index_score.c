@@ -87,8 +87,18 @@ int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, in
     for (int64_t i = 0; i < rows * heads * d; i++) qf[i] = bf16_to_f32(q[i]);
     for (int64_t i = 0; i < rows * heads; i++) wf[i] = bf16_to_f32(w[i]);
     const __m256 zero = _mm256_setzero_ps();
-    for (int64_t n0 = 0; n0 < n_keys; n0 += KEYS) {
-        const int nb = n_keys - n0 < KEYS ? (int)(n_keys - n0) : KEYS;
+    /* Keys at or past every row's visible count score -inf whatever their products: they are filled, not
+     * computed (a batched decode pads every sequence's keys to the longest history's). */
+    int64_t computed = n_keys;
+    if (visible) {
+        int64_t most = 0;
+        for (int64_t r = 0; r < rows; r++) most = visible[r] > most ? visible[r] : most;
+        computed = most < n_keys ? most : n_keys;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = computed; n < n_keys; n++) out[r * n_keys + n] = 0xFF80;
+    for (int64_t n0 = 0; n0 < computed; n0 += KEYS) {
+        const int nb = computed - n0 < KEYS ? (int)(computed - n0) : KEYS;
         /* transpose the block to fp32 [D] x 8 keys; a short last block pads with zero keys, never stored */
         for (int l = 0; l < d; l++) {
             float col[KEYS];
