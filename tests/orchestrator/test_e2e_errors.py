@@ -18,7 +18,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from kvresume import error_details
+from orchestrator.api.turn_types import TokenChunkEvent
 from orchestrator.db import SessionRepository, make_engine
+from orchestrator.scheduler.chains import DecodeChain
 from tests.orchestrator.engine.node_harness import (
     admin_md,
     continued_greedy,
@@ -246,6 +248,81 @@ def test_abort_keep_partial_drains_the_decodes_its_chain_queued(node) -> None:
     assert streamed == reference[1]
     assert _state(node, sid) == (2, history + new + streamed)
     t = run_turn(node, sid, _ids(43, 5))
+    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(history + new + streamed)
+    assert t.tokens == reference[2]
+
+
+def test_abort_keep_partial_keeps_a_token_sampled_between_the_abort_and_the_halt(node, monkeypatch) -> None:
+    """The race the test above leaves to timing, forced: the Abort lands while the turn's thread is
+    between a token's event and its check for an Abort, and meanwhile the step loop ends the decode of
+    that token (queued by the turn's chain) and samples the next one. The turn halts its chain too late
+    for that token: it keeps and streams it (`TurnEngine._drain`), its stored state covers it, and the next
+    turn is a full hit equal to the uninterrupted computation."""
+    pb, st = node.pb, node.sessions
+    compute = node.service.engine.scheduler.compute
+    kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
+    real_pass, sizes = getattr(compute, kind), []
+
+    def noted(served, tokens, states):
+        sizes.append(len(states))
+        return real_pass(served, tokens, states)
+
+    max_new = 60  # the raced turn's (the background turn's is 64)
+    aborted_at: list[int] = []  # tokens the raced turn had sampled when its Abort landed
+    sampled_after = threading.Event()
+    real_after = DecodeChain.after
+
+    def after(chain, logits):
+        step = real_after(chain, logits)
+        raced = step is not None and chain._max_new_tokens == max_new
+        if raced and aborted_at and chain.sampled > aborted_at[0]:
+            sampled_after.set()
+        return step
+
+    convert = node.service.ctx.convert
+    real_event = convert.turn_event
+    seen = [0]
+
+    def turn_event(event, *, request_id=""):
+        if request_id == "race-me" and isinstance(event, TokenChunkEvent):
+            seen[0] += len(event.ids)
+            # once both turns share decode passes, the chain queues each decode as its token is sampled
+            if not aborted_at and 2 in sizes:
+                st.Abort(pb.sessions.AbortRequest(request_id="race-me", keep_partial=True), metadata=md())
+                aborted_at.append(seen[0])
+                assert sampled_after.wait(60), "the loop did not sample the next token"
+        return real_event(event, request_id=request_id)
+
+    sid, other = _session(node), _session(node)
+    first = run_turn(node, sid, _ids(51, 30))
+    history = _ids(51, 30) + first.tokens
+    new = _ids(52, 6)
+    monkeypatch.setattr(compute, kind, noted, raising=False)
+    monkeypatch.setattr(DecodeChain, "after", after)
+    monkeypatch.setattr(convert, "turn_event", turn_event, raising=False)
+    background = threading.Thread(target=run_turn, args=(node, other, _ids(50, 30)), kwargs={"max_new": 64})
+    background.start()
+    try:
+        request = _turn_request(node, sid, new, max_new=max_new)
+        request.request_id = "race-me"
+        streamed: list[int] = []
+        for event in st.Turn(request, metadata=md()):
+            if event.WhichOneof("event") == "tokens":
+                streamed += list(event.tokens.ids)
+            elif event.WhichOneof("event") == "stats":
+                stats = event.stats
+    finally:
+        background.join(timeout=120)
+        monkeypatch.undo()
+    assert aborted_at, sizes[:20]
+    # the token sampled after the Abort (before the halt) is kept and streamed, after those before it
+    assert len(streamed) > aborted_at[0] and stats.generated_tokens == len(streamed) < max_new
+    assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
+    turns = [(_ids(51, 30), len(first.tokens)), (new, len(streamed)), (_ids(53, 5), 3)]
+    reference = continued_greedy(node.service.registry, "a", turns)
+    assert streamed == reference[1]
+    assert _state(node, sid) == (2, history + new + streamed)
+    t = run_turn(node, sid, _ids(53, 5))
     assert t.path == "FULL_HIT" and t.stats.counts.cached == len(history + new + streamed)
     assert t.tokens == reference[2]
 
