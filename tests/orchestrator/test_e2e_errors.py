@@ -9,7 +9,9 @@ from __future__ import annotations
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -194,6 +196,36 @@ def test_abort_keep_partial_keeps_the_streamed_tokens(node) -> None:
     assert t.tokens == reference[2]
 
 
+def _resumes_exactly_after_a_kept_abort(
+    node, sid: str, prompts: tuple[list[int], list[int], list[int]], first: list[int], streamed: list[int]
+) -> None:
+    """After a session's first turn (prompts[0], answered `first`) and a second turn (prompts[1]) aborted
+    keeping `streamed`: those tokens are the uninterrupted computation's, the kept history is the
+    session's, and a third turn (prompts[2]) resumes from it exactly, as a full hit."""
+    turns = [(prompts[0], len(first)), (prompts[1], len(streamed)), (prompts[2], 3)]
+    reference = continued_greedy(node.service.registry, "a", turns)
+    assert streamed == reference[1]
+    kept = prompts[0] + first + prompts[1] + streamed
+    assert _state(node, sid) == (2, kept)
+    t = run_turn(node, sid, prompts[2])
+    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(kept)
+    assert t.tokens == reference[2]
+
+
+def _noting_decode_passes(compute) -> tuple[str, Callable[..., Any], list[int]]:
+    """The scheduler's decode passes as it sends them (a model process's apart, `start_decode_many`): the
+    compute's method name, a stand-in for it that notes each pass's sequences and runs the pass, and the
+    list it notes them in."""
+    kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
+    real, sizes = getattr(compute, kind), []
+
+    def noted(served, tokens, states):
+        sizes.append(len(states))
+        return real(served, tokens, states)
+
+    return kind, noted, sizes
+
+
 def test_abort_keep_partial_drains_the_decodes_its_chain_queued(node) -> None:
     """The Abort above while another session's long turn keeps the step loop busy: the aborted turn's
     decodes then run in the loop's steps, each queued by the turn's decode chain as the pass before it
@@ -202,17 +234,9 @@ def test_abort_keep_partial_drains_the_decodes_its_chain_queued(node) -> None:
     hit equal to the uninterrupted computation)."""
     pb, st = node.pb, node.sessions
     compute = node.service.engine.scheduler.compute
-    # the decode passes as the scheduler sends them (a model process's apart, `start_decode_many`)
-    kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
-    real, sizes = getattr(compute, kind), []
-
-    def noted(served, tokens, states):
-        sizes.append(len(states))
-        return real(served, tokens, states)
-
+    kind, noted, sizes = _noting_decode_passes(compute)
     sid, other = _session(node), _session(node)
     first = run_turn(node, sid, _ids(41, 30))
-    history = _ids(41, 30) + first.tokens
     new = _ids(42, 6)
     setattr(compute, kind, noted)  # (an instance attribute: the scheduler calls it for every decode pass)
     try:
@@ -243,13 +267,7 @@ def test_abort_keep_partial_drains_the_decodes_its_chain_queued(node) -> None:
         delattr(compute, kind)
     assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
     assert stats.generated_tokens == len(streamed) < 64
-    turns = [(_ids(41, 30), len(first.tokens)), (new, len(streamed)), (_ids(43, 5), 3)]
-    reference = continued_greedy(node.service.registry, "a", turns)
-    assert streamed == reference[1]
-    assert _state(node, sid) == (2, history + new + streamed)
-    t = run_turn(node, sid, _ids(43, 5))
-    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(history + new + streamed)
-    assert t.tokens == reference[2]
+    _resumes_exactly_after_a_kept_abort(node, sid, (_ids(41, 30), new, _ids(43, 5)), first.tokens, streamed)
 
 
 def test_abort_keep_partial_keeps_a_token_sampled_between_the_abort_and_the_halt(node, monkeypatch) -> None:
@@ -260,13 +278,7 @@ def test_abort_keep_partial_keeps_a_token_sampled_between_the_abort_and_the_halt
     turn is a full hit equal to the uninterrupted computation."""
     pb, st = node.pb, node.sessions
     compute = node.service.engine.scheduler.compute
-    kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
-    real_pass, sizes = getattr(compute, kind), []
-
-    def noted(served, tokens, states):
-        sizes.append(len(states))
-        return real_pass(served, tokens, states)
-
+    kind, noted, sizes = _noting_decode_passes(compute)
     max_new = 60  # the raced turn's (the background turn's is 64)
     aborted_at: list[int] = []  # tokens the raced turn had sampled when its Abort landed
     sampled_after = threading.Event()
@@ -295,7 +307,6 @@ def test_abort_keep_partial_keeps_a_token_sampled_between_the_abort_and_the_halt
 
     sid, other = _session(node), _session(node)
     first = run_turn(node, sid, _ids(51, 30))
-    history = _ids(51, 30) + first.tokens
     new = _ids(52, 6)
     monkeypatch.setattr(compute, kind, noted, raising=False)
     monkeypatch.setattr(DecodeChain, "after", after)
@@ -318,13 +329,7 @@ def test_abort_keep_partial_keeps_a_token_sampled_between_the_abort_and_the_halt
     # the token sampled after the Abort (before the halt) is kept and streamed, after those before it
     assert len(streamed) > aborted_at[0] and stats.generated_tokens == len(streamed) < max_new
     assert stats.finish_reason == pb.sessions.FINISH_REASON_ABORTED and stats.kept and stats.persisted
-    turns = [(_ids(51, 30), len(first.tokens)), (new, len(streamed)), (_ids(53, 5), 3)]
-    reference = continued_greedy(node.service.registry, "a", turns)
-    assert streamed == reference[1]
-    assert _state(node, sid) == (2, history + new + streamed)
-    t = run_turn(node, sid, _ids(53, 5))
-    assert t.path == "FULL_HIT" and t.stats.counts.cached == len(history + new + streamed)
-    assert t.tokens == reference[2]
+    _resumes_exactly_after_a_kept_abort(node, sid, (_ids(51, 30), new, _ids(53, 5)), first.tokens, streamed)
 
 
 def test_deadline_leaves_the_session_at_its_last_turn(node) -> None:
