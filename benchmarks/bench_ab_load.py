@@ -1,0 +1,164 @@
+"""The real-model load of this tree against another revision's, in alternating runs: the A/B that
+`bench_service --model-load` cannot give when the machine's speed drifts more than a change moves it.
+
+Run: `python -m benchmarks.bench_ab_load [--base REV] [--pairs 3] [--sessions 64] [--turns 20]
+[--scheduler batching] [--json PATH|-]`.
+
+Why: on the 2-core VMs the same code's turns/s moved 10-25% between runs within a session (sessions 19-21:
+orchestrator/README.md), more than most changes to the model's passes move it. Runs of the two trees one
+right after the other, pair after pair, meet the same drift; the ratio of each pair is what counts.
+
+Each arm is `benchmarks.service_model_load.model_load` as `bench_service --model-load` runs it (a model
+process, the CPU split, loopback gRPC, v41-sib-s), imported from that arm's own tree, in a child process
+of its own under this process's numerics environment. The base tree is a temporary `git worktree` of REV
+(removed after). Reported per pair, base then this tree: turns/s, the model process's CPU a turn (with its
+`prefill_many` and `decode_many`), the service process's CPU a turn, client p99; and the median and mean
+of the pairs' ratios (this tree over the base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
+from benchmarks.report import add_json_flag, table_stream, write_json
+from orchestrator.numerics_env import resolve_cpu_path
+
+_REPO = Path(__file__).resolve().parents[1]
+_CHECKPOINT = Path("checkpoints") / "v41-sib-s"
+_MARK = "AB-RESULT "
+
+# What a child runs, from its own tree: only what every revision with a model-load run has.
+_CHILD = """
+import json, sys, tempfile
+from pathlib import Path
+args = json.loads(sys.argv[1])
+from model import configure_torch
+configure_torch(args["cpu_path"])
+try:
+    from benchmarks.report import logs_to_stderr
+    logs_to_stderr()
+except ImportError:
+    pass
+from benchmarks.service_model_load import model_load
+with tempfile.TemporaryDirectory() as d:
+    r = model_load(Path(d), Path(args["checkpoint"]).resolve(), scheduler=args["scheduler"],
+                   sessions=args["sessions"], turns=args["turns"], model_process="separate")
+print(MARK + json.dumps(r), flush=True)
+""".replace("MARK", repr(_MARK))
+
+# The figures kept of each arm (model_load's keys), and the pass operations of the model process.
+_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "service_cpu_ms_per_turn")
+_OPS = ("prefill_many", "decode_many")
+
+
+def run_arm(tree: Path, args: dict[str, Any]) -> dict[str, Any]:
+    """One load run of `tree`'s code in a child process; its figures (`_KEYS`, and `_OPS` as `op_ms`).
+
+    Raises:
+        RuntimeError: the child failed or printed no result.
+    """
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps({**args, "checkpoint": str(tree / _CHECKPOINT)})],
+        cwd=tree, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the load run of {tree} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    result = json.loads(lines[-1].removeprefix(_MARK))
+    ops = result.get("model_ops_cpu_ms_per_turn") or {}
+    return {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
+
+
+def summarize(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The median and mean over the pairs of this tree's figure over the base's, for every figure both
+    arms of every pair have (a figure missing from one arm, such as a model process's CPU without one,
+    is left out).
+
+    Raises:
+        ValueError: no pairs.
+    """
+    if not pairs:
+        raise ValueError("no pairs to summarize")
+    out: dict[str, Any] = {}
+    for key in pairs[0][0]:
+        ratios = [new[key] / base[key] for base, new in pairs if base.get(key) and new.get(key) is not None]
+        if len(ratios) == len(pairs):
+            out[key] = {"median_ratio": statistics.median(ratios), "mean_ratio": statistics.fmean(ratios),
+                        "ratios": ratios}  # fmt: skip
+    return out
+
+
+def _worktree(rev: str, into: Path) -> Path:
+    path = into / "base"
+    done = subprocess.run(["git", "-C", str(_REPO), "worktree", "add", "--detach", str(path), rev],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"cannot check out {rev!r} beside this tree: {done.stderr.strip()}")
+    return path
+
+
+def _row(pair: int, arm: str, r: dict[str, Any]) -> str:
+    def f(key: str) -> str:
+        v = r.get(key)
+        return f"{v:9.2f}" if isinstance(v, int | float) else f"{'-':>9}"
+
+    keys = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
+            "service_cpu_ms_per_turn")  # fmt: skip
+    return f"{pair:4d} {arm:5s} " + " ".join(f(k) for k in keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--scheduler", choices=("batching", "serial"), default="batching")
+    parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or args.sessions < 1 or args.turns < 1:
+        parser.error(f"--pairs, --sessions and --turns must be positive, got {args.pairs}, {args.sessions}, "
+                     f"{args.turns}")  # fmt: skip
+    enter_numerics(args.numerics, "benchmarks.bench_ab_load", argv)
+    out = table_stream(args.json)
+    arm_args = {"scheduler": args.scheduler, "sessions": args.sessions, "turns": args.turns,
+                "cpu_path": resolve_cpu_path(args.numerics)}  # fmt: skip
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _worktree(args.base, Path(tmp))
+        try:
+            print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({args.scheduler}), this "
+                  f"tree against {args.base}, {args.pairs} pairs, {cpu_model()}", file=out)  # fmt: skip
+            print("pair arm    turns/s    p99 ms model ms/t  prefill   decode svc ms/t", file=out)
+            for i in range(1, args.pairs + 1):
+                before, after = run_arm(base, arm_args), run_arm(_REPO, arm_args)
+                pairs.append((before, after))
+                print(_row(i, "base", before), file=out)
+                print(_row(i, "this", after), file=out, flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(_REPO), "worktree", "remove", "--force", str(base)],
+                           capture_output=True, check=False)  # fmt: skip
+    summary = summarize(pairs)
+    for key, s in summary.items():
+        print(f"  {key}: median {s['median_ratio']:.3f}x, mean {s['mean_ratio']:.3f}x (this tree over the "
+              "base)", file=out)  # fmt: skip
+    doc = {"base": args.base, **arm_args, "pairs": [{"base": b, "this": a} for b, a in pairs],
+           "summary": summary, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
+    write_json(doc, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

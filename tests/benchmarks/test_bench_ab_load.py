@@ -1,0 +1,34 @@
+"""The A/B load benchmark's summary (benchmarks/bench_ab_load.py): each pair's ratio of this tree's figure
+over the base's, their median and mean, and figures that an arm lacks left out. The runs themselves take
+minutes and are not part of any suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_ab_load import summarize
+
+
+def test_the_summary_is_each_pairs_ratio_then_their_median_and_mean() -> None:
+    pairs = [
+        ({"turns_per_s": 100.0, "model_ms": 8.0}, {"turns_per_s": 110.0, "model_ms": 7.0}),
+        ({"turns_per_s": 120.0, "model_ms": 8.0}, {"turns_per_s": 114.0, "model_ms": 8.0}),
+        ({"turns_per_s": 90.0, "model_ms": 10.0}, {"turns_per_s": 108.0, "model_ms": 9.0}),
+    ]
+    s = summarize(pairs)
+    assert s["turns_per_s"]["ratios"] == pytest.approx([1.1, 0.95, 1.2])
+    assert s["turns_per_s"]["median_ratio"] == pytest.approx(1.1)
+    assert s["turns_per_s"]["mean_ratio"] == pytest.approx((1.1 + 0.95 + 1.2) / 3)
+    assert s["model_ms"]["median_ratio"] == pytest.approx(0.9)
+
+
+def test_a_figure_one_arm_lacks_is_left_out_and_no_pairs_is_an_error() -> None:
+    pairs = [
+        ({"turns_per_s": 100.0, "model_ms": None}, {"turns_per_s": 105.0, "model_ms": 7.0}),
+        ({"turns_per_s": 100.0, "model_ms": 8.0}, {"turns_per_s": 95.0, "model_ms": None}),
+    ]
+    s = summarize(pairs)
+    assert set(s) == {"turns_per_s"}
+    assert s["turns_per_s"]["ratios"] == pytest.approx([1.05, 0.95])
+    with pytest.raises(ValueError, match="no pairs"):
+        summarize([])
