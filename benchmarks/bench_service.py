@@ -33,9 +33,10 @@ does (`keep_decoded`), so its full hits are served from kept state with their ch
 the real model's are (until session 16 the stand-in kept nothing, and every full hit read and verified
 its chunks: a path the real model takes only when its memo misses). Overhead = client-observed wall
 time of a whole turn (request to the stats event), excluding each session's first turn (the cold
-prefill). Reported as p50/p99 ms, with the process's CPU time per turn of the sweep (`cpu_ms_per_turn`:
-server, the in-process clients and gRPC's threads together, cold turns included) and the registry's and
-store's work per turn.
+prefill). At one session, eight sessions run one after another (`SEQUENTIAL_SESSIONS_C1`), so that
+its p50 has as many samples as the 8-session sweep's. Reported as p50/p99 ms, with the process's CPU
+time per turn of the sweep (`cpu_ms_per_turn`: server, the in-process clients and gRPC's threads
+together, cold turns included) and the registry's and store's work per turn.
 (2) Real seeded random-init model (v41-tiny stand-in of the sibling family, torch CPU, 1 thread): a
 first prompt of 400 tokens, then tool results and user turns of 30-90 tokens, 4 generated tokens per
 turn, and an idle gap (pool TTL passes) before one turn. kvresume TTFT = the engine's time from turn
@@ -80,6 +81,10 @@ from orchestrator.settings import Settings
 TENANT, TOKEN = "bench", "tok-bench"
 POOL_TTL_S = 600.0
 CONCURRENCY = (1, 8, 64)
+# Sessions one client runs one after another at a concurrency of 1: one session's 4 measured turns made
+# the one-session p50 the mean of two samples (its ratio to the floor moved by 0.2-0.5 between runs of
+# the same code in session 21); eight give 32, as the 8-session sweep has.
+SEQUENTIAL_SESSIONS_C1 = 8
 # the gRPC server a node runs when its settings name none (the headline figures are its)
 DEFAULT_GRPC_SERVER = Settings.__dataclass_fields__["grpc_server"].default
 # where a node's models compute when its settings say nothing (the headline model runs), and the other
@@ -292,25 +297,29 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     errors: list[str] = []
     lock = threading.Lock()
 
+    rounds = SEQUENTIAL_SESSIONS_C1 if concurrency == 1 else 1
+
     def session(i: int) -> None:
-        rng = random.Random(i)
-        try:
-            sid = client.create()
-            client.turn(sid, [rng.randrange(16, 512) for _ in range(256)])
-            for _ in range(turns):
-                path, _, elapsed = client.turn(sid, [rng.randrange(16, 512) for _ in range(64)])
+        for k in range(rounds):
+            rng = random.Random(i + k * concurrency)
+            try:
+                sid = client.create()
+                client.turn(sid, [rng.randrange(16, 512) for _ in range(256)])
+                for _ in range(turns):
+                    path, _, elapsed = client.turn(sid, [rng.randrange(16, 512) for _ in range(64)])
+                    with lock:
+                        samples.append(elapsed)
+                        paths[path] = paths.get(path, 0) + 1
+            except grpc.RpcError as exc:
                 with lock:
-                    samples.append(elapsed)
-                    paths[path] = paths.get(path, 0) + 1
-        except grpc.RpcError as exc:
-            with lock:
-                errors.append(f"{exc.code().name}: {exc.details()}")
+                    errors.append(f"{exc.code().name}: {exc.details()}")
 
     cpu0 = time.process_time()
     wall = run_clients(session, concurrency)
+    all_turns = concurrency * rounds * (turns + 1)
     # the whole process (server, in-process clients, gRPC threads), per turn of the sweep
-    cpu_ms = (time.process_time() - cpu0) / (concurrency * (turns + 1)) * 1e3
-    per_turn = counts.per_turn(concurrency * (turns + 1))
+    cpu_ms = (time.process_time() - cpu0) / all_turns * 1e3
+    per_turn = counts.per_turn(all_turns)
     client.channel.close()
     server.stop(grace_s=None)
     node.close()
@@ -319,6 +328,7 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     q = statistics.quantiles(samples, n=100, method="inclusive")
     return {
         "concurrency": concurrency,
+        "sessions": concurrency * rounds,
         "grpc_server": grpc_server,
         "grpc_workers": _workers(grpc_server, concurrency),
         "turns_measured": len(samples),

@@ -81,5 +81,9 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     # turn is served from kept state, its chunks unread (2 of a sweep's 3 turns per session)
     for sweep in doc["overhead"]:
         assert sweep["paths"] == {"FULL_HIT": sweep["turns_measured"]}
+        # one session at a time runs several sessions in turn (a p50 of more than 2 samples)
+        rounds = bench.SEQUENTIAL_SESSIONS_C1 if sweep["concurrency"] == 1 else 1
+        assert sweep["sessions"] == sweep["concurrency"] * rounds
+        assert sweep["turns_measured"] == sweep["sessions"] * 2
         assert sweep["kept_state_hits_per_turn"] == pytest.approx(2 / 3)
         assert sweep["unread_chunk_hits_per_turn"] > 0
