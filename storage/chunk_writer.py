@@ -354,16 +354,20 @@ class ChunkWriter:
                     checksum=value[-CHECKSUM_BYTES:],
                 )
             )
+        superseded: list[bytes] = []
+        for item in items:
+            superseded += self._stage_superseded_tails(
+                batch, events, stag, item.addr, item.parent, item.start, item.end - item.start
+            )
         try:
             self._commit(batch, events)
         except Exception as exc:  # noqa: BLE001 - I/O failure (disk full) becomes a refusal
             return self._refuse(tenant, session, RefusalKind.IO_ERROR, str(exc), new_bytes)
+        for old in superseded:
+            self._index.remove(old)
         for item in items:
             if item.meta is not None:
                 self._inflight[item.addr] = item.meta
-        for item in items:
-            # Later batches in the log than the new chunk's, so durable only with it.
-            self._supersede_tails(stag, item.addr, item.parent, item.start, item.end - item.start)
         return _StagedPut(items=items, tenant=tenant, stag=stag, evicted=evicted)
 
     def _apply_put(self: GlobalKVStore, staged: _StagedPut) -> PutResult:

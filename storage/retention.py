@@ -162,10 +162,24 @@ class RetentionOps:
                 freed += meta.value_len
         return count, freed
 
-    def _supersede_tails(
-        self: GlobalKVStore, stag: bytes, addr: bytes, parent: bytes, start: int, n_tokens: int
-    ) -> None:
-        """Drop this session's references to its shorter tails at the same chain position."""
+    def _stage_superseded_tails(
+        self: GlobalKVStore,
+        batch: WriteBatch,
+        events: list[AuditEvent],
+        stag: bytes,
+        addr: bytes,
+        parent: bytes,
+        start: int,
+        n_tokens: int,
+    ) -> list[bytes]:
+        """Add to a put's `batch` (and its PURGE records to `events`) the drop of this session's references
+        to its shorter tails at the same chain position: only the reference where another session holds
+        the tail too, else the tail itself. Returns the chunks the batch deletes, for the caller to take
+        out of the index once the batch is written.
+
+        In the put's own batch rather than a batch of their own after it: a tail and the chunk that
+        supersedes it change together in the log, and a turn pays one write, not two."""
+        gone: list[bytes] = []
         for length, addrs in list(self._index.tail_lengths(parent).items()):
             if length >= n_tokens:
                 continue
@@ -174,18 +188,23 @@ class RetentionOps:
                     continue
                 meta = self._index.meta[old]
                 assert meta.start == start
-                self._unref(old, stag, reason="superseded_tail")
-
-    def _unref(self: GlobalKVStore, addr: bytes, stag: bytes, *, reason: str) -> int:
-        """Remove one session's reference; delete the chunk when no session refers to it any more."""
-        others = [k for k, _ in self._iter_prefix(REF + addr) if k[1 + ADDRESS_BYTES :] != stag]
-        if others:
-            batch = WriteBatch(raw_mode=True)
-            batch.delete(ref_key(addr, stag))
-            batch.delete(session_key(stag, addr))
-            self._commit(batch, [])
-            return 0
-        return self._delete_chunks([addr], action=AuditAction.PURGE, actor="storage", reason=reason)[1]
+                if any(k[1 + ADDRESS_BYTES :] != stag for k, _ in self._iter_prefix(REF + old)):
+                    batch.delete(ref_key(old, stag))
+                    batch.delete(session_key(stag, old))
+                    continue
+                self._stage_delete(batch, old, meta)
+                events.append(
+                    AuditEvent(
+                        actor="storage",
+                        action=AuditAction.PURGE,
+                        tenant=self._tenant_of_tag.get(meta.tenant_tag, ""),
+                        subject=f"chunk:{old.hex()}",
+                        reason="superseded_tail",
+                        nbytes=meta.value_len,
+                    )
+                )
+                gone.append(old)
+        return gone
 
     def _pick_victims(self: GlobalKVStore, need: int, protect: set[bytes], now: float) -> list[bytes] | None:
         """Least recently used chunks past their floor freeing >= need bytes, or None if impossible."""

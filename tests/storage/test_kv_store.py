@@ -64,12 +64,17 @@ def test_put_chunks_tail_superseded_by_longer_tail_and_full_chunk(make_store) ->
     toks = _tokens(2 * CHUNK)
     store.put_chunks("tA", "s1", FP, toks, payloads_for(toks, upto=CHUNK + 3))
     assert store.stats().chunks == 2
+    batches = store.batches_written
     store.put_chunks("tA", "s1", FP, toks, {(CHUNK, CHUNK + 6): b"six"})
     assert store.stats().chunks == 2, "the 3-token tail was superseded"
+    # the tail goes in the batch that writes its successor: one write, one change in the log
+    assert store.batches_written == batches + 1
     assert store.longest_valid_prefix("tA", FP, toks).n_tokens == CHUNK + 6
     # Another session holding the 6-token tail keeps it alive when s1 moves on to the full chunk.
     store.put_chunks("tA", "s2", FP, toks[: CHUNK + 6], {(0, CHUNK): b"x", (CHUNK, CHUNK + 6): b"six"})
+    batches = store.batches_written
     store.put_chunks("tA", "s1", FP, toks, {(CHUNK, 2 * CHUNK): b"full"})
+    assert store.batches_written == batches + 1  # s1's reference dropped in the same batch
     assert store.stats().chunks == 3
     assert store.longest_valid_prefix("tA", FP, toks[: CHUNK + 6]).payloads[-1] == b"six"
     assert store.longest_valid_prefix("tA", FP, toks).payloads[-1] == b"full"
