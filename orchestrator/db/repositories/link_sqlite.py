@@ -6,6 +6,13 @@ Why: they run inside every turn's write transaction, which every other turn wait
 execution of a Core statement (compiled-cache lookup, parameter processing, result setup; an upsert's
 multi-row rendering) costs 50-600 us where the driver call costs a few. Values go through the columns' own
 bind processors (the UTC datetimes as SQLAlchemy stores them), so the stored bytes are the Core path's.
+
+A long session re-links every chunk of its history each turn (all of them get the turn's expiry). From
+`INCREMENTAL_FROM` segments on, the statements read the session's links first and upsert only the keys it
+does not link yet; the chunks it links keep their rows, and their expiry moves up in one UPDATE per
+expiry (`_link_incremental`). The rows and returned keys are the same (tests/orchestrator/db/
+test_link_current_twin.py runs both against the reference); at 250 chunks (a 64K-token history) the
+upsert had bound 3,000 values a turn, inside the write transaction every other turn waits for.
 """
 
 from __future__ import annotations
@@ -43,6 +50,16 @@ _DROP_TAIL = (
     " WHERE session_segments.segment_id = cache_segments.id) RETURNING store_key"
 )
 
+_LINKED = (
+    "SELECT cache_segments.store_key, cache_segments.id FROM session_segments JOIN cache_segments"
+    " ON cache_segments.id = session_segments.segment_id"
+    " WHERE session_segments.session_id = ? AND cache_segments.fingerprint = ?"
+)
+
+# Segments from which `link_current_sqlite` upserts only the keys the session does not link yet. Below it
+# the one upsert of every key costs less than the read of the links it would save (about one statement).
+INCREMENTAL_FROM = 8
+
 _processors: dict[int, Callable[[Any], Any]] = {}
 
 
@@ -75,22 +92,71 @@ def link_current_sqlite(
     raw = conn.connection.driver_connection
     assert raw is not None
     stamp = _datetime_processor(conn)
+    if len(values) >= INCREMENTAL_FROM:
+        return _link_incremental(raw, stamp, session_id, fingerprint, values)
     ids: dict[bytes, int] = {}
     if values:
-        params: list[Any] = []
-        for v in values:
-            params += [v[c] for c in _COLUMNS[:10]]
-            # stored_at: the column's default, as the Core insert fills it
-            params += [stamp(utcnow()), stamp(v["expires_at"])]
-        sql = _UPSERT_HEAD + ", ".join([_ROW] * len(values)) + _UPSERT_TAIL
-        ids = {key: seg_id for seg_id, key in raw.execute(sql, params).fetchall()}
+        ids = _upsert(raw, stamp, values)
         if len(ids) != len(values):
             return ids, None
         raw.executemany(_LINK, [(session_id, i) for i in ids.values()])
     keep = sorted(ids.values())
     sql = _UNLINK_HEAD + (f" AND segment_id NOT IN ({_marks(len(keep))})" if keep else "")
     stale = [r[0] for r in raw.execute(sql + " RETURNING segment_id", [session_id, fingerprint, *keep])]
+    return ids, _drop_unlinked(raw, stale)
+
+
+def _upsert(raw: Any, stamp: Callable[[Any], Any], values: Sequence[dict[str, Any]]) -> dict[bytes, int]:
+    """Insert the rows of `values` or extend the expiry of the known ones; store key -> row id of each
+    row of the caller's tenant (another tenant's key returns no row)."""
+    params: list[Any] = []
+    for v in values:
+        params += [v[c] for c in _COLUMNS[:10]]
+        # stored_at: the column's default, as the Core insert fills it
+        params += [stamp(utcnow()), stamp(v["expires_at"])]
+    sql = _UPSERT_HEAD + ", ".join([_ROW] * len(values)) + _UPSERT_TAIL
+    return {key: seg_id for seg_id, key in raw.execute(sql, params).fetchall()}
+
+
+def _drop_unlinked(raw: Any, stale: list[int]) -> list[bytes]:
+    """Delete the rows among `stale` (ids just unlinked) that no session links; their store keys."""
     if not stale:
-        return ids, []
+        return []
     sql = "DELETE FROM cache_segments WHERE id IN (" + _marks(len(stale)) + _DROP_TAIL
-    return ids, [r[0] for r in raw.execute(sql, stale)]
+    return [r[0] for r in raw.execute(sql, stale)]
+
+
+def _link_incremental(
+    raw: Any, stamp: Callable[[Any], Any], session_id: str, fingerprint: str, values: Sequence[dict[str, Any]]
+) -> tuple[dict[bytes, int], list[bytes] | None]:
+    """`link_current_sqlite` from the session's links: the keys it links already keep their rows (their
+    expiry extended as the upsert extends it: only upward, only for the row's own tenant), the others are
+    upserted and linked, and the links to keys not in `values` are deleted."""
+    linked = {
+        bytes(key): seg_id for key, seg_id in raw.execute(_LINKED, (session_id, fingerprint)).fetchall()
+    }
+    new = [v for v in values if v["store_key"] not in linked]
+    ids: dict[bytes, int] = {}
+    if new:
+        ids = _upsert(raw, stamp, new)
+        if len(ids) != len(new):
+            return ids, None
+        raw.executemany(_LINK, [(session_id, i) for i in ids.values()])
+    extend: dict[tuple[Any, str], list[int]] = {}
+    for v in values:
+        seg_id = linked.get(v["store_key"])
+        if seg_id is not None:
+            ids[v["store_key"]] = seg_id
+            extend.setdefault((stamp(v["expires_at"]), v["tenant_id"]), []).append(seg_id)
+    for (at, tenant), held in extend.items():
+        sql = "UPDATE cache_segments SET expires_at = ? WHERE expires_at < ? AND tenant_id = ? AND id IN ("
+        raw.execute(sql + _marks(len(held)) + ")", [at, at, tenant, *held])
+    stale = [seg_id for key, seg_id in linked.items() if key not in ids]
+    if stale:
+        raw.execute(
+            "DELETE FROM session_segments WHERE session_id = ? AND segment_id IN ("
+            + _marks(len(stale))
+            + ")",
+            [session_id, *stale],
+        )
+    return ids, _drop_unlinked(raw, stale)

@@ -3,7 +3,8 @@ driver statements, whose twin is the same in Core, `link_current_core`) leaves t
 leaves (`link_current_reference`: read, then insert / extend / link / unlink /
 delete what differs), and returns the same deleted keys, on fresh random call sequences: sessions sharing
 chunks, expiries moving up and down, superseded tails, a second fingerprint, empty segment lists, keys
-given twice; SQLite and PostgreSQL. A key of another tenant is refused alike."""
+given twice; SQLite and PostgreSQL; on SQLite also from the session's links (`link_sqlite.INCREMENTAL_FROM`).
+A key of another tenant is refused alike."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from orchestrator.db import (
     upgrade,
 )
 from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.db.repositories import link_sqlite
 
 _CS, _SS = CacheSegment.__table__, SessionSegment.__table__
 BASE = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
@@ -149,8 +151,11 @@ def fresh_url(request, tmp_path):
     return pg_schema
 
 
+@pytest.mark.parametrize("incremental_from", [0, link_sqlite.INCREMENTAL_FROM, 10**6])
 @pytest.mark.parametrize("seed", range(8))
-def test_link_current_leaves_the_reference_rows(fresh_url, seed) -> None:
+def test_link_current_leaves_the_reference_rows(fresh_url, seed, incremental_from, monkeypatch) -> None:
+    # SQLite's driver statements from the session's links at every size (0), from the default size, never
+    monkeypatch.setattr(link_sqlite, "INCREMENTAL_FROM", incremental_from)
     fast = _run(fresh_url(), seed, how="link_current")
     twin = _run(fresh_url(), seed, how="link_current_reference")
     assert fast == twin
