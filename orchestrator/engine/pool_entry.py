@@ -66,28 +66,39 @@ class PoolEntry:
     chunks: bytes
     windows: bytes
 
-    def continues(self, fingerprint: bytes, history: Sequence[int]) -> str | None:
-        """None when this entry continues `history` under `fingerprint`; else why not."""
+    def continues(
+        self, fingerprint: bytes, history: Sequence[int], *, digest: bytes | None = None
+    ) -> str | None:
+        """None when this entry continues `history` under `fingerprint`; else why not.
+
+        Args:
+            digest: `history_digest(history)`, when the caller holds it.
+        """
         if self.fingerprint != fingerprint:
             return "pool windows were written by another model fingerprint"
         if self.n_tokens != len(history):
             return f"pool windows end at {self.n_tokens}, history at {len(history)}"
-        if self.digest != history_digest(history):
+        if self.digest != (digest if digest is not None else history_digest(history)):
             return "pool windows belong to another history of the same length"
         return None
 
 
-def pack_pool_entry(*, fingerprint: bytes, history: Sequence[int], windows: bytes, chunks: bytes) -> bytes:
+def pack_pool_entry(
+    *, fingerprint: bytes, history: Sequence[int], windows: bytes, chunks: bytes, digest: bytes | None = None
+) -> bytes:
     """Wrap `windows` in the envelope.
 
     Args:
         chunks: `chunks_digest` of the stored chunks covering `history`, as the exporting state holds them.
+        digest: `history_digest(history)`, when the caller holds it.
     """
     if len(fingerprint) != 32:
         raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
     if len(chunks) != 32:
         raise ValueError(f"chunks digest must be 32 bytes, got {len(chunks)}")
-    head = _HEAD.pack(_MAGIC, _VERSION, fingerprint, len(history), history_digest(history), chunks)
+    if digest is None:
+        digest = history_digest(history)
+    head = _HEAD.pack(_MAGIC, _VERSION, fingerprint, len(history), digest, chunks)
     return head + windows
 
 

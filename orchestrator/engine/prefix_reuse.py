@@ -27,7 +27,7 @@ from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import PooledPrefix, PoolState
-from storage import GlobalKVStore, PoolMiss, WindowPool
+from storage import GlobalKVStore, PoolMiss, WindowPool, history_digest, token_bytes
 
 __all__ = ["ContentReuse", "find_reuse", "lookup_result"]
 
@@ -123,7 +123,10 @@ def find_reuse(
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
-    match = pool.find_prefix(tenant, served.fingerprint_hex, probe) if probe else None
+    # the prompt's ids as the store and the digests take them, encoded once for every lookup below
+    prompt_ids = token_bytes(prompt)
+    probe_ids = prompt_ids[: 4 * len(probe)]
+    match = pool.find_prefix(tenant, served.fingerprint_hex, probe_ids) if probe else None
     memo = None
     if decoded is not None and match is not None:
         memo = decoded.get(tenant, match.session, fingerprint=served.fingerprint, pool_value=match.value)
@@ -138,6 +141,7 @@ def find_reuse(
         digests=digests,
         retained=retained,
         payloads_optional=kept_state_skips_reads and match is not None and match.session == session_id,
+        history_ids=probe_ids,
     )
     reuse = ContentReuse(prefix=prefix, pool=PoolState.absent())
     if match is not None:
@@ -151,6 +155,7 @@ def find_reuse(
             tenant,
             served,
             prompt,
+            prompt_ids,
             memo,
             digests,
             retained,
@@ -177,18 +182,21 @@ def _verified(
     tenant: str,
     served: ServedModel,
     prompt: list[int],
+    prompt_ids: bytes,
     memo: DecodedSources | None = None,
     digests: PayloadDigests | None = None,
     retained: RetainedKeys | None = None,
 ) -> ContentReuse:
     """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
     envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
-    very bytes the windows were computed over (chunks digest), a clean import."""
+    very bytes the windows were computed over (chunks digest), a clean import. `prompt_ids`:
+    `token_bytes(prompt)`."""
     entry = unpack_pool_entry(value)
     if entry is None or not 0 < entry.n_tokens < len(prompt):
         return reuse
     n = entry.n_tokens
-    if entry.continues(served.fingerprint, prompt[:n]) is not None:
+    digest = history_digest(prompt_ids[: 4 * n])
+    if entry.continues(served.fingerprint, prompt[:n], digest=digest) is not None:
         return reuse
     prefix = reuse.prefix
     if prefix.n_tokens < n:
@@ -209,6 +217,7 @@ def _verified(
             decoded=memo,
             digests=digests,
             retained=retained,
+            history_ids=prompt_ids[: 4 * n],
         )
         if exact.n_tokens != n or exact.state is None:
             return reuse

@@ -72,7 +72,7 @@ from orchestrator.scheduler import (
     await_pass,
     wait_inline,
 )
-from storage import ContentKey, GlobalKVStore, WindowPool
+from storage import ContentKey, GlobalKVStore, WindowPool, history_digest, token_bytes
 
 __all__ = ["TurnEngine", "actual_counts"]
 
@@ -486,6 +486,8 @@ class TurnEngine:
                 # a turn that stops early (an error, a cancellation, a client gone) queues nothing more
                 chain.halt()
             if plan.persist:
+                # the history's ids as the store and the digests take them, encoded once for both
+                full_ids = token_bytes(full)
                 outcome = persist_chunks(
                     self.store,
                     tenant=f.tenant_id,
@@ -501,6 +503,7 @@ class TurnEngine:
                     known=f.reused,
                     known_hashes=f.reused_hashes,
                     digests=self._prep.digests,
+                    history_ids=full_ids,
                 )
                 persisted = outcome.persisted
             try:
@@ -518,7 +521,7 @@ class TurnEngine:
             if persisted:
                 assert outcome is not None
                 try:
-                    self._pool_turn_end(f, served, state, full, outcome.chunks)
+                    self._pool_turn_end(f, served, state, full, outcome.chunks, full_ids)
                 except ModelProcessError as exc:
                     # The turn is committed (its row, its links, its chunks): what failed would only have
                     # sped up the next turn, which now starts from the stored chunks (a global-only
@@ -565,15 +568,19 @@ class TurnEngine:
             raise
 
     def _pool_turn_end(
-        self, f: TurnFacts, served: ServedModel, state: Any, full: list[int], chunks: bytes
+        self, f: TurnFacts, served: ServedModel, state: Any, full: list[int], chunks: bytes, full_ids: bytes
     ) -> None:
         """Pool the committed turn end's windows (and keep its decoded global KV beside them), so that
-        the next turn of the session is a full hit."""
+        the next turn of the session is a full hit. `full_ids`: `token_bytes(full)`."""
         windows = self.compute.export_windows(served, state)
-        entry = pack_pool_entry(fingerprint=served.fingerprint, history=full, windows=windows, chunks=chunks)
+        # the envelope and the content index name the same digest: hashed once, from the encoded ids
+        digest = history_digest(full_ids)
+        entry = pack_pool_entry(
+            fingerprint=served.fingerprint, history=full, windows=windows, chunks=chunks, digest=digest
+        )
         # Indexed by content: a later prompt of the tenant that starts with this history (another
         # session's too: a stateless client resending the conversation) continues from here.
-        content = ContentKey.of(served.fingerprint_hex, full)
+        content = ContentKey(namespace=served.fingerprint_hex, n_tokens=len(full), digest=digest)
         # Kept beside the pool entry it belongs to (before its put, which drops the previous one).
         self.decoded.put(
             f.tenant_id,

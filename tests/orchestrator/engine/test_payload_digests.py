@@ -11,6 +11,7 @@ import secrets
 import pytest
 
 from orchestrator.engine.payload_digests import PayloadDigests, payload_digests_reference
+from storage import token_bytes
 from storage.chunk_format import ChunkHeader, encode_chunk
 
 
@@ -84,6 +85,11 @@ def test_read_prefix_payload_hashes_with_digests_equal_hashing(tmp_path) -> None
             assert fast.ranges == plain.ranges and fast.blobs == plain.blobs and len(expected) >= 2
             assert fast.payload_hashes() == expected == plain.payload_hashes()
         assert digests.hits == digests.misses == len(expected)
+        # the history's ids handed in encoded give the same prefix; ids of another length are refused
+        held = read_prefix(store, sessions, history_ids=token_bytes(history), **args)
+        assert held.ranges == plain.ranges and held.blobs == plain.blobs and held.n_tokens == plain.n_tokens
+        with pytest.raises(ValueError, match=f"hold {4 * len(history) - 4} bytes for {len(history)} tokens"):
+            read_prefix(store, sessions, history_ids=token_bytes(history[:-1]), **args)
     finally:
         node.stop()
 

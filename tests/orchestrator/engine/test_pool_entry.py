@@ -15,6 +15,7 @@ from orchestrator.engine import (
     unpack_pool_entry,
 )
 from storage import history_digest as storage_history_digest
+from storage import token_bytes
 
 
 def test_pack_pool_entry_round_trips_and_names_its_history() -> None:
@@ -34,6 +35,13 @@ def test_pack_pool_entry_round_trips_and_names_its_history() -> None:
     edited = list(history)
     edited[17] ^= 1
     assert "another history" in entry.continues(fp, edited)
+    # a digest the caller holds (hashed from the encoded ids) decides as the one computed here
+    assert entry.continues(fp, history, digest=storage_history_digest(token_bytes(history))) is None
+    assert "another history" in entry.continues(fp, history, digest=history_digest(edited))
+    digest = history_digest(history)
+    held = pack_pool_entry(fingerprint=fp, history=history, windows=b"windows-bytes", chunks=chunks,
+                           digest=digest)  # fmt: skip
+    assert held == blob
 
 
 def test_unpack_pool_entry_rejects_foreign_bytes() -> None:
