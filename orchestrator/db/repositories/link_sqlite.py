@@ -94,28 +94,33 @@ def link_current_sqlite(
     stamp = _datetime_processor(conn)
     if len(values) >= INCREMENTAL_FROM:
         return _link_incremental(raw, stamp, session_id, fingerprint, values)
-    ids: dict[bytes, int] = {}
-    if values:
-        ids = _upsert(raw, stamp, values)
-        if len(ids) != len(values):
-            return ids, None
-        raw.executemany(_LINK, [(session_id, i) for i in ids.values()])
+    ids = _upsert_and_link(raw, stamp, session_id, values)
+    if len(ids) != len(values):
+        return ids, None
     keep = sorted(ids.values())
     sql = _UNLINK_HEAD + (f" AND segment_id NOT IN ({_marks(len(keep))})" if keep else "")
     stale = [r[0] for r in raw.execute(sql + " RETURNING segment_id", [session_id, fingerprint, *keep])]
     return ids, _drop_unlinked(raw, stale)
 
 
-def _upsert(raw: Any, stamp: Callable[[Any], Any], values: Sequence[dict[str, Any]]) -> dict[bytes, int]:
-    """Insert the rows of `values` or extend the expiry of the known ones; store key -> row id of each
-    row of the caller's tenant (another tenant's key returns no row)."""
+def _upsert_and_link(
+    raw: Any, stamp: Callable[[Any], Any], session_id: str, values: Sequence[dict[str, Any]]
+) -> dict[bytes, int]:
+    """Insert the rows of `values` or extend the expiry of the known ones, and link the session to them;
+    store key -> row id of each row of the caller's tenant. Another tenant's key returns no row, and then
+    nothing is linked (the caller refuses the call)."""
+    if not values:
+        return {}
     params: list[Any] = []
     for v in values:
         params += [v[c] for c in _COLUMNS[:10]]
         # stored_at: the column's default, as the Core insert fills it
         params += [stamp(utcnow()), stamp(v["expires_at"])]
     sql = _UPSERT_HEAD + ", ".join([_ROW] * len(values)) + _UPSERT_TAIL
-    return {key: seg_id for seg_id, key in raw.execute(sql, params).fetchall()}
+    ids = {key: seg_id for seg_id, key in raw.execute(sql, params).fetchall()}
+    if len(ids) == len(values):
+        raw.executemany(_LINK, [(session_id, i) for i in ids.values()])
+    return ids
 
 
 def _drop_unlinked(raw: Any, stale: list[int]) -> list[bytes]:
@@ -136,12 +141,9 @@ def _link_incremental(
         bytes(key): seg_id for key, seg_id in raw.execute(_LINKED, (session_id, fingerprint)).fetchall()
     }
     new = [v for v in values if v["store_key"] not in linked]
-    ids: dict[bytes, int] = {}
-    if new:
-        ids = _upsert(raw, stamp, new)
-        if len(ids) != len(new):
-            return ids, None
-        raw.executemany(_LINK, [(session_id, i) for i in ids.values()])
+    ids = _upsert_and_link(raw, stamp, session_id, new)
+    if len(ids) != len(new):
+        return ids, None
     extend: dict[tuple[Any, str], list[int]] = {}
     for v in values:
         seg_id = linked.get(v["store_key"])
