@@ -26,29 +26,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_service import NoOpCompute, _Client, _real_sizes, _registry, _settings
+from benchmarks.bench_service import noop_node
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
-from orchestrator.api import build_server
-from orchestrator.engine import build_node
 
 GROW_TOKENS, TURN_TOKENS, GENERATED = 4096, 64, 4
 
 
 def run(root: Path, histories: list[int], turns: int) -> list[dict[str, Any]]:
     """Each size's measured turns, in ascending order of `histories`."""
-    registry = _registry()
-    per_token, windows, kept = _real_sizes(registry)
-    served = registry.get("m")
-    assert served is not None
-    geo = served.geometry
-    node = build_node(
-        _settings(root, 8),
-        registry=registry,
-        compute=NoOpCompute(per_token, windows, geo.window, geo.group, kept),
-    )
-    server = build_server(node.ctx, host="127.0.0.1", port=0)
-    client = _Client(node, server.port)
+    served = noop_node(root, 8)
+    client = served.client
     rng = random.Random(0)
     rows: list[dict[str, Any]] = []
     try:
@@ -80,9 +68,7 @@ def run(root: Path, histories: list[int], turns: int) -> list[dict[str, Any]]:
             )
             n += turns * (TURN_TOKENS + GENERATED)
     finally:
-        client.channel.close()
-        server.stop(grace_s=None)
-        node.close()
+        served.close()
     first = rows[0]["p50_ms"]
     for row in rows:
         row["p50_vs_first"] = row["p50_ms"] / first

@@ -278,20 +278,42 @@ def _workers(grpc_server: str, concurrency: int) -> int:
     return max(8, concurrency) if grpc_server == "threads" else ASYNC_POOL_WORKERS
 
 
-def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
+@dataclasses.dataclass
+class NoOpNode:
+    """A node serving model "m" with the no-op stand-in, its gRPC server on a free loopback port and a
+    client of it; the stand-in's sizes are the real model's (`_real_sizes`)."""
+
+    node: Any
+    server: Any
+    client: _Client
+    chunk_bytes_per_token: float
+    pool_entry_bytes: int
+
+    def close(self) -> None:
+        self.client.channel.close()
+        self.server.stop(grace_s=None)
+        self.node.close()
+
+
+def noop_node(root: Path, workers: int, grpc_server: str = DEFAULT_GRPC_SERVER) -> NoOpNode:
     registry = _registry()
     per_token, windows, kept_per_token = _real_sizes(registry)
     served = registry.get("m")
     assert served is not None
     geo = served.geometry
     node = build_node(
-        _settings(root, _workers(grpc_server, concurrency), grpc_server),
+        _settings(root, workers, grpc_server),
         registry=registry,
         compute=NoOpCompute(per_token, windows, geo.window, geo.group, kept_per_token),
     )
     server = build_server(node.ctx, host="127.0.0.1", port=0)
-    client = _Client(node, server.port)
-    counts = _Counters(node)
+    return NoOpNode(node, server, _Client(node, server.port), per_token, windows)
+
+
+def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
+    served = noop_node(root, _workers(grpc_server, concurrency), grpc_server)
+    client = served.client
+    counts = _Counters(served.node)
     samples: list[float] = []
     paths: dict[str, int] = {}
     errors: list[str] = []
@@ -320,9 +342,7 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     # the whole process (server, in-process clients, gRPC threads), per turn of the sweep
     cpu_ms = (time.process_time() - cpu0) / all_turns * 1e3
     per_turn = counts.per_turn(all_turns)
-    client.channel.close()
-    server.stop(grace_s=None)
-    node.close()
+    served.close()
     if errors:
         raise RuntimeError(f"{len(errors)} sessions failed at concurrency {concurrency}: {errors[:3]}")
     q = statistics.quantiles(samples, n=100, method="inclusive")
@@ -338,8 +358,8 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
         "cpu_ms_per_turn": cpu_ms,
         **per_turn,
         "paths": paths,
-        "chunk_bytes_per_token": per_token,
-        "pool_entry_bytes": windows,
+        "chunk_bytes_per_token": served.chunk_bytes_per_token,
+        "pool_entry_bytes": served.pool_entry_bytes,
     }
 
 
