@@ -127,6 +127,30 @@ class RetentionOps:
             batch.delete(key)
             batch.delete(session_key(key[1 + ADDRESS_BYTES :], addr))
 
+    def _stage_removal(
+        self: GlobalKVStore,
+        batch: WriteBatch,
+        events: list[AuditEvent],
+        addr: bytes,
+        meta: ChunkMeta,
+        *,
+        action: AuditAction,
+        actor: str,
+        reason: str,
+    ) -> None:
+        """`_stage_delete`, and the chunk's audit record (its tenant, its stored bytes) added to `events`."""
+        self._stage_delete(batch, addr, meta)
+        events.append(
+            AuditEvent(
+                actor=actor,
+                action=action,
+                tenant=self._tenant_of_tag.get(meta.tenant_tag, ""),
+                subject=f"chunk:{addr.hex()}",
+                reason=reason,
+                nbytes=meta.value_len,
+            )
+        )
+
     def _delete_chunks(
         self: GlobalKVStore, addrs: list[bytes], *, action: AuditAction, actor: str, reason: str
     ) -> tuple[int, int]:
@@ -140,17 +164,7 @@ class RetentionOps:
                 meta = self._index.meta.get(addr)
                 if meta is None:
                     continue
-                self._stage_delete(batch, addr, meta)
-                events.append(
-                    AuditEvent(
-                        actor=actor,
-                        action=action,
-                        tenant=self._tenant_of_tag.get(meta.tenant_tag, ""),
-                        subject=f"chunk:{addr.hex()}",
-                        reason=reason,
-                        nbytes=meta.value_len,
-                    )
-                )
+                self._stage_removal(batch, events, addr, meta, action=action, actor=actor, reason=reason)
                 done.append(addr)
             if not done:
                 continue
@@ -192,17 +206,8 @@ class RetentionOps:
                     batch.delete(ref_key(old, stag))
                     batch.delete(session_key(stag, old))
                     continue
-                self._stage_delete(batch, old, meta)
-                events.append(
-                    AuditEvent(
-                        actor="storage",
-                        action=AuditAction.PURGE,
-                        tenant=self._tenant_of_tag.get(meta.tenant_tag, ""),
-                        subject=f"chunk:{old.hex()}",
-                        reason="superseded_tail",
-                        nbytes=meta.value_len,
-                    )
-                )
+                self._stage_removal(batch, events, old, meta, action=AuditAction.PURGE, actor="storage",
+                                    reason="superseded_tail")  # fmt: skip
                 gone.append(old)
         return gone
 
