@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
+from collections.abc import Sequence
 
 ADDRESS_BYTES = 32
 TAG_BYTES = 16
@@ -29,8 +30,9 @@ def check_id(kind: str, value: str) -> None:
         raise ValueError(f"{kind} must be a non-empty str of at most {MAX_ID_CHARS} chars, got {value!r}")
 
 
-def token_bytes(token_ids: list[int] | bytes) -> bytes:
-    """Token ids as u32 little-endian bytes; `bytes` input is taken as already encoded that way.
+def token_bytes(token_ids: Sequence[int] | bytes) -> bytes:
+    """Token ids (any sequence of ints, read once without a copy) as u32 little-endian bytes; `bytes`
+    input is taken as already encoded that way.
 
     Raises:
         ValueError: an id outside [0, 2**32), or bytes whose length is not a multiple of 4.

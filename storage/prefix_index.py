@@ -29,7 +29,7 @@ def history_digest(token_ids: Sequence[int] | bytes) -> bytes:
     Raises:
         ValueError: an id outside [0, 2**32).
     """
-    raw = token_bytes(token_ids if isinstance(token_ids, bytes) else list(token_ids))
+    raw = token_bytes(token_ids)
     return hashlib.sha256(raw).digest()
 
 
@@ -117,7 +117,7 @@ class PrefixIndex:
 
 def prefix_digests(token_ids: Sequence[int] | bytes, lengths: Sequence[int]) -> dict[int, bytes]:
     """`history_digest(token_ids[:n])` for each n in ascending `lengths`, in one pass over the ids."""
-    raw = token_bytes(token_ids if isinstance(token_ids, bytes) else list(token_ids))
+    raw = token_bytes(token_ids)
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0

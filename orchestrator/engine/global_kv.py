@@ -75,6 +75,20 @@ def _miss_text(reason: MissReason, at: int, detail: str) -> str:
     return f"nothing stored from token {at}"
 
 
+def _encoded(history: Sequence[int], history_ids: bytes | None) -> bytes:
+    """`history_ids` when the caller holds them (refused unless 4 bytes a token), else
+    `token_bytes(history)`: the ids as the store takes them.
+
+    Raises:
+        ValueError: `history_ids` of another length than the history's.
+    """
+    if history_ids is None:
+        return token_bytes(history)
+    if len(history_ids) != 4 * len(history):
+        raise ValueError(f"history_ids hold {len(history_ids)} bytes for {len(history)} tokens")
+    return history_ids
+
+
 def read_prefix(
     store: GlobalKVStore,
     registry: Callable[[], Session],
@@ -119,10 +133,7 @@ def read_prefix(
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
-    if history_ids is None:
-        history_ids = token_bytes(history if isinstance(history, list) else list(history))
-    elif len(history_ids) != 4 * len(history):
-        raise ValueError(f"history_ids hold {len(history_ids)} bytes for {len(history)} tokens")
+    history_ids = _encoded(history, history_ids)
     if not history:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
     if payloads_optional and decoded is not None and digests is not None:
@@ -378,12 +389,7 @@ def persist_chunks(
     new_bytes = 0
     claimed: list[AuditRecord] = []
     # the ids as the store takes them (u32 little-endian), encoded once for the put and the lookup
-    if history_ids is None:
-        ids = token_bytes(history if isinstance(history, list) else list(history))
-    elif len(history_ids) != 4 * n:
-        raise ValueError(f"history_ids hold {len(history_ids)} bytes for {n} tokens")
-    else:
-        ids = history_ids
+    ids = _encoded(history, history_ids)
     if payloads:
         put = store.put_chunks(tenant, session_id, fp, ids, payloads, audit_claim=claimed)
         if put.refusal is not None:
