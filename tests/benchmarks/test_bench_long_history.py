@@ -19,8 +19,7 @@ def test_main_grows_the_history_and_measures_each_size(tmp_path, capsys, monkeyp
     doc = json.loads(path.read_text())
     sizes = doc["sizes"]
     # ascending, each size reached by growing the one session, every measured turn a full hit
-    assert [s["history_tokens"] >= want for s, want in zip(sizes, (300, 2200), strict=True)] == [True, True]
-    assert sizes[0]["history_tokens"] < sizes[1]["history_tokens"]
+    assert 300 <= sizes[0]["history_tokens"] < 2200 <= sizes[1]["history_tokens"]
     assert all(s["paths"] == ["FULL_HIT"] and s["turns"] == 3 for s in sizes)
     assert sizes[0]["p50_vs_first"] == 1.0 and sizes[1]["p50_vs_first"] > 0
     assert all(s["p90_ms"] >= s["p50_ms"] > 0 and s["cpu_ms_per_turn"] > 0 for s in sizes)
