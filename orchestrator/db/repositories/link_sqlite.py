@@ -56,8 +56,9 @@ _LINKED = (
     " WHERE session_segments.session_id = ? AND cache_segments.fingerprint = ?"
 )
 
-# Segments from which `link_current_sqlite` upserts only the keys the session does not link yet. Below it
-# the one upsert of every key costs less than the read of the links it would save (about one statement).
+# Segments from which `link_current_sqlite` (and PostgreSQL's `SegmentRepository.link_current_core`)
+# upserts only the keys the session does not link yet. Below it the one upsert of every key costs less than
+# the read of the links it would save (about one statement).
 INCREMENTAL_FROM = 8
 
 _processors: dict[int, Callable[[Any], Any]] = {}

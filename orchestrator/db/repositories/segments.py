@@ -11,12 +11,13 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, case, delete, exists, func, insert, select, update
+from sqlalchemy import Integer, any_, bindparam, case, delete, exists, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from orchestrator.db.models import CacheSegment, SessionSegment
+from orchestrator.db.repositories import link_sqlite
 from orchestrator.db.repositories.link_sqlite import link_current_sqlite
 from orchestrator.db.repositories.read_connection import read_connection
 from orchestrator.db.transactions import connection_of
@@ -93,6 +94,25 @@ class _FastLinkStatements:
         .returning(_SS.c.segment_id)
     )
     owner = select(_CS.c.tenant_id).where(_CS.c.store_key == bindparam("key"))
+    # A long session's incremental path (`_link_incremental_core`): its links of the fingerprint, the
+    # expiry of the linked rows moved up (only upward, only the row's own tenant: what the upsert does),
+    # and its stale links deleted by id.
+    linked = (
+        select(_CS.c.store_key, _CS.c.id)
+        .join(_SS, _SS.c.segment_id == _CS.c.id)
+        .where(_SS.c.session_id == bindparam("sid"), _CS.c.fingerprint == bindparam("fp"))
+    )
+    # PostgreSQL takes the ids as one array parameter: an IN list of 250 parameters took 3.5 ms of the
+    # statement's planning and binding alone (SQLite, the twin's only other dialect, has no arrays).
+    extend = {
+        name: update(_CS)
+        .where(ids, _CS.c.expires_at < bindparam("until"), _CS.c.tenant_id == bindparam("tenant"))
+        .values(expires_at=bindparam("until"))
+        for name, ids in (
+            ("sqlite", _CS.c.id.in_(bindparam("ids", expanding=True))),
+            ("postgresql", _CS.c.id == any_(bindparam("ids", type_=postgresql.ARRAY(Integer)))),
+        )
+    }
 
 
 _LINK = _LinkStatements()
@@ -157,6 +177,22 @@ def _segment_values(seg: DurableSegment) -> dict[str, object]:
         region=seg.region,
         expires_at=seg.expires_at,
     )
+
+
+def _upsert_and_link_core(
+    conn: Connection, session_id: str, segments: Sequence[DurableSegment]
+) -> dict[bytes, int]:
+    """Insert the rows of `segments` or extend the expiry of the known ones, and link the session to
+    them; store key -> row id. A key of another tenant is refused (ValueError) before anything is linked."""
+    if not segments:
+        return {}
+    dialect = conn.dialect.name
+    rows = conn.execute(_FAST.upsert[dialect], [_segment_values(seg) for seg in segments])
+    ids = {r.store_key: r.id for r in rows}
+    if len(ids) != len(segments):
+        _refuse_foreign(conn, [seg for seg in segments if seg.store_key not in ids])
+    conn.execute(_FAST.link[dialect], [{"session_id": session_id, "segment_id": i} for i in ids.values()])
+    return ids
 
 
 def _refuse_foreign(conn: Connection, untouched: Sequence[DurableSegment]) -> None:
@@ -248,20 +284,42 @@ class SegmentRepository:
         """`link_current` in SQLAlchemy Core statements (PostgreSQL's path; SQLite's twin); distinct
         store keys."""
         conn = connection_of(self._s)
-        dialect = conn.dialect.name
-        keys = [seg.store_key for seg in segments]
-        ids: dict[bytes, int] = {}
-        if segments:
-            rows = conn.execute(_FAST.upsert[dialect], [_segment_values(seg) for seg in segments])
-            ids = {r.store_key: r.id for r in rows}
-            if len(ids) != len(keys):
-                _refuse_foreign(conn, [seg for seg in segments if seg.store_key not in ids])
-            links = [{"session_id": session_id, "segment_id": i} for i in ids.values()]
-            conn.execute(_FAST.link[dialect], links)
+        if len(segments) >= link_sqlite.INCREMENTAL_FROM:
+            return self._link_incremental_core(conn, session_id, fingerprint, segments)
+        ids = _upsert_and_link_core(conn, session_id, segments)
         params = {"sid": session_id, "fp": fingerprint, "keep": sorted(ids.values())}
         stale = [r.segment_id for r in conn.execute(_FAST.unlink_stale, params)]
         if not stale:
             return []
+        return [r.store_key for r in conn.execute(_LINK.drop_unlinked, {"ids": stale})]
+
+    @staticmethod
+    def _link_incremental_core(
+        conn: Connection, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
+    ) -> list[bytes]:
+        """`link_current_core` from the session's links, as SQLite's `_link_incremental` does it: the keys
+        it links already keep their rows (their expiry extended), the others are upserted and linked, the
+        links to keys not in `segments` are deleted, then the rows nobody links. Why: the upsert of every
+        chunk re-sent a 64K-token history's 250 rows each turn (20 ms a turn on PostgreSQL, against 2.3
+        ms at 4 chunks)."""
+        linked = {
+            r.store_key: r.id for r in conn.execute(_FAST.linked, {"sid": session_id, "fp": fingerprint})
+        }
+        ids = _upsert_and_link_core(
+            conn, session_id, [seg for seg in segments if seg.store_key not in linked]
+        )
+        extend: dict[tuple[dt.datetime, str], list[int]] = {}
+        for seg in segments:
+            seg_id = linked.get(seg.store_key)
+            if seg_id is not None:
+                ids[seg.store_key] = seg_id
+                extend.setdefault((seg.expires_at, seg.tenant_id), []).append(seg_id)
+        for (until, tenant), held in extend.items():
+            conn.execute(_FAST.extend[conn.dialect.name], {"ids": held, "until": until, "tenant": tenant})
+        stale = [seg_id for key, seg_id in linked.items() if key not in ids]
+        if not stale:
+            return []
+        conn.execute(_LINK.unlink, {"sid": session_id, "ids": stale})
         return [r.store_key for r in conn.execute(_LINK.drop_unlinked, {"ids": stale})]
 
     def link_current_reference(

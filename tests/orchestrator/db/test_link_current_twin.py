@@ -3,7 +3,8 @@ driver statements, whose twin is the same in Core, `link_current_core`) leaves t
 leaves (`link_current_reference`: read, then insert / extend / link / unlink /
 delete what differs), and returns the same deleted keys, on fresh random call sequences: sessions sharing
 chunks, expiries moving up and down, superseded tails, a second fingerprint, empty segment lists, keys
-given twice; SQLite and PostgreSQL; on SQLite also from the session's links (`link_sqlite.INCREMENTAL_FROM`).
+given twice; SQLite and PostgreSQL; both also from the session's links (`link_sqlite.INCREMENTAL_FROM`, which
+`link_current_core` follows too).
 A key of another tenant is refused alike."""
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def fresh_url(request, tmp_path):
 @pytest.mark.parametrize("incremental_from", [0, link_sqlite.INCREMENTAL_FROM, 10**6])
 @pytest.mark.parametrize("seed", range(8))
 def test_link_current_leaves_the_reference_rows(fresh_url, seed, incremental_from, monkeypatch) -> None:
-    # SQLite's driver statements from the session's links at every size (0), from the default size, never
+    # from the session's links at every size (0), from the default size, never: SQLite's driver statements
+    # and the Core path alike
     monkeypatch.setattr(link_sqlite, "INCREMENTAL_FROM", incremental_from)
     fast = _run(fresh_url(), seed, how="link_current")
     twin = _run(fresh_url(), seed, how="link_current_reference")
