@@ -24,7 +24,7 @@ from storage.audit_record import (
     verify_chain,
 )
 from storage.audit_rocks import RocksAuditSink, read_only_audit
-from storage.chunk_key import token_bytes
+from storage.chunk_key import largest_id, token_bytes
 from storage.errors import (
     AuditRecordError,
     StorageError,
@@ -132,6 +132,7 @@ __all__ = [
     "chain_hash",
     "check_store",
     "history_digest",
+    "largest_id",
     "longest_prefix_by_scan",
     "open_store",
     "refuse_newer_format",

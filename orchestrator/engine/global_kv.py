@@ -27,7 +27,15 @@ from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import CacheInventory
 from storage import AuditRecord, GlobalKVStore, MissReason, token_bytes
 
-__all__ = ["StoredPrefix", "PersistOutcome", "read_prefix", "persist_chunks", "link_segments", "chunk_ranges"]
+__all__ = [
+    "StoredPrefix",
+    "PersistOutcome",
+    "read_prefix",
+    "persist_chunks",
+    "link_segments",
+    "chunk_ranges",
+    "encoded_ids",
+]
 
 
 @dataclass(kw_only=True)
@@ -75,7 +83,7 @@ def _miss_text(reason: MissReason, at: int, detail: str) -> str:
     return f"nothing stored from token {at}"
 
 
-def _encoded(history: Sequence[int], history_ids: bytes | None) -> bytes:
+def encoded_ids(history: Sequence[int], history_ids: bytes | None) -> bytes:
     """`history_ids` when the caller holds them (refused unless 4 bytes a token), else
     `token_bytes(history)`: the ids as the store takes them.
 
@@ -133,7 +141,7 @@ def read_prefix(
     """
     compute = compute if compute is not None else TorchCompute()
     name, fp = served.name, served.fingerprint_hex
-    history_ids = _encoded(history, history_ids)
+    history_ids = encoded_ids(history, history_ids)
     if not history:
         return StoredPrefix(model=name, n_tokens=0, state=None, miss_reason=None, lookup_result="empty")
     if payloads_optional and decoded is not None and digests is not None:
@@ -389,7 +397,7 @@ def persist_chunks(
     new_bytes = 0
     claimed: list[AuditRecord] = []
     # the ids as the store takes them (u32 little-endian), encoded once for the put and the lookup
-    ids = _encoded(history, history_ids)
+    ids = encoded_ids(history, history_ids)
     if payloads:
         put = store.put_chunks(tenant, session_id, fp, ids, payloads, audit_claim=claimed)
         if put.refusal is not None:

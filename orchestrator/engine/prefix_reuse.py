@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from model import CacheFormatError
 from orchestrator.db import RetainedKeys
 from orchestrator.engine.decoded_states import DecodedSources, DecodedStates
-from orchestrator.engine.global_kv import StoredPrefix, read_prefix
+from orchestrator.engine.global_kv import StoredPrefix, encoded_ids, read_prefix
 from orchestrator.engine.model_compute import ModelCompute, clone_with_windows
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
@@ -106,6 +106,7 @@ def find_reuse(
     digests: PayloadDigests | None = None,
     retained: RetainedKeys | None = None,
     kept_state_skips_reads: bool = True,
+    history_ids: bytes | None = None,
 ) -> ContentReuse:
     """Find the stored prefix and pooled windows a turn of `session_id` may resume from.
 
@@ -120,11 +121,15 @@ def find_reuse(
             decoded state fills the prefix, prove the chunks without reading them
             (`read_prefix(payloads_optional=True)`: the turn end exports its new chunks from the state
             and needs no stored payload). False reads every chunk (the twin).
+        history_ids: `token_bytes(history)`, when the caller holds them (the turn rows' blobs as read).
+
+    Raises:
+        ValueError: `history_ids` that are not 4 bytes a token of `history`.
     """
     prompt = list(history) + list(new_tokens)
     probe = prompt[:-1]
     # the prompt's ids as the store and the digests take them, encoded once for every lookup below
-    prompt_ids = token_bytes(prompt)
+    prompt_ids = encoded_ids(history, history_ids) + token_bytes(new_tokens)
     probe_ids = prompt_ids[: 4 * len(probe)]
     match = pool.find_prefix(tenant, served.fingerprint_hex, probe_ids) if probe else None
     memo = None

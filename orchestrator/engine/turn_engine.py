@@ -486,8 +486,9 @@ class TurnEngine:
                 # a turn that stops early (an error, a cancellation, a client gone) queues nothing more
                 chain.halt()
             if plan.persist:
-                # the history's ids as the store and the digests take them, encoded once for both
-                full_ids = token_bytes(full)
+                # the history's ids as the store and the digests take them, encoded once for both (the
+                # turn rows' ids as read, then only this turn's)
+                full_ids = f.history_ids + token_bytes(full[len(f.history) :])
                 outcome = persist_chunks(
                     self.store,
                     tenant=f.tenant_id,

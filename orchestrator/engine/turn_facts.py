@@ -42,7 +42,7 @@ from orchestrator.engine.prefix_reuse import find_reuse, lookup_result
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, MapperArtifact
 from orchestrator.planner import CacheInventory, CostTable, MapperInfo, Plan, ResumePath, plan_turn
-from storage import GlobalKVStore, WindowPool
+from storage import GlobalKVStore, WindowPool, largest_id, token_bytes
 
 __all__ = ["TurnFacts", "TurnPreparation"]
 
@@ -71,6 +71,7 @@ class TurnFacts:
     turn_count: int
     retention_s: float
     history: list[int]
+    history_ids: bytes
     plan: Plan
     served: ServedModel
     new_tokens: list[int]
@@ -189,12 +190,13 @@ class TurnPreparation:
         served = self._served(name)
         new_tokens = self._new_tokens(turn, served)
         history = reads.history(row.id)
+        history_ids = reads.history_ids(history)
         if len(history) != row.history_tokens:
             raise PreconditionError(
                 f"session {row.id}: its turns hold {len(history)} history tokens, "
                 f"the row says {row.history_tokens}"
             )
-        if history and max(history) >= served.vocab_size:
+        if history and largest_id(history_ids) >= served.vocab_size:
             # a switch to a model with a smaller vocabulary cannot read this history
             raise InvalidRequestError(
                 f"session {row.id}'s history holds token id {max(history)}, outside the vocabulary of "
@@ -255,6 +257,7 @@ class TurnPreparation:
             served,
             new_tokens,
             history,
+            history_ids,
             view,
             policy,
             own_stored,
@@ -302,6 +305,7 @@ class TurnPreparation:
             history=reg.history,
             new_tokens=reg.new_tokens,
             last_model=reg.last,
+            history_ids=reg.history_ids,
             decoded=self.decoded,
             digests=self.digests,
             retained=self._retained,
@@ -323,6 +327,7 @@ class TurnPreparation:
                     served=sender,
                     history=reg.history,
                     compute=self.compute,
+                    history_ids=reg.history_ids,
                 )
                 for art, info in reg.candidates:
                     # A mapper that cannot run on this node is as good as none: plan without it.
@@ -379,6 +384,7 @@ class TurnPreparation:
         return TurnFacts(
             **reg.facts,
             history=reg.history,
+            history_ids=reg.history_ids,
             plan=plan,
             served=reg.served,
             new_tokens=reg.new_tokens,
@@ -401,6 +407,7 @@ class _Registered(NamedTuple):
     served: ServedModel
     new_tokens: list[int]
     history: list[int]
+    history_ids: bytes
     view: Any
     policy: EffectivePolicy
     own_stored: int
@@ -422,6 +429,9 @@ class _SessionReads:
 
     def history(self, session_id: str) -> list[int]:
         return SessionRepository(self._s).history(session_id)
+
+    def history_ids(self, history: list[int]) -> bytes:
+        return token_bytes(history)
 
     def policy(self, tenant_id: str) -> EffectivePolicy:
         return PolicyRepository(self._s).effective(
@@ -448,6 +458,11 @@ class _SnapshotReads:
 
     def history(self, session_id: str) -> list[int]:
         return self._snap.history
+
+    def history_ids(self, history: list[int]) -> bytes:
+        # the turn rows' blobs as read (`TurnSnapshot.history_ids`)
+        assert history is self._snap.history and len(self._snap.history_ids) == 4 * len(history)
+        return self._snap.history_ids
 
     def policy(self, tenant_id: str) -> EffectivePolicy:
         assert self._snap.policy is not None

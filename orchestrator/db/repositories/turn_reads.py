@@ -30,6 +30,10 @@ class TurnSnapshot:
     """What a turn read of the registry in one snapshot (`row` None: no such session of the tenant;
     the rest is then empty).
 
+    `history_ids` are the history's ids as the turn rows store them (u32 little-endian, what
+    `storage.token_bytes(history)` gives): the store and the digests take the ids in that form, and a
+    64K-token history costs about 0.4 ms to encode again.
+
     `mappers` holds every mapper row to the turn's model (`MapperRepository.list(receiver_model=...)`
     as Core rows), read only when the turn reads mapper rows: a switch of the session to another model
     or a session without history (`reads_mappers`); None otherwise.
@@ -37,6 +41,7 @@ class TurnSnapshot:
 
     row: Any | None
     history: list[int] = field(default_factory=list)
+    history_ids: bytes = b""
     policy: EffectivePolicy | None = None
     spans: list[Any] = field(default_factory=list)
     mappers: list[Any] | None = None
@@ -127,4 +132,6 @@ class TurnReads:
         history = blob_to_tokens(blob)
         name = model or row.model
         found = self._mappers.rows(cursor, {"rm": name}) if reads_mappers(row, history, name) else None
-        return TurnSnapshot(row=row, history=history, policy=policy, spans=spans, mappers=found)
+        return TurnSnapshot(
+            row=row, history=history, history_ids=blob, policy=policy, spans=spans, mappers=found
+        )

@@ -26,6 +26,7 @@ from orchestrator.db import (
     upgrade,
 )
 from orchestrator.db.models import TurnStatus
+from storage import token_bytes
 
 LATER = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
 
@@ -439,6 +440,8 @@ def test_turn_reads_equal_the_repositories_in_a_session_on_random_sessions(engin
             assert tuple(got.row) == tuple(row) and got.row._fields == tuple(row._fields)
             assert type(got.row.status) is type(row.status)
             assert got.history == SessionRepository(s).history(sid) and len(got.history) == row.history_tokens
+            # the ids as read are the ids the store takes (u32 little-endian), as encoding the history gives
+            assert got.history_ids == token_bytes(got.history)
             assert got.policy == PolicyRepository(s).effective(row.tenant_id, **defaults)
             assert [tuple(r) for r in got.spans] == [tuple(r) for r in SegmentRepository(s).spans_of(sid)]
             name = model or row.model

@@ -64,6 +64,7 @@ def test_read_prefix_payload_hashes_with_digests_equal_hashing(tmp_path) -> None
     the payload hashes that hashing every blob gives."""
     from orchestrator.engine import TorchCompute
     from orchestrator.engine.global_kv import read_prefix
+    from orchestrator.engine.prefix_reuse import find_reuse
     from tests.orchestrator.engine.node_harness import new_session, registry, run_turn, start_node
 
     rng = random.Random(secrets.randbits(64))
@@ -90,6 +91,17 @@ def test_read_prefix_payload_hashes_with_digests_equal_hashing(tmp_path) -> None
         assert held.ranges == plain.ranges and held.blobs == plain.blobs and held.n_tokens == plain.n_tokens
         with pytest.raises(ValueError, match=f"hold {4 * len(history) - 4} bytes for {len(history)} tokens"):
             read_prefix(store, sessions, history_ids=token_bytes(history[:-1]), **args)
+        # find_reuse likewise: the turn hands in the ids it read (the turn rows' blobs)
+        reuse_args = dict(
+            tenant="acme", session_id=sid, served=served, history=history, new_tokens=[17, 18], last_model="a"
+        )
+        pool, compute = node.service.pool, TorchCompute()
+        plain_reuse = find_reuse(store, pool, sessions, compute, **reuse_args)
+        held_reuse = find_reuse(store, pool, sessions, compute, history_ids=token_bytes(history), **reuse_args)
+        assert held_reuse.prefix.ranges == plain_reuse.prefix.ranges and plain_reuse.prefix.n_tokens > 0
+        assert held_reuse.pool == plain_reuse.pool and held_reuse.source_session == plain_reuse.source_session
+        with pytest.raises(ValueError, match=f"hold {4 * len(history) + 4} bytes for {len(history)} tokens"):
+            find_reuse(store, pool, sessions, compute, history_ids=token_bytes(history + [5]), **reuse_args)
     finally:
         node.stop()
 
