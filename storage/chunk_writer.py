@@ -23,7 +23,6 @@ from storage.chunk_key import (
     TAG_BYTES,
     chain_root,
     check_id,
-    chunk_address,
     model_tag,
     session_tag,
     tenant_tag,
@@ -224,13 +223,13 @@ class ChunkWriter:
         parent = chain_root(fp, salt)
         parents = {0: parent}
         for k in range(1, max(s for s, _ in ranges) // size + 1):
-            parent = chunk_address(parent, toks[(k - 1) * size * 4 : k * size * 4])
+            parent = self._addresses.address(parent, toks[(k - 1) * size * 4 : k * size * 4])
             parents[k * size] = parent
         plan: list[tuple[int, int, bytes, bytes, bool, ChunkMeta | None]] = []
         new_bytes = 0
         replaced_bytes = 0
         for start, end in ranges:
-            addr = chunk_address(parents[start], toks[start * 4 : end * 4])
+            addr = self._addresses.address(parents[start], toks[start * 4 : end * 4])
             old = self._index.meta.get(addr)
             # A chunk another put wrote but has not made visible yet (its sync is under way) is shared:
             # this put's own sync comes later in the log, so it covers that batch too.

@@ -53,9 +53,9 @@ from storage.chunk_index import (
     ChunkMeta,
 )
 from storage.chunk_key import (
+    ChainAddresses,
     chain_root,
     check_id,
-    chunk_address,
     session_tag,
     tenant_tag,
     token_bytes,
@@ -165,6 +165,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
         self.batches_written = 0
         self._stats = StoreStats(capacity_bytes=config.capacity_bytes)
         self._index = ChunkIndex()
+        # the chunk chain's addresses already computed (pure functions of their content: never stale)
+        self._addresses = ChainAddresses()
         self._salts: dict[str, bytes] = {}
         self._tenant_of_tag: dict[bytes, str] = {}
         self._policies: dict[str, RetentionPolicy] = {}
@@ -484,7 +486,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             pos = 0
             index = self._index.meta
             while pos + size <= n:
-                addr = chunk_address(parent, toks[pos * 4 : (pos + size) * 4])
+                addr = self._addresses.address(parent, toks[pos * 4 : (pos + size) * 4])
                 meta = index.get(addr)
                 if meta is None:
                     break
@@ -499,7 +501,7 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             for length in sorted(self._index.tail_lengths(parent), reverse=True):
                 if pos + length > n:
                     continue
-                addr = chunk_address(parent, toks[pos * 4 : (pos + length) * 4])
+                addr = self._addresses.address(parent, toks[pos * 4 : (pos + length) * 4])
                 meta = index.get(addr)
                 if meta is None:
                     continue

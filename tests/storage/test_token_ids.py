@@ -1,5 +1,6 @@
 """Token ids as the store takes them (u32 little-endian): `token_bytes` and `largest_id` against their
-slow twins, on fresh random ids (the full u32 range, empty, one id), and bad input refused."""
+slow twins, on fresh random ids (the full u32 range, empty, one id), and bad input refused; the store's
+memo of chunk addresses (`ChainAddresses`) against `chunk_address` on random growing, branching chains."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import struct
 import pytest
 
 from storage import largest_id, token_bytes
-from storage.chunk_key import largest_id_reference
+from storage.chunk_key import ChainAddresses, chunk_address, largest_id_reference
 
 
 def _ids(rng: random.Random) -> list[int]:
@@ -40,3 +41,39 @@ def test_bad_token_bytes_are_refused() -> None:
         token_bytes([2**32])
     with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
         token_bytes([-1])
+
+
+@pytest.mark.parametrize("capacity", [0, 3 * 64 * 4, 16 << 20])
+def test_chain_addresses_equal_chunk_address_on_random_chains(capacity) -> None:
+    """Chains that share prefixes, branch, end in partial tails and grow at their end, walked again and
+    again (as a store walks a session's history each turn), with a memo that keeps nothing, a few
+    chunks (evicting), or everything: every address is `chunk_address`'s."""
+    rng = random.Random(secrets.randbits(64))
+    memo = ChainAddresses(capacity)
+    size = 64
+    roots = [secrets.token_bytes(32) for _ in range(2)]
+    histories = [[rng.randrange(2**17) for _ in range(rng.randrange(1, 6 * size))] for _ in range(3)]
+    for _ in range(60):
+        h = rng.randrange(len(histories))
+        hist = histories[h]
+        if rng.random() < 0.5:
+            hist += [rng.randrange(2**17) for _ in range(rng.randrange(1, 2 * size))]  # grows at its end
+        elif rng.random() < 0.3:
+            # a branch: a copy of another history's prefix with other tokens after it
+            other = histories[rng.randrange(len(histories))]
+            histories.append(other[: rng.randrange(len(other) + 1)] + [rng.randrange(2**17)])
+            hist = histories[-1]
+        toks, root = token_bytes(hist), rng.choice(roots)
+        parent = twin = root
+        for start in range(0, len(hist), size):
+            chunk = toks[start * 4 : min(start + size, len(hist)) * 4]
+            got, want = memo.address(parent, chunk), chunk_address(twin, chunk)
+            assert got == want
+            parent = twin = want
+        assert memo.kept_bytes <= capacity
+    assert memo.misses > 0 and (memo.hits > 0 or capacity == 0)
+
+
+def test_chain_addresses_refuse_a_negative_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 0, got -1"):
+        ChainAddresses(-1)
