@@ -146,11 +146,16 @@ def _link_incremental(
     if len(ids) != len(new):
         return ids, None
     extend: dict[tuple[Any, str], list[int]] = {}
+    stamps: dict[Any, Any] = {}  # a turn's segments share one expiry: its bind value made once, not per row
     for v in values:
         seg_id = linked.get(v["store_key"])
         if seg_id is not None:
             ids[v["store_key"]] = seg_id
-            extend.setdefault((stamp(v["expires_at"]), v["tenant_id"]), []).append(seg_id)
+            at = v["expires_at"]
+            bound = stamps.get(at)
+            if bound is None:
+                bound = stamps[at] = stamp(at)
+            extend.setdefault((bound, v["tenant_id"]), []).append(seg_id)
     for (at, tenant), held in extend.items():
         sql = "UPDATE cache_segments SET expires_at = ? WHERE expires_at < ? AND tenant_id = ? AND id IN ("
         raw.execute(sql + _marks(len(held)) + ")", [at, at, tenant, *held])
