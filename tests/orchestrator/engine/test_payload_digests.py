@@ -97,7 +97,8 @@ def test_read_prefix_payload_hashes_with_digests_equal_hashing(tmp_path) -> None
         )
         pool, compute = node.service.pool, TorchCompute()
         plain_reuse = find_reuse(store, pool, sessions, compute, **reuse_args)
-        held_reuse = find_reuse(store, pool, sessions, compute, history_ids=token_bytes(history), **reuse_args)
+        ids = token_bytes(history)
+        held_reuse = find_reuse(store, pool, sessions, compute, history_ids=ids, **reuse_args)
         assert held_reuse.prefix.ranges == plain_reuse.prefix.ranges and plain_reuse.prefix.n_tokens > 0
         assert held_reuse.pool == plain_reuse.pool and held_reuse.source_session == plain_reuse.source_session
         with pytest.raises(ValueError, match=f"hold {4 * len(history) + 4} bytes for {len(history)} tokens"):
