@@ -55,8 +55,28 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             event.listen(engine, name, queue.on_release)
         return engine
     if backend == "postgresql":
-        return create_engine(url, echo=echo, pool_pre_ping=True)
+        engine = create_engine(url, echo=echo, pool_pre_ping=True)
+        event.listen(engine, "connect", _postgres_on_connect)
+        return engine
     raise ValueError(f"database URL backend {backend!r} is not supported (sqlite or postgresql)")
+
+
+def _postgres_on_connect(dbapi_connection: Any, connection_record: object) -> None:
+    """Plan every execution with its own parameters (`plan_cache_mode = force_custom_plan`).
+
+    Why: psycopg prepares a statement on the server from its fifth execution, and PostgreSQL then may
+    keep one generic plan for it, chosen from the statistics of that moment. A registry that started
+    empty plans the per-turn statements while its tables hold a few rows, and the plan stays as they
+    grow: the read of a 250-chunk session's links took 24 ms a turn under such a plan, against 1 ms
+    planned per execution (benchmarks/bench_link_current.py, a fresh schema; orchestrator/README.md,
+    session 23). Planning these small statements costs far less than that.
+    """
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET SESSION plan_cache_mode = force_custom_plan")
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
 
 
 def _sqlite_on_connect(dbapi_connection: object, connection_record: object) -> None:

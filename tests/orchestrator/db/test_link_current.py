@@ -140,3 +140,22 @@ def test_link_current_returns_the_keys_it_deleted(registry_copy) -> None:
         ]
     finally:
         engine.dispose()
+
+
+def test_postgres_connections_plan_each_execution_and_keep_the_urls_options(postgres_url) -> None:
+    """make_engine's PostgreSQL connections plan every execution with its parameters (no generic plan
+    kept from an empty registry's statistics: orchestrator/db/engine.py), across the pool's connections
+    and after a statement was prepared, and the URL's own options (the test schema's search_path) hold."""
+    from sqlalchemy import text
+
+    from orchestrator.db import make_engine
+
+    engine = make_engine(postgres_url)
+    try:
+        with engine.connect() as a, engine.connect() as b:
+            for conn in (a, b):
+                for _ in range(7):  # past psycopg's threshold for preparing a statement on the server
+                    assert conn.execute(text("show plan_cache_mode")).scalar() == "force_custom_plan"
+                assert conn.execute(text("show search_path")).scalar().startswith("kvr_test_")
+    finally:
+        engine.dispose()
