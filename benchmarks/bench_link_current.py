@@ -23,13 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-from sqlalchemy import make_url, text
 
 from benchmarks.hardware import cpu_model
 from benchmarks.report import add_json_flag, table_stream, write_json
@@ -40,6 +35,7 @@ from orchestrator.db import (
     TenantRepository,
     make_engine,
     run_serializable,
+    scratch_schema,
     serializable_factory,
     upgrade,
 )
@@ -109,22 +105,6 @@ def measure(url: str, sizes: list[int], calls: int) -> list[dict[str, Any]]:
     return rows
 
 
-@contextmanager
-def _postgres_schema(server_url: str) -> Iterator[str]:
-    """A fresh schema on the server (search_path points at it), dropped afterwards."""
-    schema = f"kvr_bench_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(server_url)
-    with admin.begin() as conn:
-        conn.execute(text(f'create schema "{schema}"'))
-    url = make_url(server_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'drop schema "{schema}" cascade'))
-        admin.dispose()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_json_flag(parser)
@@ -144,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvresume-link-") as tmp:
         doc["backends"]["sqlite"] = measure(f"sqlite:///{Path(tmp) / 'registry.sqlite3'}", sizes, args.calls)
     if args.postgres:
-        with _postgres_schema(args.postgres) as url:
+        with scratch_schema(args.postgres, "kvr_bench_") as url:
             doc["backends"]["postgresql"] = measure(url, sizes, args.calls)
     out = table_stream(args.json)
     print(f"link_current of one session, median ms a call (alternating arms); {cpu_model()}", file=out)

@@ -5,7 +5,7 @@ Knows nothing of gRPC; the RPC handler owns each Session (one unit of work per c
 
 from orchestrator.db.audit_check import STORE_CHAIN_PREFIX, AuditChecker, AuditReport
 from orchestrator.db.audit_sink import NODE_CHAIN, ChainVerdict, SqlAuditSink, heads_digest
-from orchestrator.db.engine import make_engine, make_session_factory
+from orchestrator.db.engine import make_engine, make_session_factory, scratch_schema
 from orchestrator.db.migrate import downgrade, upgrade
 from orchestrator.db.planner_views import mapper_infos, session_view
 from orchestrator.db.purge import PurgeOutcome, Purger, StorePurger
@@ -85,6 +85,7 @@ __all__ = [
     "heads_digest",
     "make_engine",
     "make_session_factory",
+    "scratch_schema",
     "mapper_infos",
     "mirror_and_forget",
     "reconcile_segments",

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -59,6 +62,26 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         event.listen(engine, "connect", _postgres_on_connect)
         return engine
     raise ValueError(f"database URL backend {backend!r} is not supported (sqlite or postgresql)")
+
+
+@contextmanager
+def scratch_schema(server_url: str, prefix: str) -> Iterator[str]:
+    """A fresh, empty schema on the PostgreSQL server at `server_url`, named `prefix` and a random suffix:
+    yields a URL whose search_path points at it, and drops the schema (cascade) afterwards. For the tests'
+    and benchmarks' registries on a shared server."""
+    schema = f"{prefix}{uuid.uuid4().hex[:12]}"
+    admin = make_engine(server_url)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'create schema "{schema}"'))
+        url = make_url(server_url).update_query_dict({"options": f"-csearch_path={schema}"})
+        try:
+            yield url.render_as_string(hide_password=False)
+        finally:
+            with admin.begin() as conn:
+                conn.execute(text(f'drop schema "{schema}" cascade'))
+    finally:
+        admin.dispose()
 
 
 def _postgres_on_connect(dbapi_connection: Any, connection_record: object) -> None:

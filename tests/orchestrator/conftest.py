@@ -8,7 +8,6 @@ when required and skips otherwise. Each test session works in its own schema, dr
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-from orchestrator.db.engine import make_engine
+from orchestrator.db.engine import make_engine, scratch_schema
 from orchestrator.db.migrate import upgrade
 
 
@@ -62,14 +61,5 @@ def postgres_server_url() -> str:
 @pytest.fixture
 def postgres_url(postgres_server_url: str) -> Iterator[str]:
     """A fresh, empty schema on the PostgreSQL server (search_path points at it); dropped afterwards."""
-    schema = f"kvr_test_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(postgres_server_url)
-    with admin.begin() as conn:
-        conn.execute(text(f'create schema "{schema}"'))
-    url = make_url(postgres_server_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'drop schema "{schema}" cascade'))
-        admin.dispose()
+    with scratch_schema(postgres_server_url, "kvr_test_") as url:
+        yield url
