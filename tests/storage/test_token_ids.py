@@ -71,7 +71,8 @@ def test_chain_addresses_equal_chunk_address_on_random_chains(capacity) -> None:
             assert got == want
             parent = twin = want
         assert memo.kept_bytes <= capacity
-    assert memo.misses > 0 and (memo.hits > 0 or capacity == 0)
+    # a memo that holds every chunk serves the walks' repeats; a few chunks may all be evicted in between
+    assert memo.misses > 0 and (memo.hits > 0 or capacity < 1 << 20)
 
 
 def test_chain_addresses_refuse_a_negative_capacity() -> None:
