@@ -123,9 +123,6 @@ class ChainAddresses:
             self._bytes += len(tokens)
         return addr
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     @property
     def kept_bytes(self) -> int:
         return self._bytes

@@ -69,11 +69,13 @@ class PoolPut:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefixMatch:
-    """A pooled entry found by content: its session, the length of the history it continues, its value."""
+    """A pooled entry found by content: its session, the length of the history it continues, its value,
+    and `digest`, the `history_digest` of the prompt's first `n_tokens` ids (what the lookup matched)."""
 
     session: str
     n_tokens: int
     value: bytes
+    digest: bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +213,7 @@ class WindowPool:
                     self._entries[key] = (value, self._stamp(now))
                     self._entries.move_to_end(key)
                     self._hits += 1
-                    return PrefixMatch(session=session, n_tokens=n, value=value)
+                    return PrefixMatch(session=session, n_tokens=n, value=value, digest=digests[n])
             return None
 
     def discard(self, tenant: str, session: str) -> bool:

@@ -27,7 +27,7 @@ from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import chunks_digest_of, unpack_pool_entry
 from orchestrator.engine.served_models import ServedModel
 from orchestrator.planner import PooledPrefix, PoolState
-from storage import GlobalKVStore, PoolMiss, WindowPool, history_digest, token_bytes
+from storage import GlobalKVStore, PoolMiss, PrefixMatch, WindowPool, history_digest, token_bytes
 
 __all__ = ["ContentReuse", "find_reuse", "lookup_result"]
 
@@ -155,8 +155,7 @@ def find_reuse(
             registry,
             compute,
             reuse,
-            match.session,
-            match.value,
+            match,
             tenant,
             served,
             prompt,
@@ -182,8 +181,7 @@ def _verified(
     registry: Callable[[], Session],
     compute: ModelCompute,
     reuse: ContentReuse,
-    source: str,
-    value: bytes,
+    match: PrefixMatch,
     tenant: str,
     served: ServedModel,
     prompt: list[int],
@@ -192,15 +190,16 @@ def _verified(
     digests: PayloadDigests | None = None,
     retained: RetainedKeys | None = None,
 ) -> ContentReuse:
-    """`reuse` with the pooled windows `value` of `source` when they continue a prompt prefix exactly:
-    envelope (fingerprint, length, history digest), the stored global KV of exactly that prefix with the
-    very bytes the windows were computed over (chunks digest), a clean import. `prompt_ids`:
-    `token_bytes(prompt)`."""
-    entry = unpack_pool_entry(value)
+    """`reuse` with the pooled windows of `match` (the pool's lookup by content) when they continue a
+    prompt prefix exactly: envelope (fingerprint, length, history digest: the lookup's digest of the
+    prompt's prefix when the envelope names the length it matched), the stored global KV of exactly that
+    prefix with the very bytes the windows were computed over (chunks digest), a clean import.
+    `prompt_ids`: `token_bytes(prompt)`."""
+    entry = unpack_pool_entry(match.value)
     if entry is None or not 0 < entry.n_tokens < len(prompt):
         return reuse
     n = entry.n_tokens
-    digest = history_digest(prompt_ids[: 4 * n])
+    digest = match.digest if match.n_tokens == n else history_digest(prompt_ids[: 4 * n])
     if entry.continues(served.fingerprint, prompt[:n], digest=digest) is not None:
         return reuse
     prefix = reuse.prefix
@@ -240,5 +239,5 @@ def _verified(
         pooled=PooledPrefix(model=served.name, n_tokens=n),
         pooled_prefix=exact,
         full_hit_state=state,
-        source_session=source,
+        source_session=match.session,
     )

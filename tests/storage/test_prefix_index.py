@@ -84,6 +84,7 @@ def test_find_prefix_matches_linear_scan_on_random_histories(seed: int) -> None:
         else:
             assert got is not None and got.n_tokens == n and got.session in sessions
             assert got.value == b"w" * 10
+            assert got.digest == history_digest(prompt[:n])  # the digest the turn reuses
 
 
 def test_find_prefix_is_per_tenant_and_per_namespace() -> None:
