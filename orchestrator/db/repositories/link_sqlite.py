@@ -51,7 +51,8 @@ _DROP_TAIL = (
 )
 
 _LINKED = (
-    "SELECT cache_segments.store_key, cache_segments.id FROM session_segments JOIN cache_segments"
+    "SELECT cache_segments.store_key, cache_segments.id, cache_segments.tenant_id"
+    " FROM session_segments JOIN cache_segments"
     " ON cache_segments.id = session_segments.segment_id"
     " WHERE session_segments.session_id = ? AND cache_segments.fingerprint = ?"
 )
@@ -137,29 +138,33 @@ def _link_incremental(
 ) -> tuple[dict[bytes, int], list[bytes] | None]:
     """`link_current_sqlite` from the session's links: the keys it links already keep their rows (their
     expiry extended as the upsert extends it: only upward, only for the row's own tenant), the others are
-    upserted and linked, and the links to keys not in `values` are deleted."""
-    linked = {
-        bytes(key): seg_id for key, seg_id in raw.execute(_LINKED, (session_id, fingerprint)).fetchall()
-    }
+    upserted and linked, and the links to keys not in `values` are deleted. The tenant is compared from
+    the links' read, as PostgreSQL's twin does it (`SegmentRepository._link_incremental_core`)."""
+    rows = raw.execute(_LINKED, (session_id, fingerprint)).fetchall()
+    linked = {bytes(key): (seg_id, owner) for key, seg_id, owner in rows}
     new = [v for v in values if v["store_key"] not in linked]
     ids = _upsert_and_link(raw, stamp, session_id, new)
     if len(ids) != len(new):
         return ids, None
-    extend: dict[tuple[Any, str], list[int]] = {}
+    extend: dict[Any, list[int]] = {}
     stamps: dict[Any, Any] = {}  # a turn's segments share one expiry: its bind value made once, not per row
     for v in values:
-        seg_id = linked.get(v["store_key"])
-        if seg_id is not None:
-            ids[v["store_key"]] = seg_id
-            at = v["expires_at"]
-            bound = stamps.get(at)
-            if bound is None:
-                bound = stamps[at] = stamp(at)
-            extend.setdefault((bound, v["tenant_id"]), []).append(seg_id)
-    for (at, tenant), held in extend.items():
-        sql = "UPDATE cache_segments SET expires_at = ? WHERE expires_at < ? AND tenant_id = ? AND id IN ("
-        raw.execute(sql + _marks(len(held)) + ")", [at, at, tenant, *held])
-    stale = [seg_id for key, seg_id in linked.items() if key not in ids]
+        held = linked.get(v["store_key"])
+        if held is None:
+            continue
+        seg_id, owner = held
+        ids[v["store_key"]] = seg_id
+        if owner != v["tenant_id"]:
+            continue  # as the upsert: another tenant's row keeps its expiry
+        at = v["expires_at"]
+        bound = stamps.get(at)
+        if bound is None:
+            bound = stamps[at] = stamp(at)
+        extend.setdefault(bound, []).append(seg_id)
+    for at, seg_ids in extend.items():
+        sql = "UPDATE cache_segments SET expires_at = ? WHERE expires_at < ? AND id IN ("
+        raw.execute(sql + _marks(len(seg_ids)) + ")", [at, at, *seg_ids])
+    stale = [seg_id for key, (seg_id, _) in linked.items() if key not in ids]
     if stale:
         raw.execute(
             "DELETE FROM session_segments WHERE session_id = ? AND segment_id IN ("
