@@ -127,6 +127,12 @@ class Settings:
     # CPUs as Linux writes them ("3", "2-3"), the service keeping the others. Measured: 64 sessions on 2
     # CPUs, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
     model_process_cpus: str = "auto"
+    # Where a turn's registry transaction runs on a SQLite file registry: "process" (the registry writer
+    # process, orchestrator/registry_writer/: the transaction holds SQLite's one write lock, and in this
+    # process each of its statements waited for the GIL behind the turns' and gRPC's threads) or "inline"
+    # (in the turn's own thread). PostgreSQL and in-memory SQLite registries always run it inline. Same
+    # rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
+    registry_writer: str = "process"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64
@@ -216,6 +222,8 @@ class Settings:
         if self.model_process not in ("inline", "separate"):
             raise ValueError(f"model_process={self.model_process!r} must be 'inline' or 'separate'")
         check_cpu_spec(self.model_process_cpus)
+        if self.registry_writer not in ("inline", "process"):
+            raise ValueError(f"registry_writer={self.registry_writer!r} must be 'inline' or 'process'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

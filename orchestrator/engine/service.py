@@ -38,6 +38,7 @@ from orchestrator.engine.turn_engine import TurnEngine
 from orchestrator.jobs import FitJobService
 from orchestrator.model_process import ProcessCompute
 from orchestrator.planner import CostTable
+from orchestrator.registry_writer import RegistryWriter
 from orchestrator.scheduler import MetricsObserver, build_scheduler
 from orchestrator.settings import Settings
 from storage import (
@@ -217,6 +218,8 @@ class NodeService:
         close_compute = getattr(self.engine.compute, "close", None)
         if close_compute is not None:
             close_compute()  # the model process (model_process = "separate")
+        if self.engine.registry_writer is not None:
+            self.engine.registry_writer.close()
         if self.ctx.audit_checker is not None:
             # A last anchor while the store is still open: a clean stop leaves no unanchored tail.
             self.ctx.audit_checker.stop()
@@ -225,6 +228,18 @@ class NodeService:
         self.store.stop_maintenance()
         self.store.close()
         self.ctx.close()
+
+
+def _registry_writer(settings: Settings, ctx: ServiceContext) -> RegistryWriter | None:
+    """The registry writer process for a SQLite file registry with `registry_writer = "process"`, started
+    now in the background (None: PostgreSQL, an in-memory SQLite, or "inline")."""
+    url = ctx.engine.url
+    in_file = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+    if settings.registry_writer != "process" or not in_file or "mode=memory" in str(url):
+        return None
+    writer = RegistryWriter(settings.resolved_database_url)
+    writer.start_soon()
+    return writer
 
 
 def build_node(
@@ -350,6 +365,7 @@ def build_node(
         observer=MetricsObserver(ctx.metrics),
     )
     engine = TurnEngine(
+        registry_writer=_registry_writer(settings, ctx),
         ctx=ctx,
         registry=registry,
         store=store,

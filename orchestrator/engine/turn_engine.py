@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import structlog
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 
 from model import PassStats
@@ -35,11 +35,9 @@ from orchestrator.api import (
     TurnStatsEvent,
 )
 from orchestrator.db import (
-    DriverDML,
     SessionRepository,
     TurnRepository,
     TurnTimings,
-    forget_gone_chunks,
     run_serializable,
     run_serializable_connection,
 )
@@ -52,7 +50,7 @@ from orchestrator.db.models import (
     tokens_to_blob,
 )
 from orchestrator.engine.decoded_states import DecodedStates
-from orchestrator.engine.global_kv import link_segments, persist_chunks
+from orchestrator.engine.global_kv import persist_chunks
 from orchestrator.engine.model_compute import ModelCompute, TorchCompute
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import pack_pool_entry
@@ -62,6 +60,7 @@ from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
 from orchestrator.model_process import ModelProcessError
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
+from orchestrator.registry_writer import DriverFinish, FinishRequest, RegistryWriter, write_finish
 from orchestrator.scheduler import (
     Continued,
     DecodeChain,
@@ -78,56 +77,7 @@ __all__ = ["TurnEngine", "actual_counts"]
 
 log = structlog.get_logger(__name__)
 
-_SESSIONS, _TURNS = SessionRow.__table__, TurnRow.__table__
 _COUNT_FIELDS = dataclasses.fields(TokenCounts)
-
-
-class _FinishStatements:
-    """`TurnEngine._finish`'s statements, built once (every turn runs them; building one costs several
-    times what running it from the compiled cache does)."""
-
-    session = select(_SESSIONS.c.status, _SESSIONS.c.turn_count).where(
-        _SESSIONS.c.id == bindparam("sid"), _SESSIONS.c.tenant_id == bindparam("tid")
-    )
-    # A reserved turn (PostgreSQL) was checked at its reservation: the session must still exist.
-    advance = (
-        update(_SESSIONS)
-        .where(_SESSIONS.c.id == bindparam("sid"), _SESSIONS.c.tenant_id == bindparam("tid"))
-        .values(
-            turn_count=bindparam("next"),
-            history_tokens=_SESSIONS.c.history_tokens + bindparam("grown"),
-            model=bindparam("new_model"),
-        )
-    )
-    # Without a reservation (SQLite): still open and still at this turn's index.
-    advance_open_at = advance.where(
-        _SESSIONS.c.status == bindparam("open"), _SESSIONS.c.turn_count == bindparam("at")
-    )
-    add_turn = insert(_TURNS)
-    close_turn = update(_TURNS).where(
-        _TURNS.c.id == bindparam("turn_id"), _TURNS.c.status == bindparam("running")
-    )
-
-
-_FINISH = _FinishStatements()
-
-
-class _DriverFinish:
-    """`_FINISH`'s statements of a SQLite finish (no reservation) as driver statements: the guarded
-    session move, and the turn insert compiled for each set of column keys it is given (one, in practice:
-    `_turn_row` and the finished values)."""
-
-    def __init__(self, dialect: Any) -> None:
-        self._dialect = dialect
-        self.advance_open_at = DriverDML(_FINISH.advance_open_at, dialect)
-        self._inserts: dict[frozenset[str], DriverDML] = {}
-
-    def add_turn(self, values: dict[str, Any]) -> DriverDML:
-        keys = frozenset(values)
-        stmt = self._inserts.get(keys)
-        if stmt is None:
-            stmt = self._inserts[keys] = DriverDML(_FINISH.add_turn, self._dialect, keys=sorted(keys))
-        return stmt
 
 
 def actual_counts(
@@ -208,6 +158,7 @@ class TurnEngine:
         compute: ModelCompute | None = None,
         scheduler: TurnScheduler | None = None,
         decoded: DecodedStates | None = None,
+        registry_writer: RegistryWriter | None = None,
     ) -> None:
         if prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be positive")
@@ -229,10 +180,12 @@ class TurnEngine:
             else DecodedStates(ctx.settings.decoded_state_budget_bytes, pool=pool, metrics=ctx.metrics)
         )
         dialect = ctx.engine.dialect
-        self._driver_finish = _DriverFinish(dialect) if dialect.name == "sqlite" else None
+        self._driver_finish = DriverFinish(dialect) if dialect.name == "sqlite" else None
         # SQLite's finish (driver statements, no reservation) runs on a Connection of `ctx.writer` instead
         # of an ORM Session; False runs it through `ctx.serializable`, its twin (tests compare the two).
         self.finish_on_connection = True
+        # SQLite: the finishes run in this registry writer process (None: in the turn's own thread)
+        self.registry_writer = registry_writer if self._driver_finish is not None else None
         self._prep = TurnPreparation(
             ctx=ctx,
             registry=registry,
@@ -365,8 +318,15 @@ class TurnEngine:
             last = end >= len(prompt)
             # another chunk follows at once; after the last one the chain queues the first decode
             got = yield from await_pass(
-                self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner,
-                                              follow_up=not last, chain=chain if last else None)  # fmt: skip
+                self.scheduler.submit_prefill(
+                    served,
+                    chunk,
+                    state,
+                    prompt_end=len(prompt),
+                    owner=owner,
+                    follow_up=not last,
+                    chain=chain if last else None,
+                )  # fmt: skip
             )
             out = got.output if last else got
             state = out.state
@@ -595,28 +555,19 @@ class TurnEngine:
         if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
             self.decoded.discard(f.tenant_id, f.session_id)
 
-    @staticmethod
-    def _why_not_advanced(conn: Any, f: TurnFacts) -> None:
-        """Raise the reason the turn's guarded session update matched no row."""
-        row = conn.execute(_FINISH.session, {"sid": f.session_id, "tid": f.tenant_id}).one_or_none()
-        if row is None:
-            raise PreconditionError(f"session {f.session_id} was deleted during its turn")
-        if row.status != SessionStatus.OPEN:
-            raise PreconditionError(f"session {f.session_id} is closed", reason="SESSION_CLOSED")
-        raise PreconditionError(f"session {f.session_id} advanced to turn {row.turn_count} meanwhile")
-
     def _finish(
         self, f: TurnFacts, turn_id: int | None, output: list[int], persisted: bool, outcome, **t: float
     ) -> None:
-        """The turn's one registry transaction: the finished turn row (inserted, or the reserved row
-        closed), the session's new length and model, the segment links of what the store holds durably,
-        and the store's audit records of this turn's write, mirrored into the tenant's chain. Core
-        statements (driver statements on SQLite, run on a Connection without an ORM Session). The audit
-        records are acknowledged to the store after the commit, or handed back to it when the
-        transaction fails.
+        """The turn's one registry transaction (orchestrator/registry_writer/finish.py): the finished
+        turn row (inserted, or the reserved row closed), the session's new length and model, the segment
+        links of what the store holds durably, and the store's audit records of this turn's write,
+        mirrored into the tenant's chain. On SQLite it runs in the registry writer process when there is
+        one, else on a Connection of `ctx.writer` (driver statements, no ORM Session). The audit records
+        are acknowledged to the store after the commit, or handed back to it when the transaction fails.
 
         Raises:
             PreconditionError: the session was deleted, closed or advanced during the turn.
+            RegistryWriterError: the registry writer process died.
         """
         plan = f.plan
         claimed = list(outcome.audit) if outcome is not None else []
@@ -636,52 +587,40 @@ class TurnEngine:
             "grown": len(f.new_tokens) + len(output),
             "new_model": plan.model,
         }
+        new_turn = None
         if turn_id is None:
             advance.update(open=SessionStatus.OPEN, at=f.turn_count)
             new_turn = {"index": f.turn_count, **_turn_row(f), **values}
-
+        req = FinishRequest(
+            session_id=f.session_id,
+            tenant_id=f.tenant_id,
+            advance=advance,
+            new_turn=new_turn,
+            turn_id=turn_id,
+            done=values,
+            segments=list(outcome.segments) if outcome is not None and outcome.persisted else None,
+            fingerprint=f.served.fingerprint_hex,
+            claimed=claimed,
+            node=self._ctx.node,
+        )
         driver = self._driver_finish if turn_id is None else None
-
-        def work(conn: Any, s: Any) -> None:
-            # The session moves on in one guarded statement (no read first); when it matches nothing, a
-            # read says why (the rare path).
-            if driver is not None:
-                # SQLite (no reservation): the same two statements through the driver (`DriverDML`)
-                raw = conn.connection.driver_connection
-                if driver.advance_open_at.execute(raw, advance) != 1:
-                    self._why_not_advanced(conn, f)
-                driver.add_turn(new_turn).execute(raw, new_turn)
-            else:
-                moved = conn.execute(_FINISH.advance_open_at if turn_id is None else _FINISH.advance, advance)
-                if moved.rowcount != 1:
-                    self._why_not_advanced(conn, f)
-            if turn_id is None:
-                if driver is None:
-                    conn.execute(_FINISH.add_turn, new_turn)
-            else:
-                done = conn.execute(
-                    _FINISH.close_turn, {"turn_id": turn_id, "running": TurnStatus.RUNNING, **values}
-                )
-                if done.rowcount != 1:
-                    raise PreconditionError(f"session {f.session_id} was deleted during its turn")
-            dropped: list[bytes] = []
-            if outcome is not None and outcome.persisted:
-                dropped = link_segments(s, f.session_id, f.served.fingerprint_hex, outcome.segments)
-            if claimed:
-                self._ctx.audit.mirror_in(s, claimed)
-                # An eviction this put made names chunks other rows point at: they go with it. The
-                # superseded tail's rows link_segments just deleted are not looked for again.
-                forget_gone_chunks(s, node=self._ctx.node, records=claimed, deleted=dropped)
-
+        audit = self._ctx.audit
         try:
             # One transaction per finish. A SQLite group commit (savepoint per finish, one COMMIT; commit
             # 1c82e3a, then removed) cut commits per turn to 0.23 at 64 sessions but
             # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
             if driver is not None and self.finish_on_connection:
-                # Every statement is Core or driver SQL: the same transaction without an ORM Session
-                run_serializable_connection(self._ctx.writer, lambda conn: work(conn, conn))
+                if self.registry_writer is not None:
+                    self.registry_writer.finish(req)
+                else:
+                    # Every statement is Core or driver SQL: the same transaction without an ORM Session
+                    run_serializable_connection(
+                        self._ctx.writer, lambda conn: write_finish(conn, conn, req, audit, driver)
+                    )
             else:
-                run_serializable(self._ctx.serializable, lambda s: work(s.connection(), s))
+                run_serializable(
+                    self._ctx.serializable, lambda s: write_finish(s.connection(), s, req, audit, driver)
+                )
         except BaseException:
             self.store.release_audit(claimed)
             raise

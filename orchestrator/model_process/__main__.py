@@ -3,30 +3,19 @@ stdin and ends when stdin closes (the parent exited or was killed)."""
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 
+from orchestrator.child_process import lifeline, read_config
 from orchestrator.cpu_split import pin_process
-from orchestrator.model_process.wire import loads
 from orchestrator.model_process.worker import WorkerConfig, serve_forever
 
 
-def _watch_parent() -> None:
-    try:
-        while sys.stdin.buffer.read(1 << 16):
-            pass
-    finally:
-        os._exit(0)
-
-
 def main() -> int:
-    line = sys.stdin.buffer.readline()
-    config: WorkerConfig = loads(bytes.fromhex(line.decode().strip()))
+    config: WorkerConfig = read_config()
     if config.cpus:
         # before the models load and torch starts its threads (each inherits its creator's CPUs)
         pin_process(config.cpus)
-    threading.Thread(target=_watch_parent, name="kvresume-model-lifeline", daemon=True).start()
+    lifeline("kvresume-model-lifeline")
     serve_forever(config)
     return 0
 

@@ -21,28 +21,23 @@ from __future__ import annotations
 
 import collections
 import os
-import queue
-import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from model import PassOutput
+from orchestrator.child_process import ChildProcess
 from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, unpack_logits
 from orchestrator.model_process.worker import WorkerConfig
 
 __all__ = ["ModelProcessError", "ProcessCompute", "RemoteKept", "RemoteState"]
 
 log = structlog.get_logger(__name__)
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ModelProcessError(RuntimeError):
@@ -118,90 +113,26 @@ class _PendingRestore:
     tokens: tuple[int, ...]
 
 
-class _Process:
-    """One model process and its connections."""
+class _Process(ChildProcess):
+    """One model process and its connections (orchestrator/child_process.py), with its generation and the
+    models whose fingerprint it was checked for."""
 
     def __init__(self, config: WorkerConfig, generation: int, connections: int, python: str,
                  start_timeout_s: float) -> None:  # fmt: skip
         self.generation = generation
-        self.dead = False
-        # models whose fingerprint this process was checked for
         self.checked: set[str] = set()
-        self._config = config
-        self._max = connections
-        self._made = 0
-        # None: the process is dead (put by `kill`, so that waiting callers wake)
-        self._idle: queue.LifoQueue[Connection | None] = queue.LifoQueue()
-        self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [python, "-m", "orchestrator.model_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_REPO_ROOT, env=os.environ.copy(),
-        )  # fmt: skip
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(dumps(config).hex().encode() + b"\n")
-        self.proc.stdin.flush()
-        ready: queue.Queue[bytes] = queue.Queue()
-        threading.Thread(target=lambda: ready.put(self.proc.stdout.readline()), daemon=True).start()  # type: ignore[union-attr]
-        try:
-            line = ready.get(timeout=start_timeout_s).decode(errors="replace").strip()
-        except queue.Empty:
-            line = ""
-        if not line.startswith("ready "):
-            self.kill()
-            raise ModelProcessError(
-                f"the model process did not start (exit code {self.proc.poll()}, said {line[:200]!r}); "
-                "its stderr is this process's"
-            )
-        self.address = line.removeprefix("ready ")
+        super().__init__(
+            "orchestrator.model_process",
+            config,
+            connections=connections,
+            python=python,
+            start_timeout_s=start_timeout_s,
+            error=ModelProcessError,
+            what="the model process",
+        )
 
-    def checkout(self) -> Connection:
-        """An idle connection, a new one while fewer than `connections` exist, else the next one given
-        back. Raises ModelProcessError once the process is dead (waiters are woken by `kill`)."""
-        if self.dead:
-            raise ModelProcessError("the model process ended; its states are lost")
-        try:
-            conn = self._idle.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                make = self._made < self._max
-                if make:
-                    self._made += 1
-            if make:
-                try:
-                    return Client(self.address, family="AF_UNIX", authkey=self._config.authkey)
-                except (OSError, EOFError) as exc:
-                    with self._lock:
-                        self._made -= 1
-                    raise ModelProcessError(f"cannot reach the model process: {exc}") from exc
-            conn = self._idle.get()
-        if conn is None:  # kill's wake-up: pass it on to the next waiter
-            self._idle.put(None)
-            raise ModelProcessError("the model process ended; its states are lost")
-        return conn
-
-    def checkin(self, conn: Connection) -> None:
-        self._idle.put(conn)
-
-    def kill(self) -> None:
-        self.dead = True
-        if self.proc.stdin is not None:
-            try:
-                self.proc.stdin.close()  # the model process's lifeline: it exits on its own
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        while True:
-            try:
-                conn = self._idle.get_nowait()
-            except queue.Empty:
-                break
-            if conn is not None:
-                conn.close()
-        self._idle.put(None)
+    def ended(self) -> Exception:
+        return ModelProcessError("the model process ended; its states are lost")
 
 
 class ProcessCompute:

@@ -10,24 +10,15 @@ exception object when it pickles and unpickles, else as a RuntimeError naming it
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from orchestrator.child_process import Reply, dumps, loads, pack_error
+
 __all__ = ["Reply", "WireOutput", "dumps", "loads", "pack_error", "pack_logits", "unpack_logits"]
-
-PROTOCOL = 5
-
-
-def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)
 
 
 def pack_logits(logits: torch.Tensor | None) -> np.ndarray | None:
@@ -52,21 +43,3 @@ class WireOutput:
     n_tokens: int
     logits: np.ndarray | None
     stats: Any
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One call's answer: `value` when `error` is None."""
-
-    value: Any = None
-    error: BaseException | None = None
-
-
-def pack_error(exc: BaseException) -> BaseException:
-    """`exc` when it survives a pickle round trip (ValueError, model.CacheFormatError, ...), else a
-    RuntimeError that names it."""
-    try:
-        loads(dumps(exc))
-    except Exception:  # noqa: BLE001 - any failure to cross means: send a plain description
-        return RuntimeError(f"model process: {type(exc).__name__}: {exc}")
-    return exc

@@ -7,12 +7,9 @@ Measured before it existed (AMD EPYC Zen 4, 2 cores, 64 sessions of v41-sib-s, i
 loop was busy 98% of the run's wall time but ran on the CPU only 67% of it; the rest it waited for the
 GIL after each op while the turn threads ran (a GIL convoy), so steps took 1.5x their CPU time.
 
-Start-up: the parent writes one line to stdin, the hex of a pickled `WorkerConfig`, and keeps stdin open:
-its end (the parent exited, or was killed) ends this process at once, so no orphan keeps running. This
-process answers with one stdout line, `ready <socket path>`, and then accepts connections on that
-AF_UNIX socket (authenticated with the config's key), one thread per connection. Each call on a
-connection is one request `(op, args, frees)` and one `wire.Reply`; `frees` are ids of states the
-parent no longer holds.
+Start-up and connections as orchestrator/child_process.py has them (a config line on stdin, whose end
+ends this process; a ready line; one thread per AF_UNIX connection). Each call on a connection is one
+request `(op, args, frees)` and one `wire.Reply`; `frees` are ids of states the parent no longer holds.
 
 States are kept by id; a forward pass updates its input state in place (model.PassOutput), so its output
 keeps the input's id, and a pass that starts from nothing gets a new one.
@@ -26,9 +23,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
+from orchestrator.child_process import serve_connections
 from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, pack_error, pack_logits
 
 __all__ = ["WorkerConfig", "serve_forever"]
@@ -267,7 +265,7 @@ class _Worker:
                     reply = Reply(value=handler(*args))
                     self._account(op, time.thread_time() - c0, time.perf_counter() - w0)
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-                    reply = Reply(error=pack_error(exc))
+                    reply = Reply(error=pack_error(exc, "model process"))
                 try:
                     conn.send_bytes(dumps(reply))
                 except (EOFError, OSError):
@@ -277,11 +275,4 @@ class _Worker:
 def serve_forever(config: WorkerConfig) -> None:
     """Load the models, print the ready line, and serve connections until the process ends."""
     worker = _Worker(config)
-    listener = Listener(family="AF_UNIX", authkey=config.authkey)
-    print(f"ready {listener.address}", flush=True)
-    while True:
-        try:
-            conn = listener.accept()
-        except Exception:  # noqa: BLE001 - a client that failed authentication, or went away at once
-            continue
-        threading.Thread(target=worker.serve, args=(conn,), name="kvresume-model-conn", daemon=True).start()
+    serve_connections(config.authkey, worker.serve, "kvresume-model-conn")

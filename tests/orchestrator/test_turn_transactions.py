@@ -43,11 +43,13 @@ class Probe:
             self.under_lock.append(statement.split("\n")[0][:80])
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", "sqlite-inline", "postgres"])
 def node(request, tmp_path: Path):
     torch.set_num_threads(1)
     url = request.getfixturevalue("postgres_url") if request.param == "postgres" else None
-    n = start_node(tmp_path, registry(), database_url=url)
+    # SQLite's finishes run in the registry writer process by default; "inline" in the turn's thread
+    writer = "inline" if request.param == "sqlite-inline" else "process"
+    n = start_node(tmp_path, registry(), database_url=url, registry_writer=writer)
     yield n
     n.stop()
 
@@ -57,17 +59,22 @@ def test_one_write_transaction_and_one_sync_per_turn(node) -> None:
     sqlite = ctx.engine.dialect.name == "sqlite"
     probe = Probe(store)
     probe.attach(ctx.engine)
+    writer = node.service.engine.registry_writer
+    # the transactions the registry writer process committed (there is one on a SQLite file by default)
+    elsewhere = (lambda: writer.stats()["finishes"]) if writer is not None else (lambda: 0)
     sid = node.sessions.CreateSession(
         node.pb.sessions.CreateSessionRequest(model="a"), metadata=md()
     ).session.session_id
     run_turn(node, sid, _ids(1, 40))
     for i in range(3):
-        commits, batches, syncs = probe.commits, store.batches_written, store.wal_syncs
+        commits, finishes, batches, syncs = probe.commits, elsewhere(), store.batches_written, store.wal_syncs
         sql_head = ctx.audit.chain_head("acme")[0]
         result = run_turn(node, sid, _ids(2 + i, 9))
         assert result.stats.persisted
-        # SQLite: the turn's one transaction; PostgreSQL: a reservation (replicas race) and the finish.
-        assert probe.commits - commits == (1 if sqlite else 2)
+        # SQLite: the turn's one transaction (in the writer process, or here when inline); PostgreSQL: a
+        # reservation (replicas race) and the finish.
+        assert probe.commits - commits + elsewhere() - finishes == (1 if sqlite else 2)
+        assert elsewhere() - finishes == (1 if writer is not None else 0)
         # The turn's chunks in one batch, the superseded tail in a second, one WAL sync for both.
         assert store.batches_written - batches <= 2 and store.wal_syncs - syncs == 1
         # The turn's store records (new chunks, the superseded tail) went into that same transaction.

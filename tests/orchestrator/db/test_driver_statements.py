@@ -15,7 +15,7 @@ from orchestrator.db import DriverDML, make_engine, run_serializable, serializab
 from orchestrator.db.audit_sink import _HEAD, _HEAD_MOVE_IF, _LOG, _LOG_ADD, _ROW_KEYS
 from orchestrator.db.models import SessionRow, SessionStatus, TurnRow, TurnStatus
 from orchestrator.db.repositories.driver_select import DriverSelect
-from orchestrator.engine.turn_engine import _FINISH
+from orchestrator.registry_writer.finish import _FINISH
 
 
 def _fill(conn, rng: random.Random) -> list[str]:

@@ -1,8 +1,9 @@
-"""TurnEngine._finish on a Core Connection (`run_serializable_connection`, SQLite's path) against its
-twin, the same statements in an ORM Session (`run_serializable`): two nodes with the same tenant salts
-(registry and store) and session ids run the same random turns (new sessions, growing histories that
-supersede tail chunks, a session closed before its turn), one each way, and their registries are read
-whole."""
+"""TurnEngine._finish in the registry writer process (SQLite's default, orchestrator/registry_writer/) and
+on a Core Connection in the turn's thread (`run_serializable_connection`, `registry_writer = "inline"`)
+against their twin, the same statements in an ORM Session (`run_serializable`): three nodes with the
+same tenant salts (registry and store) and session ids run the same random turns (new sessions, growing
+histories that supersede tail chunks, a session closed before its turn), one each way, and their
+registries are read whole."""
 
 from __future__ import annotations
 
@@ -74,13 +75,14 @@ def twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(kv_store_module, "secrets", SimpleNamespace(token_bytes=lambda n: salt[:n]))
     nodes = {}
-    for name in ("connection", "session"):
-        node = start_node(tmp_path / name, registry())
-        node.service.engine.finish_on_connection = name == "connection"
-        # the same tenant salt on both nodes: the same store keys and audit subjects
+    for name in ("process", "connection", "session"):
+        writer = "process" if name == "process" else "inline"
+        node = start_node(tmp_path / name, registry(), registry_writer=writer)
+        node.service.engine.finish_on_connection = name != "session"
+        # the same tenant salt on every node: the same store keys and audit subjects
         run_serializable(node.service.ctx.serializable, lambda s: s.add(Tenant(id="acme", salt=salt)))
         nodes[name] = node
-    # how many finishes each way ran (both nodes share the module)
+    # how many finishes ran on a Connection in this process (the nodes share the module)
     import orchestrator.engine.turn_engine as turn_engine_module
 
     ran = {"connection": 0}
@@ -96,7 +98,7 @@ def twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         node.stop()
 
 
-def test_finish_on_connection_writes_what_the_session_path_writes(twins) -> None:
+def test_finish_in_the_writer_process_and_on_connection_write_what_the_session_path_writes(twins) -> None:
     nodes, current, ran = twins
     rng = random.Random(secrets.randbits(64))
     script: list[tuple[str, int, list[int]]] = []
@@ -131,13 +133,16 @@ def test_finish_on_connection_writes_what_the_session_path_writes(twins) -> None
                 except grpc.RpcError as exc:
                     seen.append(exc.code())
         outcomes[name] = seen
-    assert outcomes["connection"] == outcomes["session"]
+    assert outcomes["process"] == outcomes["connection"] == outcomes["session"]
     finished = sum(isinstance(o, tuple) for o in outcomes["connection"])
     assert finished, "no turn ran"
-    # every finish of the connection node went that way, none of the session node's
+    # every finish of the connection node went that way, none of the session node's; every finish of
+    # the process node ran in its writer process
     assert ran["connection"] == finished
-    fast, twin = _dump(nodes["connection"]), _dump(nodes["session"])
-    assert fast == twin
-    assert fast["audit_log"] and fast["session_segments"], "the script stored nothing"
+    assert nodes["process"].service.engine.registry_writer.stats()["finishes"] == finished
+    twin = _dump(nodes["session"])
+    for name in ("process", "connection"):
+        assert _dump(nodes[name]) == twin, name
+    assert twin["audit_log"] and twin["session_segments"], "the script stored nothing"
     for node in nodes.values():
         assert node.service.ctx.audit.verify().ok

@@ -1,0 +1,132 @@
+"""The registry writer process (orchestrator/registry_writer/): a node on a SQLite file runs its turns'
+finishes there; its errors cross back as themselves; a process killed while idle is replaced unseen;
+one killed during a finish fails that turn as UNAVAILABLE with nothing of it kept, and the session goes
+on. (Its rows equal the in-thread finish's: tests/orchestrator/engine/test_finish_on_connection.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.api import PreconditionError
+from orchestrator.registry_writer import FinishRequest, RegistryWriter
+from orchestrator.settings import Settings
+from tests.orchestrator.engine.node_harness import new_session, registry, run_turn, start_node
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(16, 512, (n,), generator=g).tolist()
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    torch.set_num_threads(1)
+    n = start_node(tmp_path, registry())
+    yield n
+    n.stop()
+
+
+def _session_row(node, sid: str) -> tuple[int, int]:
+    from sqlalchemy import select
+
+    from orchestrator.db.models import SessionRow
+
+    with node.service.ctx.sessions() as s:
+        cols = select(SessionRow.turn_count, SessionRow.history_tokens)
+        row = s.execute(cols.where(SessionRow.id == sid)).one()
+    return row.turn_count, row.history_tokens
+
+
+def _kill(writer: RegistryWriter) -> None:
+    proc = writer._proc
+    assert proc is not None
+    os.kill(proc.proc.pid, signal.SIGKILL)
+    proc.proc.wait(timeout=10)
+
+
+def test_the_finish_runs_in_the_writer_process_and_its_errors_come_back(node, tmp_path: Path) -> None:
+    writer = node.service.engine.registry_writer
+    assert writer is not None, "a SQLite file registry gets a registry writer process by default"
+    sid = new_session(node, "a")
+    for i in range(3):
+        assert run_turn(node, sid, _ids(i, 20)).stats.persisted
+    assert writer.stats()["finishes"] == 3
+    assert _session_row(node, sid)[0] == 3
+    # a finish for a session that is not there: the process's PreconditionError, raised here
+    req = FinishRequest(
+        session_id="0" * 32, tenant_id="acme", advance={"sid": "0" * 32, "tid": "acme", "next": 1, "grown": 1,
+        "new_model": "a", "open": "OPEN", "at": 0}, new_turn=None, turn_id=None, done={}, segments=None,
+        fingerprint="f", claimed=[], node="n",
+    )  # fmt: skip
+    with pytest.raises(PreconditionError, match="deleted during its turn"):
+        writer.finish(req)
+    assert node.service.ctx.audit.verify().ok
+
+
+def test_a_writer_killed_while_idle_is_replaced_without_a_failed_turn(node) -> None:
+    writer = node.service.engine.registry_writer
+    sid = new_session(node, "a")
+    run_turn(node, sid, _ids(1, 20))
+    starts = writer.starts
+    _kill(writer)
+    assert run_turn(node, sid, _ids(2, 20)).stats.persisted
+    assert writer.starts == starts + 1
+    assert _session_row(node, sid)[0] == 2
+
+
+def test_a_writer_killed_during_a_finish_fails_that_turn_and_keeps_nothing_of_it(node) -> None:
+    writer = node.service.engine.registry_writer
+    sid = new_session(node, "a")
+    run_turn(node, sid, _ids(1, 40))
+    before = _session_row(node, sid)
+    pid = writer._proc.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # the next finish is sent and waits for its answer
+    failed: list[grpc.RpcError] = []
+
+    def turn() -> None:
+        try:
+            run_turn(node, sid, _ids(2, 20))
+        except grpc.RpcError as exc:
+            failed.append(exc)
+
+    th = threading.Thread(target=turn)
+    th.start()
+    deadline = time.monotonic() + 30
+    while node.service.store.audit_acked_seq == node.service.store.audit.head()[0]:
+        # the turn wrote its chunks (their records not acknowledged yet) and is waiting for its finish
+        assert time.monotonic() < deadline, "the turn never reached its finish"
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    th.join(timeout=30)
+    assert failed and failed[0].code() == grpc.StatusCode.UNAVAILABLE, failed
+    assert "registry writer" in failed[0].details()
+    # nothing of the failed turn is in the registry; the session goes on from where it was
+    assert _session_row(node, sid) == before
+    assert run_turn(node, sid, _ids(3, 20)).stats.persisted
+    assert _session_row(node, sid)[0] == before[0] + 1
+    # the failed turn's store records went back to the store, which mirrors them itself
+    deadline = time.monotonic() + 30
+    while node.service.store.audit_acked_seq != node.service.store.audit.head()[0]:
+        assert time.monotonic() < deadline, "the store's records were never mirrored"
+        time.sleep(0.05)
+    assert node.service.ctx.audit.verify().ok
+
+
+def test_postgres_and_inline_settings_get_no_writer_process(tmp_path: Path) -> None:
+    n = start_node(tmp_path, registry(), registry_writer="inline")
+    try:
+        assert n.service.engine.registry_writer is None
+        assert run_turn(n, new_session(n, "a"), _ids(1, 20)).stats.persisted
+    finally:
+        n.stop()
+    with pytest.raises(ValueError, match="registry_writer='thread' must be 'inline' or 'process'"):
+        Settings(registry_writer="thread")
