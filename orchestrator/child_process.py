@@ -31,6 +31,7 @@ __all__ = [
     "loads",
     "pack_error",
     "read_config",
+    "serve_calls",
     "serve_connections",
 ]
 
@@ -191,6 +192,25 @@ def lifeline(name: str) -> None:
             os._exit(0)
 
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def serve_calls(conn: Connection, call: Callable[[Any], Any], where: str) -> None:
+    """Answer the calls on `conn` until the parent closes it: each request is unpickled and given to
+    `call`, and its value, or the error it raised (`pack_error`), goes back as one `Reply`."""
+    with conn:
+        while True:
+            try:
+                request = conn.recv_bytes()
+            except (EOFError, OSError):
+                return  # the parent closed this connection
+            try:
+                reply = Reply(value=call(loads(request)))
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+                reply = Reply(error=pack_error(exc, where))
+            try:
+                conn.send_bytes(dumps(reply))
+            except (EOFError, OSError):
+                return
 
 
 def serve_connections(authkey: bytes, serve: Callable[[Connection], None], name: str) -> None:

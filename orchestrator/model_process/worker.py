@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from orchestrator.child_process import serve_connections
-from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, pack_error, pack_logits
+from orchestrator.child_process import serve_calls, serve_connections
+from orchestrator.model_process.wire import WireOutput, pack_logits
 
 __all__ = ["WorkerConfig", "serve_forever"]
 
@@ -245,31 +245,24 @@ class _Worker:
 
     # -- serving --------------------------------------------------------------------------------------
 
+    def call(self, request: tuple[str, tuple[Any, ...], Sequence[int]]) -> Any:
+        """One call `(op, args, frees)`: frees the states named, then runs `op_<op>(*args)`."""
+        op, args, frees = request
+        if frees:
+            self.free(frees)
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            raise ValueError(f"model process: unknown operation {op!r}")
+        c0, w0 = time.thread_time(), time.perf_counter()
+        value = handler(*args)
+        self._account(op, time.thread_time() - c0, time.perf_counter() - w0)
+        return value
+
     def serve(self, conn: Connection) -> None:
         import torch
 
-        with conn, torch.inference_mode():
-            while True:
-                try:
-                    request = conn.recv_bytes()
-                except (EOFError, OSError):
-                    return  # the parent closed this connection
-                try:
-                    op, args, frees = loads(request)
-                    if frees:
-                        self.free(frees)
-                    handler = getattr(self, f"op_{op}", None)
-                    if handler is None:
-                        raise ValueError(f"model process: unknown operation {op!r}")
-                    c0, w0 = time.thread_time(), time.perf_counter()
-                    reply = Reply(value=handler(*args))
-                    self._account(op, time.thread_time() - c0, time.perf_counter() - w0)
-                except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-                    reply = Reply(error=pack_error(exc, "model process"))
-                try:
-                    conn.send_bytes(dumps(reply))
-                except (EOFError, OSError):
-                    return
+        with torch.inference_mode():
+            serve_calls(conn, self.call, "model process")
 
 
 def serve_forever(config: WorkerConfig) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from orchestrator.child_process import Reply, dumps, loads, pack_error, serve_connections
+from orchestrator.child_process import serve_calls, serve_connections
 from orchestrator.db import SqlAuditSink, make_engine, run_serializable_connection, serializable_engine
 from orchestrator.registry_writer.finish import DriverFinish, FinishRequest, write_finish
 
@@ -70,25 +70,15 @@ class _Writer:
             "process_cpu_s": t.user + t.system,
         }
 
+    def call(self, request: tuple[str, tuple[Any, ...]]) -> Any:
+        op, args = request
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            raise ValueError(f"registry writer: unknown operation {op!r}")
+        return handler(*args)
+
     def serve(self, conn: Connection) -> None:
-        with conn:
-            while True:
-                try:
-                    request = conn.recv_bytes()
-                except (EOFError, OSError):
-                    return  # the parent closed this connection
-                try:
-                    op, args = loads(request)
-                    handler = getattr(self, f"op_{op}", None)
-                    if handler is None:
-                        raise ValueError(f"registry writer: unknown operation {op!r}")
-                    reply = Reply(value=handler(*args))
-                except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-                    reply = Reply(error=pack_error(exc, "registry writer"))
-                try:
-                    conn.send_bytes(dumps(reply))
-                except (EOFError, OSError):
-                    return
+        serve_calls(conn, self.call, "registry writer")
 
 
 def serve_forever(config: WriterConfig) -> None:
