@@ -86,6 +86,11 @@ class RunningTurns:
             if self._by_request.get(key) is handle:
                 del self._by_request[key]
 
+    def count(self) -> int:
+        """How many turns run now."""
+        with self._lock:
+            return len(self._by_session)
+
     def find(self, *, tenant_id: str, session_id: str = "", request_id: str = "") -> TurnHandle | None:
         """The running turn of this tenant with this session and/or request id (both must match when
         both are given); None when none runs."""

@@ -1,7 +1,8 @@
 """The registry writer process (orchestrator/registry_writer/): a node on a SQLite file runs its turns'
-finishes there; its errors cross back as themselves; a process killed while idle is replaced unseen;
-one killed during a finish fails that turn as UNAVAILABLE with nothing of it kept, and the session goes
-on. (Its rows equal the in-thread finish's: tests/orchestrator/engine/test_finish_on_connection.py.)"""
+finishes there while several turns run, a lone turn's in its own thread; its errors cross back as
+themselves; a process killed while idle is replaced unseen; one killed during a finish fails that turn
+as UNAVAILABLE with nothing of it kept, and the session goes on. (Its rows equal the in-thread
+finish's: tests/orchestrator/engine/test_finish_on_connection.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def _ids(seed: int, n: int) -> list[int]:
 def node(tmp_path: Path):
     torch.set_num_threads(1)
     n = start_node(tmp_path, registry())
+    # every finish in the writer process (by default a lone turn's runs in its own thread)
+    n.service.engine.writer_from_running = 1
     yield n
     n.stop()
 
@@ -118,6 +121,41 @@ def test_a_writer_killed_during_a_finish_fails_that_turn_and_keeps_nothing_of_it
     while node.service.store.audit_acked_seq != node.service.store.audit.head()[0]:
         assert time.monotonic() < deadline, "the store's records were never mirrored"
         time.sleep(0.05)
+    assert node.service.ctx.audit.verify().ok
+
+
+def test_a_lone_turn_finishes_in_its_thread_and_concurrent_turns_in_the_writer(node) -> None:
+    engine = node.service.engine
+    writer = engine.registry_writer
+    engine.writer_from_running = 2  # the default
+    sids = [new_session(node, "a") for _ in range(4)]
+    run_turn(node, sids[0], _ids(1, 20))
+    assert writer.stats()["finishes"] == 0, "a lone turn's finish went to the writer process"
+    # four turns at once: while more than one runs, their finishes go to the writer process
+    gate = threading.Barrier(4)
+    real = engine._finish
+
+    def finish_together(*args, **kwargs):
+        gate.wait(timeout=30)  # every turn is running when the first one finishes
+        return real(*args, **kwargs)
+
+    engine._finish = finish_together
+    errors: list[BaseException] = []
+
+    def turn(sid: str, seed: int) -> None:
+        try:
+            run_turn(node, sid, _ids(seed, 20))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=turn, args=(sid, 10 + k)) for k, sid in enumerate(sids)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors, errors
+    assert writer.stats()["finishes"] >= 2
+    assert [_session_row(node, sid)[0] for sid in sids] == [2, 1, 1, 1]
     assert node.service.ctx.audit.verify().ok
 
 
