@@ -33,10 +33,13 @@ does (`keep_decoded`), so its full hits are served from kept state with their ch
 the real model's are (until session 16 the stand-in kept nothing, and every full hit read and verified
 its chunks: a path the real model takes only when its memo misses). Overhead = client-observed wall
 time of a whole turn (request to the stats event), excluding each session's first turn (the cold
-prefill). At one session, eight sessions run one after another (`SEQUENTIAL_SESSIONS_C1`), so that
-its p50 has as many samples as the 8-session sweep's. Reported as p50/p99 ms, with the process's CPU
-time per turn of the sweep (`cpu_ms_per_turn`: server, the in-process clients and gRPC's threads
-together, cold turns included) and the registry's and store's work per turn.
+prefill). At 8 and 64 sessions every session is created and makes its first turn before the measured
+turns start together, and turns/s is the measured turns over their own wall time (`setup_s` before it;
+`turns_per_s_with_setup` counts that wall too, as turns/s did until session 24). At one session, eight
+sessions run one after another (`SEQUENTIAL_SESSIONS_C1`), so that its p50 has as many samples as the
+8-session sweep's. Reported as p50/p99 ms, with the process's CPU time per turn of the sweep
+(`cpu_ms_per_turn`: server, the in-process clients and gRPC's threads together, cold turns included)
+and the registry's and store's work per turn (commits of the registry writer process included).
 (2) Real seeded random-init model (v41-tiny stand-in of the sibling family, torch CPU, 1 thread): a
 first prompt of 400 tokens, then tool results and user turns of 30-90 tokens, 4 generated tokens per
 turn, and an idle gap (pool TTL passes) before one turn. kvresume TTFT = the engine's time from turn
