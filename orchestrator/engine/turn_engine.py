@@ -322,15 +322,8 @@ class TurnEngine:
             last = end >= len(prompt)
             # another chunk follows at once; after the last one the chain queues the first decode
             got = yield from await_pass(
-                self.scheduler.submit_prefill(
-                    served,
-                    chunk,
-                    state,
-                    prompt_end=len(prompt),
-                    owner=owner,
-                    follow_up=not last,
-                    chain=chain if last else None,
-                )  # fmt: skip
+                self.scheduler.submit_prefill(served, chunk, state, prompt_end=len(prompt), owner=owner,
+                                              follow_up=not last, chain=chain if last else None)  # fmt: skip
             )
             out = got.output if last else got
             state = out.state
