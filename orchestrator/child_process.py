@@ -214,9 +214,14 @@ def serve_calls(conn: Connection, call: Callable[[Any], Any], where: str) -> Non
 
 
 def serve_connections(authkey: bytes, serve: Callable[[Connection], None], name: str) -> None:
-    """Print the ready line and serve each accepted connection in a thread of its own, for ever."""
+    """Print the ready line and serve each accepted connection in a thread of its own, for ever.
+
+    After the ready line this process's stdout is its stderr (the parent's): the parent reads only that
+    one line from the pipe, so anything printed there later (a log line) would fill it and then block.
+    """
     listener = Listener(family="AF_UNIX", authkey=authkey)
     print(f"ready {listener.address}", flush=True)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     while True:
         try:
             conn = listener.accept()

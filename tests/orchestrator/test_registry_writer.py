@@ -74,6 +74,16 @@ def test_the_finish_runs_in_the_writer_process_and_its_errors_come_back(node, tm
     assert node.service.ctx.audit.verify().ok
 
 
+def test_the_writer_process_writes_its_output_to_the_services_stderr(node) -> None:
+    # its stdout is a pipe the parent reads one line from: a log line after it must not go there, where
+    # enough of them would block the process
+    writer = node.service.engine.registry_writer
+    sid = new_session(node, "a")
+    run_turn(node, sid, _ids(1, 20))  # the process is up
+    pid = writer._proc.proc.pid
+    assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2")
+
+
 def test_a_writer_killed_while_idle_is_replaced_without_a_failed_turn(node) -> None:
     writer = node.service.engine.registry_writer
     sid = new_session(node, "a")
