@@ -47,12 +47,21 @@ class _Writer:
         self._lock = threading.Lock()
         # [finishes, thread CPU seconds, wall seconds]
         self._times = [0, 0.0, 0.0]
+        # the service that started this process (a finish commits only while it lives)
+        self.parent = os.getppid()
+
+    def _write(self, conn: Any, req: FinishRequest) -> None:
+        write_finish(conn, conn, req, self._audit, self._driver)
+        # Checked just before the COMMIT: a service killed while its finish ran here never hears of it, so
+        # the finish rolls back, as it would have in the service's own thread. Without this a kill -9 of
+        # the service left the finishes in flight here to commit (the lifeline ends this process a few
+        # milliseconds later): turns whose end no client saw.
+        if os.getppid() != self.parent:
+            raise RuntimeError("registry writer: the service that asked for this finish has ended")
 
     def op_finish(self, req: FinishRequest) -> None:
         c0, w0 = time.thread_time(), time.perf_counter()
-        run_serializable_connection(
-            self._writer, lambda conn: write_finish(conn, conn, req, self._audit, self._driver)
-        )
+        run_serializable_connection(self._writer, lambda conn: self._write(conn, req))
         with self._lock:
             self._times[0] += 1
             self._times[1] += time.thread_time() - c0

@@ -6,6 +6,7 @@ finish's: tests/orchestrator/engine/test_finish_on_connection.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -82,6 +83,35 @@ def test_the_writer_process_writes_its_output_to_the_services_stderr(node) -> No
     run_turn(node, sid, _ids(1, 20))  # the process is up
     pid = writer._proc.proc.pid
     assert os.readlink(f"/proc/{pid}/fd/1") == os.readlink(f"/proc/{pid}/fd/2")
+
+
+def test_a_finish_rolls_back_once_the_service_that_asked_for_it_has_ended(node) -> None:
+    # a kill -9 of the service must not leave the writer to commit the finishes it had in flight
+    from orchestrator.registry_writer.worker import WriterConfig, _Writer
+
+    engine = node.service.engine
+    sid = new_session(node, "a")
+    run_turn(node, sid, _ids(1, 20))
+    asked: list[FinishRequest] = []
+
+    def keep(req: FinishRequest) -> None:
+        asked.append(req)
+        raise RuntimeError("not sent")
+
+    engine.registry_writer.finish = keep  # the turn's own request, not run
+    with pytest.raises(grpc.RpcError):
+        run_turn(node, sid, _ids(2, 20))
+    # its store records went back to the store, which mirrored them itself: the request without them
+    req = dataclasses.replace(asked[0], claimed=[])
+    before = _session_row(node, sid)
+    writer = _Writer(WriterConfig(database_url=node.service.ctx.settings.resolved_database_url, authkey=b"k"))
+    writer.parent = -1  # as seen once the service is gone: this process was handed to another parent
+    with pytest.raises(RuntimeError, match="has ended"):
+        writer.op_finish(req)
+    assert _session_row(node, sid) == before
+    writer.parent = os.getppid()
+    writer.op_finish(req)
+    assert _session_row(node, sid)[0] == before[0] + 1
 
 
 def test_a_writer_killed_while_idle_is_replaced_without_a_failed_turn(node) -> None:
