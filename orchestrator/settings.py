@@ -127,12 +127,14 @@ class Settings:
     # CPUs as Linux writes them ("3", "2-3"), the service keeping the others. Measured: 64 sessions on 2
     # CPUs, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
     model_process_cpus: str = "auto"
-    # Where a turn's registry transaction runs on a SQLite file registry: "process" (the registry writer
-    # process, orchestrator/registry_writer/: the transaction holds SQLite's one write lock, and in this
-    # process each of its statements waited for the GIL behind the turns' and gRPC's threads) or "inline"
-    # (in the turn's own thread). PostgreSQL and in-memory SQLite registries always run it inline. Same
-    # rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
-    registry_writer: str = "process"
+    # Where a turn's registry transaction runs on a SQLite file registry: "inline" (in the turn's own
+    # thread) or "process" (the registry writer process, orchestrator/registry_writer/, while two or more
+    # turns run: the transaction holds SQLite's one write lock, and in this process each of its statements
+    # waited for the GIL behind the turns' and gRPC's threads; 10-16% more no-op turns/s at 64 sessions).
+    # Not the default: the slow fifteen-kill chaos test fails with it (session 24, orchestrator/README.md,
+    # "The registry writer process"). PostgreSQL and in-memory SQLite registries always run it inline.
+    # Same rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
+    registry_writer: str = "inline"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64

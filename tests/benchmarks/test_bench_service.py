@@ -87,10 +87,9 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
         assert sweep["turns_measured"] == sweep["sessions"] * 2
         assert sweep["kept_state_hits_per_turn"] == pytest.approx(2 / 3)
         assert sweep["unread_chunk_hits_per_turn"] > 0
-        # one commit a turn and one a session (its creation), wherever the turn's finish ran: with
-        # several sessions at once the finishes run in the registry writer process
+        # one commit a turn and one a session (its creation), wherever the turn's finish ran (the
+        # registry writer process's commits counted too, when there is one)
         assert sweep["sql_commits_per_turn"] == pytest.approx(4 / 3)
         if sweep["concurrency"] > 1:
-            assert sweep["sql_commits_in_writer_process_per_turn"] > 0
             # the measured turns' own wall: the sessions' creation and first turns came before it
             assert sweep["setup_s"] > 0 and sweep["turns_per_s"] > sweep["turns_per_s_with_setup"]

@@ -31,7 +31,7 @@ def _ids(seed: int, n: int) -> list[int]:
 @pytest.fixture
 def node(tmp_path: Path):
     torch.set_num_threads(1)
-    n = start_node(tmp_path, registry())
+    n = start_node(tmp_path, registry(), registry_writer="process")
     # every finish in the writer process (by default a lone turn's runs in its own thread)
     n.service.engine.writer_from_running = 1
     yield n
@@ -58,7 +58,7 @@ def _kill(writer: RegistryWriter) -> None:
 
 def test_the_finish_runs_in_the_writer_process_and_its_errors_come_back(node, tmp_path: Path) -> None:
     writer = node.service.engine.registry_writer
-    assert writer is not None, "a SQLite file registry gets a registry writer process by default"
+    assert writer is not None, "a SQLite file registry with registry_writer = process gets a writer process"
     sid = new_session(node, "a")
     for i in range(3):
         assert run_turn(node, sid, _ids(i, 20)).stats.persisted
@@ -200,7 +200,8 @@ def test_a_lone_turn_finishes_in_its_thread_and_concurrent_turns_in_the_writer(n
 
 
 def test_postgres_and_inline_settings_get_no_writer_process(tmp_path: Path) -> None:
-    n = start_node(tmp_path, registry(), registry_writer="inline")
+    assert Settings().registry_writer == "inline"  # the default
+    n = start_node(tmp_path, registry())
     try:
         assert n.service.engine.registry_writer is None
         assert run_turn(n, new_session(n, "a"), _ids(1, 20)).stats.persisted
