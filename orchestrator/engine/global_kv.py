@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from orchestrator.db import DurableSegment, RetainedKeys, SegmentRepository
@@ -32,7 +31,6 @@ __all__ = [
     "PersistOutcome",
     "read_prefix",
     "persist_chunks",
-    "link_segments",
     "chunk_ranges",
     "encoded_ids",
 ]
@@ -435,11 +433,3 @@ def persist_chunks(
         persisted=True, note="", segments=segments, new_bytes=new_bytes, audit=tuple(claimed), chunks=digest
     )
 
-
-def link_segments(
-    s: Session | Connection, session_id: str, fingerprint: str, segments: Sequence[DurableSegment]
-) -> list[bytes]:
-    """Link the session to its current chunks of `fingerprint` and unlink the ones the store superseded
-    (a shorter tail), deleting rows no session links any more (a few Core statements, whatever the
-    number of segments). Returns the store keys of the rows deleted."""
-    return SegmentRepository(s).link_current(session_id, fingerprint, segments)
