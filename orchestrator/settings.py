@@ -131,10 +131,10 @@ class Settings:
     # thread) or "process" (the registry writer process, orchestrator/registry_writer/, while two or more
     # turns run: the transaction holds SQLite's one write lock, and in this process each of its statements
     # waited for the GIL behind the turns' and gRPC's threads; 10-16% more no-op turns/s at 64 sessions).
-    # Not the default: the slow fifteen-kill chaos test fails with it (session 24, orchestrator/README.md,
-    # "The registry writer process"). PostgreSQL and in-memory SQLite registries always run it inline.
-    # Same rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
-    registry_writer: str = "inline"
+    # The default again since session 25 (opt-in at the end of session 24 over a chaos test's oracle,
+    # orchestrator/README.md, "The registry writer process"). PostgreSQL and in-memory SQLite registries
+    # always run it inline. Same rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
+    registry_writer: str = "process"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64

@@ -58,7 +58,7 @@ def _kill(writer: RegistryWriter) -> None:
 
 def test_the_finish_runs_in_the_writer_process_and_its_errors_come_back(node, tmp_path: Path) -> None:
     writer = node.service.engine.registry_writer
-    assert writer is not None, "a SQLite file registry with registry_writer = process gets a writer process"
+    assert writer is not None, "a SQLite file registry gets a registry writer process by default"
     sid = new_session(node, "a")
     for i in range(3):
         assert run_turn(node, sid, _ids(i, 20)).stats.persisted
@@ -200,8 +200,8 @@ def test_a_lone_turn_finishes_in_its_thread_and_concurrent_turns_in_the_writer(n
 
 
 def test_postgres_and_inline_settings_get_no_writer_process(tmp_path: Path) -> None:
-    assert Settings().registry_writer == "inline"  # the default
-    n = start_node(tmp_path, registry())
+    assert Settings().registry_writer == "process"  # the default
+    n = start_node(tmp_path, registry(), registry_writer="inline")
     try:
         assert n.service.engine.registry_writer is None
         assert run_turn(n, new_session(n, "a"), _ids(1, 20)).stats.persisted
