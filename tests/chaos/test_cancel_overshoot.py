@@ -7,7 +7,10 @@ gRPC deadline passes (1 s) or the owner calls Abort after 1 s. The overshoot is 
 deadline (or the Abort's return) until the turn no longer runs in the server (its session's running-turn
 handle is gone, so a retry would be admitted). The target is one bounded step: a step of one budget of
 prefill tokens is timed in the same run, and the overshoot must stay within one step plus the turn's own
-unwind (about 0.5 s here). Figures go to the chaos report under `cancel_overshoot_<model>`.
+unwind (about 0.5 s here). The step is the larger of that timing and the longest step the scheduler
+reported while the stopped turn ran (its own steps, as the machine ran them then: in the default suite
+another test shares the two cores, and a step taken in a busy moment can be much slower than the one
+timed before it). Figures go to the chaos report under `cancel_overshoot_<model>`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from benchmarks.hardware import cpu_model
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
+from orchestrator.scheduler.metrics_observer import MetricsObserver
 from orchestrator.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,10 +67,29 @@ def _ended(service, since: float, timeout_s: float = 60.0) -> float:
     return time.monotonic() - since
 
 
+def _record_steps(monkeypatch) -> list[tuple[float, float]]:
+    """(monotonic time it ended, wall seconds) of every scheduler step from now on."""
+    steps: list[tuple[float, float]] = []
+    report = MetricsObserver.step
+
+    def step(self, model: str, *, sequences: int, tokens: int, seconds: float, cpu_seconds: float) -> None:
+        steps.append((time.monotonic(), seconds))
+        report(self, model, sequences=sequences, tokens=tokens, seconds=seconds, cpu_seconds=cpu_seconds)
+
+    monkeypatch.setattr(MetricsObserver, "step", step)
+    return steps
+
+
+def _longest_step(steps: list[tuple[float, float]], since: float) -> float:
+    """The longest step that ended after `since` (monotonic), 0 when none did."""
+    return max((seconds for ended, seconds in steps if ended >= since), default=0.0)
+
+
 def _measure(
-    tmp_path: Path, spec: ServedModelSpec, vocab: int, chaos_report, section: str, *, reps: int
+    tmp_path: Path, spec: ServedModelSpec, vocab: int, chaos_report, section: str, monkeypatch, *, reps: int
 ) -> dict:
     torch.set_num_threads(1)
+    steps_reported = _record_steps(monkeypatch)
     service, server, channel, budget = _node(tmp_path, spec)
     try:
         pb = service.ctx.stubs
@@ -99,7 +122,7 @@ def _measure(
         limit = service.ctx.settings.max_turn_tokens
         prompt = min(max(PROMPT, budget * math.ceil(4 * DEADLINE_S / step_s)), limit)
 
-        deadline_overshoot = []
+        deadline_overshoot, deadline_steps = [], []
         for _ in range(reps):
             sid = new_session()
             start = time.monotonic()
@@ -108,10 +131,12 @@ def _measure(
                     pass
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             deadline_overshoot.append(_ended(service, start + DEADLINE_S))
+            deadline_steps.append(_longest_step(steps_reported, start))
 
-        abort_overshoot = []
+        abort_overshoot, abort_steps = [], []
         for _ in range(reps):
             sid = new_session()
+            started = time.monotonic()
             stream = sessions.Turn(request(sid, prompt), metadata=MD)
 
             def drain(stream=stream) -> None:
@@ -128,6 +153,7 @@ def _measure(
             sessions.Abort(pb.sessions.AbortRequest(session_id=sid, reason="overshoot test"), metadata=MD)
             asked = time.monotonic()
             abort_overshoot.append(_ended(service, asked))
+            abort_steps.append(_longest_step(steps_reported, started))
             th.join(timeout=60)
     finally:
         channel.close()
@@ -143,27 +169,34 @@ def _measure(
         "abort_overshoot_s": [round(x, 4) for x in abort_overshoot],
         "deadline_overshoot_max_s": round(max(deadline_overshoot), 4),
         "abort_overshoot_max_s": round(max(abort_overshoot), 4),
+        # the longest step the scheduler ran while each stopped turn ran
+        "deadline_turn_longest_step_s": [round(x, 4) for x in deadline_steps],
+        "abort_turn_longest_step_s": [round(x, 4) for x in abort_steps],
         "hardware": f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch threads 1",
     }
     chaos_report.record(section, **figures)
-    bound = step_s + UNWIND_S
-    assert max(deadline_overshoot) <= max(bound, 0.5), figures
-    assert max(abort_overshoot) <= max(bound, 0.5), figures
+    # each stop within one step (as timed, or as the machine ran the stopped turn's steps) plus the unwind
+    stops = [*zip(deadline_overshoot, deadline_steps, strict=True),
+             *zip(abort_overshoot, abort_steps, strict=True)]  # fmt: skip
+    for overshoot, longest in stops:
+        assert overshoot <= max(max(step_s, longest) + UNWIND_S, 0.5), figures
     return figures
 
 
-def test_deadline_and_abort_stop_a_long_prefill_within_one_step_tiny(tmp_path: Path, chaos_report) -> None:
+def test_deadline_and_abort_stop_a_long_prefill_within_one_step_tiny(
+    tmp_path: Path, chaos_report, monkeypatch
+) -> None:
     _measure(tmp_path, ServedModelSpec(name="m", config="v41-tiny", seed=1), 512, chaos_report,
-             "cancel_overshoot_v41_tiny", reps=1)
+             "cancel_overshoot_v41_tiny", monkeypatch, reps=1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sibling", ["v41-sib-s", "v41-sib-l"])
 def test_deadline_and_abort_stop_a_long_prefill_within_one_step_trained(
-    tmp_path: Path, sibling: str, chaos_report
+    tmp_path: Path, sibling: str, chaos_report, monkeypatch
 ) -> None:
     path = REPO / "checkpoints" / sibling
     if not (path / "model.safetensors").is_file():
         pytest.skip(f"the trained {sibling} is not shipped")
     _measure(tmp_path, ServedModelSpec(name="m", checkpoint=path), 4096, chaos_report,
-             f"cancel_overshoot_{sibling.replace('-', '_')}", reps=5)
+             f"cancel_overshoot_{sibling.replace('-', '_')}", monkeypatch, reps=5)
