@@ -232,14 +232,13 @@ class NodeService:
 
 def _registry_writer(settings: Settings, ctx: ServiceContext) -> RegistryWriter | None:
     """The registry writer process for a SQLite file registry with `registry_writer = "process"`, started
-    now in the background (None: PostgreSQL, an in-memory SQLite, or "inline")."""
+    by the turn engine at the node's first concurrent turns (None: PostgreSQL, an in-memory SQLite, or
+    "inline")."""
     url = ctx.engine.url
     in_file = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
     if settings.registry_writer != "process" or not in_file or "mode=memory" in str(url):
         return None
-    writer = RegistryWriter(settings.resolved_database_url)
-    writer.start_soon()
-    return writer
+    return RegistryWriter(settings.resolved_database_url)
 
 
 def build_node(

@@ -608,7 +608,12 @@ class TurnEngine:
             # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
             if driver is not None and self.finish_on_connection:
                 writer = self.registry_writer
-                if writer is not None and self._ctx.running.count() >= self.writer_from_running:
+                concurrent = writer is not None and self._ctx.running.count() >= self.writer_from_running
+                if concurrent and not writer.started():
+                    # the process starts at the node's first concurrent turns, in the background (a
+                    # node that never runs two turns at once never starts it); until it is up, inline
+                    writer.start_soon()
+                if concurrent and writer.started():
                     writer.finish(req)
                 else:
                     # Every statement is Core or driver SQL: the same transaction without an ORM Session

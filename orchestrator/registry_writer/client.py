@@ -2,8 +2,10 @@
 
 A turn's thread sends its finish (`FinishRequest`) on a connection of its own and waits for the answer:
 None once the transaction committed there, or the error it raised there (PreconditionError,
-sqlalchemy's errors once its reruns are spent), raised here. The process starts in the background when
-the node starts (`start_soon`), and again at the next finish after it died.
+sqlalchemy's errors once its reruns are spent), raised here. The turn engine starts the process in the
+background (`start_soon`) at the node's first concurrent turns, and again after it died; their finishes
+run inline until it is up (`started`). A node that never runs two turns at once never starts it (nor
+does a test suite's many short-lived nodes).
 
 Failure: when the process dies (killed, out of memory), the finishes in flight raise
 `RegistryWriterError` (their turns fail as a failed transaction does: nothing committed that the turn
@@ -62,10 +64,26 @@ class RegistryWriter:
         self._proc: ChildProcess | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._starting = threading.Lock()  # held by the one background start at a time
         self.starts = 0
 
+    def started(self) -> bool:
+        """Whether a process is up (started and not known dead); never waits."""
+        proc = self._proc
+        return proc is not None and not proc.dead
+
+    def start(self) -> None:
+        """Start the process now, unless one is up; returns once it is ready.
+
+        Raises:
+            RegistryWriterError: it could not start.
+        """
+        self._process()
+
     def start_soon(self) -> None:
-        """Start the process in the background (the first finish waits for it)."""
+        """Start the process in the background, unless one is up or starting."""
+        if self.started() or not self._starting.acquire(blocking=False):
+            return
         threading.Thread(
             target=self._start_quietly, name="kvresume-registry-writer-start", daemon=True
         ).start()
@@ -74,7 +92,9 @@ class RegistryWriter:
         try:
             self._process()
         except RegistryWriterError as exc:
-            log.error("registry_writer_not_started", error=str(exc))  # the first finish tries again
+            log.error("registry_writer_not_started", error=str(exc))  # the next start_soon tries again
+        finally:
+            self._starting.release()
 
     def _process(self) -> ChildProcess:
         with self._lock:

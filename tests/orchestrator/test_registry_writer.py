@@ -32,8 +32,10 @@ def _ids(seed: int, n: int) -> list[int]:
 def node(tmp_path: Path):
     torch.set_num_threads(1)
     n = start_node(tmp_path, registry(), registry_writer="process")
-    # every finish in the writer process (by default a lone turn's runs in its own thread)
+    # every finish in the writer process (by default a lone turn's runs in its own thread, and the process
+    # starts at the first concurrent turns)
     n.service.engine.writer_from_running = 1
+    n.service.engine.registry_writer.start()
     yield n
     n.stop()
 
@@ -209,3 +211,40 @@ def test_postgres_and_inline_settings_get_no_writer_process(tmp_path: Path) -> N
         n.stop()
     with pytest.raises(ValueError, match="registry_writer='thread' must be 'inline' or 'process'"):
         Settings(registry_writer="thread")
+
+
+def test_the_process_starts_at_the_first_concurrent_turns_and_their_finishes_run_inline_until_it_is_up(
+    tmp_path: Path,
+) -> None:
+    n = start_node(tmp_path, registry(), registry_writer="process")
+    try:
+        engine = n.service.engine
+        writer = engine.registry_writer
+        sids = [new_session(n, "a") for _ in range(2)]
+        run_turn(n, sids[0], _ids(1, 20))
+        assert writer.starts == 0, "a node with no concurrent turns started the writer process"
+        # two turns at once: the first concurrent finish asks for the process and runs inline meanwhile
+        gate = threading.Barrier(2)
+        real = engine._finish
+
+        def finish_together(*args, **kwargs):
+            gate.wait(timeout=30)
+            return real(*args, **kwargs)
+
+        engine._finish = finish_together
+        threads = [threading.Thread(target=run_turn, args=(n, sid, _ids(5 + k, 20)))
+                   for k, sid in enumerate(sids)]  # fmt: skip
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        engine._finish = real
+        assert [_session_row(n, sid)[0] for sid in sids] == [2, 1]
+        deadline = time.monotonic() + 60
+        while not writer.started():
+            assert time.monotonic() < deadline, "the writer process never started"
+            time.sleep(0.05)
+        assert writer.starts == 1
+        assert n.service.ctx.audit.verify().ok
+    finally:
+        n.stop()

@@ -50,8 +50,11 @@ def node(request, tmp_path: Path):
     # SQLite's finishes run in the registry writer process by default; "inline" in the turn's thread
     writer = "inline" if request.param == "sqlite-inline" else "process"
     n = start_node(tmp_path, registry(), database_url=url, registry_writer=writer)
-    # every finish in the writer process when there is one (by default a lone turn's runs here)
+    # every finish in the writer process when there is one (by default a lone turn's runs here, and the
+    # process starts at the first concurrent turns)
     n.service.engine.writer_from_running = 1
+    if n.service.engine.registry_writer is not None:
+        n.service.engine.registry_writer.start()
     yield n
     n.stop()
 

@@ -79,8 +79,11 @@ def twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         writer = "process" if name == "process" else "inline"
         node = start_node(tmp_path / name, registry(), registry_writer=writer)
         node.service.engine.finish_on_connection = name != "session"
-        # every finish in the writer process, a lone turn's too (by default a lone turn's runs here)
+        # every finish in the writer process, a lone turn's too (by default a lone turn's runs here, and
+        # the process starts at the first concurrent turns)
         node.service.engine.writer_from_running = 1
+        if node.service.engine.registry_writer is not None:
+            node.service.engine.registry_writer.start()
         # the same tenant salt on every node: the same store keys and audit subjects
         run_serializable(node.service.ctx.serializable, lambda s: s.add(Tenant(id="acme", salt=salt)))
         nodes[name] = node
