@@ -608,12 +608,13 @@ class TurnEngine:
             # gained no turns/s there and lost about half at 8 sessions (wake-all suspected).
             if driver is not None and self.finish_on_connection:
                 writer = self.registry_writer
-                concurrent = writer is not None and self._ctx.running.count() >= self.writer_from_running
-                if concurrent and not writer.started():
-                    # the process starts at the node's first concurrent turns, in the background (a
-                    # node that never runs two turns at once never starts it); until it is up, inline
-                    writer.start_soon()
-                if concurrent and writer.started():
+                # the process starts at the node's first concurrent turns (a node that never runs two at
+                # once never starts it); until it is up, their finishes run inline too
+                if (
+                    writer is not None
+                    and self._ctx.running.count() >= self.writer_from_running
+                    and writer.available()
+                ):
                     writer.finish(req)
                 else:
                     # Every statement is Core or driver SQL: the same transaction without an ORM Session

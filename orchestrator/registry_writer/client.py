@@ -3,8 +3,8 @@
 A turn's thread sends its finish (`FinishRequest`) on a connection of its own and waits for the answer:
 None once the transaction committed there, or the error it raised there (PreconditionError,
 sqlalchemy's errors once its reruns are spent), raised here. The turn engine starts the process in the
-background (`start_soon`) at the node's first concurrent turns, and again after it died; their finishes
-run inline until it is up (`started`). A node that never runs two turns at once never starts it (nor
+background at the node's first concurrent turns, and again after it died; their finishes run inline
+until it is up (`available`). A node that never runs two turns at once never starts it (nor
 does a test suite's many short-lived nodes).
 
 Failure: when the process dies (killed, out of memory), the finishes in flight raise
@@ -79,6 +79,14 @@ class RegistryWriter:
             RegistryWriterError: it could not start.
         """
         self._process()
+
+    def available(self) -> bool:
+        """Whether a process is up to take a finish now; when none is, one starts in the background (the
+        caller runs its finish inline meanwhile). Never waits."""
+        if self.started():
+            return True
+        self.start_soon()
+        return False
 
     def start_soon(self) -> None:
         """Start the process in the background, unless one is up or starting."""

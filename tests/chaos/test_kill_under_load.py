@@ -116,31 +116,23 @@ def _turn(client: Client, sid: str, ids: list[int], max_new: int = 3):
     return plan, stats, out
 
 
-def _history(db: Path, sid: str) -> list[int]:
-    """The session's token history as the registry holds it (read while the server runs: SQLite WAL)."""
-    engine = make_engine(f"sqlite:///{db}")
-    try:
-        with Session(engine) as s:
-            return SessionRepository(s).history(sid)
-    finally:
-        engine.dispose()
-
-
 # one turn as the oracle follows it: (path as the API names it, new tokens, output tokens, tokens cached)
 TurnRecord = tuple[str, list[int], list[int], int]
 
 
-def _stored_turns(db: Path, sid: str) -> list[TurnRecord]:
-    """The session's finished turns as the registry holds them, in order."""
+def _registry_view(db: Path, sid: str) -> tuple[list[int], list[TurnRecord]]:
+    """The session's token history and its finished turns, in order, as the registry holds them (read
+    while the server runs: SQLite WAL)."""
     engine = make_engine(f"sqlite:///{db}")
     try:
         with Session(engine) as s:
-            return [
+            turns = [
                 (f"RESUME_PATH_{row.path}", blob_to_tokens(row.input_tokens),
                  blob_to_tokens(row.output_tokens), row.cached)  # fmt: skip
                 for row in TurnRepository(s).list(sid)
                 if row.status == TurnStatus.DONE
             ]
+            return SessionRepository(s).history(sid), turns
     finally:
         engine.dispose()
 
@@ -275,9 +267,8 @@ def _run(
                 get = sessions_pb2.GetSessionRequest(session_id=sid)
                 row = client.call("sessions", "GetSession", get)
                 assert seen[sid] <= row.turn_count <= seen[sid] + kills, (sid, seen[sid], row.turn_count)
-                history = _history(db, sid)
+                history, stored = _registry_view(db, sid)
                 assert len(history) == row.history_tokens
-                stored = _stored_turns(db, sid)
                 assert len(stored) == row.turn_count, (sid, len(stored), row.turn_count)
                 new = [rng.randrange(16, 512) for _ in range(7)]
                 plan, stats, out = _turn(client, sid, new)

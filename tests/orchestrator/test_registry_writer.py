@@ -20,7 +20,13 @@ import torch
 from orchestrator.api import PreconditionError
 from orchestrator.registry_writer import FinishRequest, RegistryWriter
 from orchestrator.settings import Settings
-from tests.orchestrator.engine.node_harness import new_session, registry, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    finishes_in_the_writer_process,
+    new_session,
+    registry,
+    run_turn,
+    start_node,
+)
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -32,10 +38,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def node(tmp_path: Path):
     torch.set_num_threads(1)
     n = start_node(tmp_path, registry(), registry_writer="process")
-    # every finish in the writer process (by default a lone turn's runs in its own thread, and the process
-    # starts at the first concurrent turns)
-    n.service.engine.writer_from_running = 1
-    n.service.engine.registry_writer.start()
+    finishes_in_the_writer_process(n)
     yield n
     n.stop()
 
@@ -49,6 +52,38 @@ def _session_row(node, sid: str) -> tuple[int, int]:
         cols = select(SessionRow.turn_count, SessionRow.history_tokens)
         row = s.execute(cols.where(SessionRow.id == sid)).one()
     return row.turn_count, row.history_tokens
+
+
+def _turns_at_once(node, sids: list[str], seeds: list[int]) -> None:
+    """One turn of each session at once, every turn running when the first one reaches its finish; raises
+    the first turn's error."""
+    engine = node.service.engine
+    gate = threading.Barrier(len(sids))
+    real = engine._finish
+
+    def finish_together(*args, **kwargs):
+        gate.wait(timeout=30)
+        return real(*args, **kwargs)
+
+    errors: list[BaseException] = []
+
+    def turn(sid: str, seed: int) -> None:
+        try:
+            run_turn(node, sid, _ids(seed, 20))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    engine._finish = finish_together
+    try:
+        threads = [threading.Thread(target=turn, args=pair) for pair in zip(sids, seeds, strict=True)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+    finally:
+        engine._finish = real
+    if errors:
+        raise errors[0]
 
 
 def _kill(writer: RegistryWriter) -> None:
@@ -174,28 +209,7 @@ def test_a_lone_turn_finishes_in_its_thread_and_concurrent_turns_in_the_writer(n
     run_turn(node, sids[0], _ids(1, 20))
     assert writer.stats()["finishes"] == 0, "a lone turn's finish went to the writer process"
     # four turns at once: while more than one runs, their finishes go to the writer process
-    gate = threading.Barrier(4)
-    real = engine._finish
-
-    def finish_together(*args, **kwargs):
-        gate.wait(timeout=30)  # every turn is running when the first one finishes
-        return real(*args, **kwargs)
-
-    engine._finish = finish_together
-    errors: list[BaseException] = []
-
-    def turn(sid: str, seed: int) -> None:
-        try:
-            run_turn(node, sid, _ids(seed, 20))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=turn, args=(sid, 10 + k)) for k, sid in enumerate(sids)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=60)
-    assert not errors, errors
+    _turns_at_once(node, sids, [10, 11, 12, 13])
     assert writer.stats()["finishes"] >= 2
     assert [_session_row(node, sid)[0] for sid in sids] == [2, 1, 1, 1]
     assert node.service.ctx.audit.verify().ok
@@ -218,27 +232,12 @@ def test_the_process_starts_at_the_first_concurrent_turns_and_their_finishes_run
 ) -> None:
     n = start_node(tmp_path, registry(), registry_writer="process")
     try:
-        engine = n.service.engine
-        writer = engine.registry_writer
+        writer = n.service.engine.registry_writer
         sids = [new_session(n, "a") for _ in range(2)]
         run_turn(n, sids[0], _ids(1, 20))
         assert writer.starts == 0, "a node with no concurrent turns started the writer process"
         # two turns at once: the first concurrent finish asks for the process and runs inline meanwhile
-        gate = threading.Barrier(2)
-        real = engine._finish
-
-        def finish_together(*args, **kwargs):
-            gate.wait(timeout=30)
-            return real(*args, **kwargs)
-
-        engine._finish = finish_together
-        threads = [threading.Thread(target=run_turn, args=(n, sid, _ids(5 + k, 20)))
-                   for k, sid in enumerate(sids)]  # fmt: skip
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=60)
-        engine._finish = real
+        _turns_at_once(n, sids, [5, 6])
         assert [_session_row(n, sid)[0] for sid in sids] == [2, 1]
         deadline = time.monotonic() + 60
         while not writer.started():

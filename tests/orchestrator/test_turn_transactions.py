@@ -13,7 +13,14 @@ import pytest
 import torch
 from sqlalchemy import event
 
-from tests.orchestrator.engine.node_harness import admin_md, md, registry, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    admin_md,
+    finishes_in_the_writer_process,
+    md,
+    registry,
+    run_turn,
+    start_node,
+)
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -50,11 +57,7 @@ def node(request, tmp_path: Path):
     # SQLite's finishes run in the registry writer process by default; "inline" in the turn's thread
     writer = "inline" if request.param == "sqlite-inline" else "process"
     n = start_node(tmp_path, registry(), database_url=url, registry_writer=writer)
-    # every finish in the writer process when there is one (by default a lone turn's runs here, and the
-    # process starts at the first concurrent turns)
-    n.service.engine.writer_from_running = 1
-    if n.service.engine.registry_writer is not None:
-        n.service.engine.registry_writer.start()
+    finishes_in_the_writer_process(n)
     yield n
     n.stop()
 

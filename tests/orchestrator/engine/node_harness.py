@@ -133,6 +133,16 @@ def start_node(
     return Node(service=service, server=server, channel=channel, pool_clock=clock)
 
 
+def finishes_in_the_writer_process(node: Node) -> None:
+    """Every finish of `node` in its registry writer process (when it has one), a lone turn's too, from
+    the first turn on: by default a lone turn's runs in its own thread, and the process starts only at
+    the first concurrent turns."""
+    engine = node.service.engine
+    engine.writer_from_running = 1
+    if engine.registry_writer is not None:
+        engine.registry_writer.start()
+
+
 def md(tenant: str = "acme") -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {TOKENS[tenant]}"),)
 

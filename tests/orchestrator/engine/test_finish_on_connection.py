@@ -30,7 +30,13 @@ from orchestrator.db.models import (
     Tenant,
     TurnRow,
 )
-from tests.orchestrator.engine.node_harness import md, registry, run_turn, start_node
+from tests.orchestrator.engine.node_harness import (
+    finishes_in_the_writer_process,
+    md,
+    registry,
+    run_turn,
+    start_node,
+)
 
 # per-turn timings and the store's record stamps (and the hashes over them) differ between two runs
 _TIMED = {"ttft_s", "decode_tokens_per_s", "total_s", "ts_us", "hash", "prev_hash", "source_hash"}
@@ -79,11 +85,7 @@ def twins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         writer = "process" if name == "process" else "inline"
         node = start_node(tmp_path / name, registry(), registry_writer=writer)
         node.service.engine.finish_on_connection = name != "session"
-        # every finish in the writer process, a lone turn's too (by default a lone turn's runs here, and
-        # the process starts at the first concurrent turns)
-        node.service.engine.writer_from_running = 1
-        if node.service.engine.registry_writer is not None:
-            node.service.engine.registry_writer.start()
+        finishes_in_the_writer_process(node)
         # the same tenant salt on every node: the same store keys and audit subjects
         run_serializable(node.service.ctx.serializable, lambda s: s.add(Tenant(id="acme", salt=salt)))
         nodes[name] = node
