@@ -413,38 +413,53 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
 def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRows], win_ids: torch.Tensor,
                    old: torch.Tensor, entries: torch.Tensor | None, k: int, srcs: Sequence[SourceCache],
                    out: torch.Tensor) -> None:  # fmt: skip
-    """The sparse attention of sequences of one selection width k in one `ragged_sparse_attn` call: one
-    buffer [ring ; new rows ; selected global rows] per sequence, laid end to end, and every index row
-    pointing at the vector its lone pass reads, in the same column."""
+    """The sparse attention of sequences of one selection width k in one `ragged_sparse_attn` call, every
+    index row pointing at the vector its lone pass reads, in the same column.
+
+    The call reads its buffer only through the ids (it gathers the rows they name), so the buffer's layout
+    is free: [every ring (G x W rows) ; the whole stack of new rows ; each sequence's selected global rows],
+    and the ids are computed for all rows at once (integer work, exact). Only the selected rows are cut per
+    sequence, from each state's own source: the rows the selections name, once per (row, slot), when they
+    are fewer than the entries visible, else the visible entries as they lie (a view).
+    """
     w, dev = attn.window_size, rows.kv.device
-    parts, id_rows, stack_rows, runs = [], [], [], []
-    base = 0
-    for i, r in enumerate(seqs):
-        t = r.t
-        wi = win_ids[i, :t]  # [t, W] into [ring ; rows]
-        parts += [old[i], rows.kv[0, r.span]]
-        ids = torch.where(wi >= 0, wi + base, -1)
-        length = w + t
-        if k:
-            assert entries is not None
-            ent = entries[i, :t, :k]  # [t, k]
+    g, t_max = len(seqs), win_ids.size(1)
+    ts = torch.tensor([r.t for r in seqs], device=dev)
+    rank = torch.arange(t_max, device=dev).view(1, t_max)
+    live = rank < ts.view(g, 1)  # [G, T_max]: each sequence's own rows, in stack order once flattened
+    seq = torch.arange(g, device=dev).view(g, 1).expand(g, t_max)[live]  # [S_g] the sequence of each row
+    row = rank.expand(g, t_max)[live]  # [S_g] each row's place in its chunk
+    at = torch.tensor([r.at for r in seqs], device=dev)
+    wi = win_ids[live]  # [S_g, W] into each sequence's [ring ; rows]
+    # ring slot s of sequence j: buffer row j * W + s; its new row W + r: stack row at_j + r
+    into_ring = seq.view(-1, 1) * w + wi
+    into_rows = g * w + at[seq].view(-1, 1) + (wi - w)
+    ids = torch.where(wi < 0, -1, torch.where(wi < w, into_ring, into_rows))
+    parts = [old.reshape(g * w, -1), rows.kv[0]]
+    if k:
+        assert entries is not None
+        ent = entries[:, :t_max, :k]  # [G, T_max, k] entry ids (-1 none)
+        clamped = ent.clamp_min(0)
+        base, offsets, picked = g * w + rows.kv.size(1), [], []
+        for i, (r, src) in enumerate(zip(seqs, srcs, strict=True)):
             n_vis = r.end // attn.ratio
-            if t * k < n_vis:
+            offsets.append(base)
+            if r.t * k < n_vis:
                 # few selections against a long history: only the rows they name, once per (row, slot)
-                parts.append(srcs[i].kv[0, ent.reshape(-1).clamp_min(0)])
-                picked = torch.arange(t * k, device=dev).view(t, k)
-                length_sel = t * k
+                parts.append(src.kv[0].index_select(0, clamped[i, : r.t].reshape(-1)))
+                picked.append(True)
+                base += r.t * k
             else:
-                parts.append(srcs[i].kv[0, :n_vis])
-                picked, length_sel = ent, n_vis
-            ids = torch.cat([ids, torch.where(ent >= 0, base + length + picked, -1)], dim=-1)
-            length += length_sel
-        id_rows.append(ids)
-        stack_rows += range(r.at, r.at + t)
-        runs.append(t)
-        base += length
-    kv_all = torch.cat(parts).unsqueeze(0)  # [1, sum of buffers, D]
-    idx = torch.tensor(stack_rows, device=dev)
-    o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink,
-                           torch.cat(id_rows).unsqueeze(0).int(), attn.softmax_scale, runs)  # fmt: skip
+                parts.append(src.kv[0, :n_vis])
+                picked.append(False)
+                base += n_vis
+        at_sel = torch.tensor(offsets, device=dev)[seq].view(-1, 1)
+        e = ent[live]  # [S_g, k]
+        slots = row.view(-1, 1) * k + torch.arange(k, device=dev)  # the row's own gathered rows
+        by_slot = torch.tensor(picked, device=dev)[seq].view(-1, 1)
+        ids = torch.cat([ids, torch.where(e >= 0, at_sel + torch.where(by_slot, slots, e), -1)], dim=-1)
+    kv_all = torch.cat(parts).unsqueeze(0)  # [1, buffer rows, D]
+    idx = at[seq] + row  # [S_g] stack rows, in order
+    o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink, ids.unsqueeze(0).int(),
+                           attn.softmax_scale, ts.tolist())  # fmt: skip
     out[0, idx] = o[0]
