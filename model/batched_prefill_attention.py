@@ -30,6 +30,7 @@ on fresh random ragged chunks, at 1 and 2 threads):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -140,13 +141,15 @@ def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], 
     ids = torch.where(keys >= starts, keys - starts + w, keys % w)
     ids = torch.where(keys > pos, -1, ids)
     old = torch.cat([s.windows[layer] for s in states])  # [N, W, D]
-    seq_i, slot_i, row_i = [], [], []
-    for i, r in enumerate(seqs):
-        keep = min(r.t, w)
-        seq_i += [i] * keep
-        slot_i += [p % w for p in range(r.end - keep, r.end)]
-        row_i += list(range(r.at + r.t - keep, r.at + r.t))
-    si, sl, ri = (torch.tensor(v, device=dev) for v in (seq_i, slot_i, row_i))
+    # each sequence's last min(t, W) rows go into the ring, at slot position % W (distinct slots)
+    ts = torch.tensor([r.t for r in seqs], device=dev).view(n, 1)
+    keep = ts.clamp_max(w)
+    rank = torch.arange(w, device=dev).view(1, w)
+    kept = rank < keep  # [N, W]
+    first = ts - keep + rank  # [N, W] each kept row's place in its chunk
+    si = torch.arange(n, device=dev).view(n, 1).expand(n, w)[kept]
+    sl = ((starts.view(n, 1) + first) % w)[kept]
+    ri = (torch.tensor([r.at for r in seqs], device=dev).view(n, 1) + first)[kept]
     ring = old.clone()
     ring[si, sl] = rows.kv[0, ri]
     codes = torch.cat([s.window_codes[layer] for s in states])
@@ -229,35 +232,39 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         assert first <= n_old or g == 0, f"layer {layer}: entry gap {n_old} .. {first}"
         if g and first + g > n_old:
             skip = n_old - first
-            rows.append(torch.arange(at + skip, at + g))
-            positions.append(torch.arange(first + skip, first + g))
+            rows += range(at + skip, at + g)
+            positions += range(first + skip, first + g)
             spans.append(g - skip)
         else:
             spans.append(0)
         at += g
-    fresh: dict[str, list[torch.Tensor]] = {}
+    extra: dict[str, torch.Tensor] = {}
     if rows:
         assert latent is not None
         dev = x.device
-        new = latent[:, torch.cat(rows).to(dev)]  # [1, E, D]
-        freqs = table[torch.cat(positions).to(dev) * attn.ratio]  # [E, rope/2] at each entry's j*m
-        extra = attn.entry_fields(new, freqs, backend=backend)
-        fresh = {name: list(t.split(spans, dim=1)) for name, t in extra.items()}
+        new = latent[:, torch.tensor(rows, device=dev)]  # [1, E, D]
+        freqs = table[torch.tensor(positions, device=dev) * attn.ratio]  # [E, rope/2] at each entry's j*m
+        extra = attn.entry_fields(new, freqs, backend=backend)  # name -> [1, E, ...], sequence after sequence
     # each source's new rows appended as append_rows would, sequences with as many new entries in one call
     appended: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
+    offsets = list(itertools.accumulate(spans, initial=0))
     for g, members in _by_key(spans).items():
         if not g:
             continue
-        for name, parts in fresh.items():
+        whole = len(members) == len(seqs)  # every sequence g new entries: the rows lie as [G, g] already
+        starts = [offsets[i] for i in members]
+        pick = None if whole else torch.tensor([o + j for o in starts for j in range(g)], device=x.device)
+        for name, t in extra.items():
+            part = t if whole else t.index_select(1, pick)
             olds = [getattr(srcs[i], name) for i in members]
-            grown = append_rows_many(olds, torch.cat([parts[i] for i in members]))  # new [G, g, ...]
-            for i, t in zip(members, grown, strict=True):
-                appended[i][name] = t
+            grown = append_rows_many(olds, part.reshape(len(members), g, *t.shape[2:]))  # new [G, g, ...]
+            for i, grew in zip(members, grown, strict=True):
+                appended[i][name] = grew
     for i, (r, src, (carry_kv, carry_score)) in enumerate(zip(seqs, srcs, carries, strict=True)):
         fields = dict(kv=src.kv, index_k=src.index_k, kv_packed=src.kv_packed, kv_scales=src.kv_scales,
                       index_packed=src.index_packed, index_scales=src.index_scales)  # fmt: skip
         fields |= appended[i]
-        if spans[i] and "index_k" in fresh:
+        if spans[i] and "index_k" in extra:
             r.state.extra["index_k_slot"] = layer
         r.state.sources[layer] = SourceCache(ratio=src.ratio, carry_kv=carry_kv, carry_score=carry_score,
                                              **fields)  # fmt: skip
