@@ -28,7 +28,14 @@ from model import (
 from orchestrator.engine.decoded_states import KeptDecoded, TensorSources
 from orchestrator.engine.served_models import ServedModel
 
-__all__ = ["ModelCompute", "TorchCompute", "clone_with_windows", "import_chunks", "restore_decoded"]
+__all__ = [
+    "ModelCompute",
+    "TorchCompute",
+    "clone_with_windows",
+    "export_windows_keeping",
+    "import_chunks",
+    "restore_decoded",
+]
 
 
 class ModelCompute(Protocol):
@@ -137,6 +144,21 @@ def clone_with_windows(compute: ModelCompute, served: ServedModel, state: Any, b
     copy = state.clone()
     compute.import_windows(served, copy, blob)
     return copy
+
+
+def export_windows_keeping(
+    compute: ModelCompute, served: ServedModel, state: Any, *, keep: bool
+) -> tuple[bytes, KeptDecoded | None]:
+    """A turn end's windows blob and, with `keep`, its decoded global KV kept (`keep_decoded`; None when
+    not asked for or nothing was kept): the compute's `export_windows_keeping` when it has one (a model
+    process answers both in one round trip), else `export_windows` and then `keep_decoded`, where the
+    compute has it."""
+    both = getattr(compute, "export_windows_keeping", None)
+    if both is not None:
+        return both(served, state, keep=keep)
+    windows = compute.export_windows(served, state)
+    one = getattr(compute, "keep_decoded", None) if keep else None
+    return windows, (one(served, state) if one is not None else None)
 
 
 class TorchCompute:

@@ -51,7 +51,7 @@ from orchestrator.db.models import (
 )
 from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import persist_chunks
-from orchestrator.engine.model_compute import ModelCompute, TorchCompute
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute, export_windows_keeping
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import pack_pool_entry
 from orchestrator.engine.sampler import Sampler
@@ -530,7 +530,8 @@ class TurnEngine:
     ) -> None:
         """Pool the committed turn end's windows (and keep its decoded global KV beside them), so that
         the next turn of the session is a full hit. `full_ids`: `token_bytes(full)`."""
-        windows = self.compute.export_windows(served, state)
+        # the windows and the decoded KV kept beside them: one model-process round trip for both
+        windows, kept = export_windows_keeping(self.compute, served, state, keep=self.decoded.enabled)
         # the envelope and the content index name the same digest: hashed once, from the encoded ids
         digest = history_digest(full_ids)
         entry = pack_pool_entry(
@@ -548,6 +549,7 @@ class TurnEngine:
             served=served,
             chunks=chunks,
             pool_value=entry,
+            kept=kept,
         )
         if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
             self.decoded.discard(f.tenant_id, f.session_id)

@@ -481,6 +481,20 @@ class ProcessCompute:
             return None
         return self._freed_with(RemoteKept(self, generation, kept_id, n_tokens, nbytes), generation, kept_id)
 
+    def export_windows_keeping(
+        self, served: Any, state: RemoteState, *, keep: bool
+    ) -> tuple[bytes, RemoteKept | None]:
+        """`export_windows` and, with `keep`, `keep_decoded` of the state in one round trip (a turn end's
+        pool put needs both: one call less per turn for the model process to answer)."""
+        sid = self._sid(state)
+        (windows, (kept_id, n_tokens, nbytes)), generation = self._call_at(
+            "export_windows_keeping", served.name, sid, bool(keep), served=served, states=(state,)
+        )
+        if kept_id is None:
+            return windows, None
+        kept = RemoteKept(self, generation, kept_id, n_tokens, nbytes)
+        return windows, self._freed_with(kept, generation, kept_id)
+
     def _kid(self, kept: Any) -> int:
         """The id there of what `keep_decoded` kept, checked to be of the running model process."""
         if not isinstance(kept, RemoteKept):

@@ -180,6 +180,14 @@ class _Worker:
             return None, 0, 0
         return self._keep(kept), kept.n_tokens, kept.nbytes
 
+    def op_export_windows_keeping(
+        self, model: str, sid: int, keep: bool
+    ) -> tuple[bytes, tuple[int | None, int, int]]:
+        """`op_export_windows` and, with `keep`, `op_keep_decoded` of the same state in one call (what a
+        turn end pools)."""
+        windows = self.op_export_windows(model, sid)
+        return windows, self.op_keep_decoded(model, sid) if keep else (None, 0, 0)
+
     def op_fill_decoded(self, model: str, sid: int, kept_id: int) -> int:
         state = self._state(sid)
         self.compute.fill_decoded(self._served(model), state, self._state(kept_id))

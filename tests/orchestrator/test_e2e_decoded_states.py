@@ -231,20 +231,21 @@ def test_a_model_process_lost_after_the_commit_ends_the_turn_with_its_record(tmp
     try:
         sid, ref = _new_session(node), _new_session(reference)
         compute = node.service.engine.compute
-        export_windows = compute.export_windows
+        # the turn end's windows export and kept state: one call there (`export_windows_keeping`)
+        export_windows_keeping = compute.export_windows_keeping
 
-        def dies_first(served, state):
+        def dies_first(served, state, *, keep):
             os.kill(compute._proc.proc.pid, signal.SIGKILL)  # noqa: SLF001 - the model process dies here
             compute._proc.proc.wait()  # noqa: SLF001
-            return export_windows(served, state)
+            return export_windows_keeping(served, state, keep=keep)
 
         first, want = run_turn(node, sid, parts[0], max_new=4), run_turn(reference, ref, parts[0], max_new=4)
         assert first.tokens == want.tokens
-        compute.export_windows = dies_first
+        compute.export_windows_keeping = dies_first
         try:
             second = run_turn(node, sid, parts[1], max_new=4)
         finally:
-            compute.export_windows = export_windows
+            compute.export_windows_keeping = export_windows_keeping
         want = run_turn(reference, ref, parts[1], max_new=4)
         assert second.path == "FULL_HIT" and second.tokens == want.tokens and second.stats.persisted
         assert node.service.pool.get("acme", sid) == PoolMiss.ABSENT

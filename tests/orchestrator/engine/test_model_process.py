@@ -22,7 +22,7 @@ import torch
 
 from model import CacheFormatError, state_from_global
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
-from orchestrator.engine.model_compute import clone_with_windows, restore_decoded
+from orchestrator.engine.model_compute import clone_with_windows, export_windows_keeping, restore_decoded
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
 from tests.processes import process_alive
 
@@ -163,6 +163,16 @@ def test_kept_decoded_state_fills_as_in_process_compute(
     assert remote.held_states() == before + 1
     windows = local.export_windows(served, live_a)
     assert windows == remote.export_windows(served, live_b)
+    # a turn end's windows and kept state in one call there, as the two calls give them
+    answered = remote.stats()["ops"].get("export_windows_keeping", (0,))[0]
+    both, kept_both = export_windows_keeping(remote, served, live_b, keep=True)
+    assert both == windows and kept_both is not None and kept_both.usable
+    assert (kept_both.n_tokens, kept_both.nbytes) == (kept_a.n_tokens, kept_a.nbytes)
+    assert export_windows_keeping(remote, served, live_b, keep=False) == (windows, None)
+    assert export_windows_keeping(local, served, live_a, keep=False) == (windows, None)
+    assert remote.stats()["ops"]["export_windows_keeping"][0] == answered + 2
+    del kept_both
+    gc.collect()
     a, b = local.new_state(served), remote.new_state(served)
     local.fill_decoded(served, a, kept_a)
     remote.fill_decoded(served, b, kept_b)
