@@ -116,10 +116,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     if x.size(-1) * weight.size(0) < _BMM_OWN_LOOP_BELOW:
         # a tiny product (the MoE gate of few experts): torch's bmm would not run MKL's kernel; row by row
+        # (split: the M one-row views in one call, not a slice each)
         flat = x.reshape(-1, x.size(-1))
-        return torch.cat([F.linear(flat[i : i + 1], weight) for i in range(flat.size(0))]).view(
-            *lead, weight.size(0)
-        )
+        return torch.cat([F.linear(row, weight) for row in flat.split(1)]).view(*lead, weight.size(0))
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
     return out.view(*lead, weight.size(0))
