@@ -386,9 +386,9 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
         srcs = [r.state.sources[src_layer] for r in seqs]
     if backend == "torch":
         for k, members in _by_key(widths).items():
-            _attend_ragged(attn, rows, [seqs[i] for i in members], win_ids[members], old[members],
-                           sel.entries[members] if k else None, k, [srcs[i] for i in members] if k else [],
-                           out)  # fmt: skip
+            _attend_ragged(attn, rows, [seqs[i] for i in members], win_ids[members], index[members],
+                           old[members], sel.entries[members] if k else None, k,
+                           [srcs[i] for i in members] if k else [], out)  # fmt: skip
         return
     # the Triton kernel is row-wise by construction; the groups keep the reference's shapes all the same
     for (t, k), members in _by_key([(r.t, k) for r, k in zip(seqs, widths, strict=True)]).items():
@@ -418,8 +418,8 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
 
 
 def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRows], win_ids: torch.Tensor,
-                   old: torch.Tensor, entries: torch.Tensor | None, k: int, srcs: Sequence[SourceCache],
-                   out: torch.Tensor) -> None:  # fmt: skip
+                   index: torch.Tensor, old: torch.Tensor, entries: torch.Tensor | None, k: int,
+                   srcs: Sequence[SourceCache], out: torch.Tensor) -> None:  # fmt: skip
     """The sparse attention of sequences of one selection width k in one `ragged_sparse_attn` call, every
     index row pointing at the vector its lone pass reads, in the same column.
 
@@ -436,11 +436,11 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
     live = rank < ts.view(g, 1)  # [G, T_max]: each sequence's own rows, in stack order once flattened
     seq = torch.arange(g, device=dev).view(g, 1).expand(g, t_max)[live]  # [S_g] the sequence of each row
     row = rank.expand(g, t_max)[live]  # [S_g] each row's place in its chunk
-    at = torch.tensor([r.at for r in seqs], device=dev)
+    idx = index[live]  # [S_g] each row's stack row (`_row_index`), in order
     wi = win_ids[live]  # [S_g, W] into each sequence's [ring ; rows]
     # ring slot s of sequence j: buffer row j * W + s; its new row W + r: stack row at_j + r
     into_ring = seq.view(-1, 1) * w + wi
-    into_rows = g * w + at[seq].view(-1, 1) + (wi - w)
+    into_rows = g * w + (idx - row).view(-1, 1) + (wi - w)
     ids = torch.where(wi < 0, -1, torch.where(wi < w, into_ring, into_rows))
     parts = [old.reshape(g * w, -1), rows.kv[0]]
     if k:
@@ -466,7 +466,6 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
         by_slot = torch.tensor(picked, device=dev)[seq].view(-1, 1)
         ids = torch.cat([ids, torch.where(e >= 0, at_sel + torch.where(by_slot, slots, e), -1)], dim=-1)
     kv_all = torch.cat(parts).unsqueeze(0)  # [1, buffer rows, D]
-    idx = at[seq] + row  # [S_g] stack rows, in order
     o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink, ids.unsqueeze(0).int(),
                            attn.softmax_scale, ts.tolist())  # fmt: skip
     out[0, idx] = o[0]

@@ -107,10 +107,6 @@ class TensorSources:
             )
 
 
-# `DecodedStates.put`'s default: the state's decoded KV was not asked for yet (None means nothing kept)
-_NOT_KEPT_YET: Any = object()
-
-
 class KeptDecoded(Protocol):
     """What a compute's `keep_decoded` returns: opaque but for its history length, the bytes it holds,
     and whether it can still fill a state (a model process's handle cannot once that process ended)."""
@@ -196,30 +192,21 @@ class DecodedStates:
         self,
         tenant: str,
         session: str,
-        state: Any,
         *,
-        compute: Any,
-        served: Any,
+        kept: KeptDecoded | None,
+        fingerprint: bytes,
         chunks: bytes,
         pool_value: bytes,
-        kept: Any = _NOT_KEPT_YET,
     ) -> bool:
-        """Keep `state`'s decoded global KV (`compute.keep_decoded`) beside the pool entry `pool_value` of
-        the same turn end; call before the pool put of that value (the put drops the previous value,
-        whose entry goes). Returns whether it was kept (not when disabled, over the whole budget, or
-        when the compute keeps nothing of such a state: a batched one, a stand-in's without
-        `keep_decoded`).
-
-        kept: what `keep_decoded` of this state returned already (`model_compute.export_windows_keeping`:
-        one model-process round trip with the windows' export); by default it is asked for here."""
-        if not self.enabled:
+        """Keep a turn end's decoded global KV, `kept` (what the compute's `keep_decoded` returned:
+        `model_compute.export_windows_keeping` asks for it with the windows' export), beside the pool
+        entry `pool_value` of the same turn end; call before the pool put of that value (the put drops the
+        previous value, whose entry goes). Returns whether it was kept (not when disabled, over the whole
+        budget, or when the compute kept nothing (None): a batched state, a stand-in's without
+        `keep_decoded`)."""
+        if not self.enabled or kept is None:
             return False
-        if kept is _NOT_KEPT_YET:
-            keep = getattr(compute, "keep_decoded", None)
-            kept = keep(served, state) if keep is not None else None
-        if kept is None:
-            return False
-        sources = DecodedSources(fingerprint=served.fingerprint, chunks=chunks, kept=kept)
+        sources = DecodedSources(fingerprint=fingerprint, chunks=chunks, kept=kept)
         with self._lock:
             self._drop((tenant, session))
             if sources.nbytes > self.budget_bytes:

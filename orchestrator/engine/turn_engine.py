@@ -544,12 +544,10 @@ class TurnEngine:
         self.decoded.put(
             f.tenant_id,
             f.session_id,
-            state,
-            compute=self.compute,
-            served=served,
+            kept=kept,
+            fingerprint=served.fingerprint,
             chunks=chunks,
             pool_value=entry,
-            kept=kept,
         )
         if not self.pool.put(f.tenant_id, f.session_id, entry, content=content).stored:
             self.decoded.discard(f.tenant_id, f.session_id)

@@ -474,9 +474,15 @@ class ProcessCompute:
     def keep_decoded(self, served: Any, state: RemoteState) -> RemoteKept | None:
         """Keep the state's decoded global KV in the model process (`TorchCompute.keep_decoded` there);
         a handle to it, or None when nothing was kept."""
-        (kept_id, n_tokens, nbytes), generation = self._call_at(
+        kept, generation = self._call_at(
             "keep_decoded", served.name, self._sid(state), served=served, states=(state,)
         )
+        return self._kept_handle(kept, generation)
+
+    def _kept_handle(self, kept: tuple[int | None, int, int], generation: int) -> RemoteKept | None:
+        """The handle to what `op_keep_decoded` kept there, `(id, history length, bytes)` (None: nothing),
+        freed there when dropped here."""
+        kept_id, n_tokens, nbytes = kept
         if kept_id is None:
             return None
         return self._freed_with(RemoteKept(self, generation, kept_id, n_tokens, nbytes), generation, kept_id)
@@ -487,13 +493,10 @@ class ProcessCompute:
         """`export_windows` and, with `keep`, `keep_decoded` of the state in one round trip (a turn end's
         pool put needs both: one call less per turn for the model process to answer)."""
         sid = self._sid(state)
-        (windows, (kept_id, n_tokens, nbytes)), generation = self._call_at(
+        (windows, kept), generation = self._call_at(
             "export_windows_keeping", served.name, sid, bool(keep), served=served, states=(state,)
         )
-        if kept_id is None:
-            return windows, None
-        kept = RemoteKept(self, generation, kept_id, n_tokens, nbytes)
-        return windows, self._freed_with(kept, generation, kept_id)
+        return windows, self._kept_handle(kept, generation)
 
     def _kid(self, kept: Any) -> int:
         """The id there of what `keep_decoded` kept, checked to be of the running model process."""

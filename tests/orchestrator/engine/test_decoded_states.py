@@ -20,6 +20,7 @@ from model import ModelState, decode, export_global, import_global_chunks, prefi
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates, TensorSources
 from orchestrator.engine.global_kv import chunk_ranges
+from orchestrator.engine.model_compute import export_windows_keeping
 from orchestrator.engine.pool_entry import chunks_digest
 from storage import PoolConfig, WindowPool
 
@@ -138,13 +139,19 @@ class _Clock:
         return self.now
 
 
+def _put(cache: DecodedStates, served, tenant: str, session: str, state, **entry: bytes) -> bool:
+    """`cache.put` of what TorchCompute keeps of `state` (as a turn end asks for it)."""
+    kept = _TORCH.keep_decoded(served, state)
+    return cache.put(tenant, session, kept=kept, fingerprint=served.fingerprint, **entry)
+
+
 def test_lru_byte_budget_and_disabled(served) -> None:
     states = [_fake_state(served, 64, s) for s in range(3)]
     size = TensorSources.of(states[0]).nbytes
     assert size > 0
     cache = DecodedStates(2 * size + size // 2)
     for i, st in enumerate(states):
-        assert cache.put("t", f"s{i}", st, compute=_TORCH, served=served, chunks=b"\0" * 32, pool_value=b"v")
+        assert _put(cache, served, "t", f"s{i}", st, chunks=b"\0" * 32, pool_value=b"v")
         if i == 1:
             # s0 used: s1 becomes the least recently used
             assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
@@ -153,10 +160,10 @@ def test_lru_byte_budget_and_disabled(served) -> None:
     assert cache.get("t", "s1", fingerprint=served.fingerprint, pool_value=b"v") is None
     assert cache.get("t", "s0", fingerprint=served.fingerprint, pool_value=b"v") is not None
     small = DecodedStates(size - 1)
-    assert not small.put("t", "s", states[0], compute=_TORCH, served=served, chunks=b"", pool_value=b"v")
+    assert not _put(small, served, "t", "s", states[0], chunks=b"", pool_value=b"v")
     off = DecodedStates(0)
     assert not off.enabled
-    assert not off.put("t", "s", states[0], compute=_TORCH, served=served, chunks=b"", pool_value=b"v")
+    assert not _put(off, served, "t", "s", states[0], chunks=b"", pool_value=b"v")
     assert off.get("t", "s", fingerprint=served.fingerprint, pool_value=b"v") is None
     with pytest.raises(ValueError, match="decoded_state_budget_bytes=-1"):
         DecodedStates(-1)
@@ -171,9 +178,8 @@ def test_the_pool_owns_it(served) -> None:
 
     def keep(tenant: str, session: str, value: bytes) -> None:
         # the engine's order: decoded first, then the pool put that drops the previous value
-        assert cache.put(
-            tenant, session, st, compute=_TORCH, served=served, chunks=b"c" * 32, pool_value=value
-        )
+        kept = _TORCH.keep_decoded(served, st)
+        assert cache.put(tenant, session, kept=kept, fingerprint=fp, chunks=b"c" * 32, pool_value=value)
         assert pool.put(tenant, session, value).stored
 
     def held(tenant: str, session: str, value: bytes) -> bool:
@@ -201,7 +207,7 @@ def test_the_pool_owns_it(served) -> None:
     assert not held("t", "a", b"x" * 600) and held("t", "b", b"y" * 600)
     assert cache.stats().entries == 1
     # a pool put refused (over the pool's budget): the engine discards what it kept first
-    assert cache.put("t", "c", st, compute=_TORCH, served=served, chunks=b"c" * 32, pool_value=b"z" * 2000)
+    assert _put(cache, served, "t", "c", st, chunks=b"c" * 32, pool_value=b"z" * 2000)
     if not pool.put("t", "c", b"z" * 2000).stored:
         cache.discard("t", "c")
     assert cache.stats().entries == 1
@@ -214,9 +220,12 @@ def test_what_a_compute_keeps(served) -> None:
     st = _fake_state(served, 40, 2)
 
     class StandIn:  # a compute without keep_decoded (a benchmark's stand-in)
-        pass
+        def export_windows(self, served, state) -> bytes:
+            return b"w"
 
-    assert not cache.put("t", "a", st, compute=StandIn(), served=served, chunks=b"c" * 32, pool_value=b"v")
+    windows, kept = export_windows_keeping(StandIn(), served, st, keep=True)
+    assert windows == b"w" and kept is None
+    assert not cache.put("t", "a", kept=kept, fingerprint=served.fingerprint, chunks=b"c", pool_value=b"v")
     assert _TORCH.keep_decoded(served, object()) is None
     assert cache.stats().entries == 0
     kept = _TORCH.keep_decoded(served, st)
