@@ -16,15 +16,20 @@ for batch 1 (a slice along dim 1 of a [1, C, D] buffer stays contiguous; batch >
 
 `append_rows_many` is the batched form for a step over many sequences (one new row each for 64 sequences
 and 6 source fields was about 650 `append_rows` calls per decode step): it decides every append as
-`append_rows` would, in order, and writes all the in-place rows with one `torch._foreach_copy_`.
+`append_rows` would, in order, and writes all the in-place rows of CPU buffers with one call of the
+compiled `copy_blocks` (kernels/native/blocks.py: addresses, no view per destination), elsewhere or without
+a compiler with one `torch._foreach_copy_` into views (its slow twin; both are tested against the other).
 """
 
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Sequence
 
 import torch
+
+from kernels.native import blocks
 
 __all__ = ["append_rows", "append_rows_many", "append_rows_reference"]
 
@@ -53,6 +58,9 @@ class _Buffer:
         self.key = (data.dtype, data.device, tuple(data.shape[2:]))
         self.strides = data.stride()
         self.inference = data.is_inference()
+        # where row r starts in memory: address + r * row_bytes (the buffer is contiguous, rows dense)
+        self.address = data.data_ptr()
+        self.row_bytes = self.strides[1] * data.element_size()
 
     def tip(self) -> torch.Tensor:
         """The view of rows [0, used): `data[:, :used]`, marked as this buffer's tip."""
@@ -146,13 +154,18 @@ def append_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return buf.tip()
 
 
-def append_rows_many(olds: Sequence[torch.Tensor], new: torch.Tensor) -> list[torch.Tensor]:
+def append_rows_many(
+    olds: Sequence[torch.Tensor], new: torch.Tensor, *, native: bool | None = None
+) -> list[torch.Tensor]:
     """`[append_rows(olds[g], new[g : g + 1]) for g]` (the twin: equal element for element, with the same
     appends in place, decided in order), writing the in-place rows of all G sequences in one call.
 
     Args:
         olds: G tensors [1, n_g, ...] (their own histories; lengths may differ).
         new: [G, k, ...] the rows to append to each.
+        native: write the in-place rows of CPU buffers with the compiled `copy_blocks` (True) or with
+            `torch._foreach_copy_` into views (False, the slow twin); None: the compiled one where it
+            loads. Either gives the same tensors.
 
     Raises:
         ValueError: new is not [G, k, ...] for the G tensors given.
@@ -163,25 +176,62 @@ def append_rows_many(olds: Sequence[torch.Tensor], new: torch.Tensor) -> list[to
     key = (new.dtype, new.device, tuple(new.shape[2:]))
     inference = torch.is_inference_mode_enabled()
     fast = k > 0 and not new.requires_grad
-    rows = new.split(1)  # [1, k, ...] each
-    # every claim under one acquisition, in order (as one append after the other would decide them)
+    # every claim under one acquisition, in order (as one append after the other would decide them);
+    # `_claim_held` inlined: this loop runs for every sequence and source field of a decode step
     claimed: list[_Buffer | None] = []
+    lengths: list[int] = []
     with _CLAIMS:
         for old in olds:
             tip: _Buffer | None = getattr(old, _TIP, None)
             # as `_fits`, with new's part checked once
-            fits = fast and tip is not None and tip.key == key and not old.requires_grad
-            claimed.append(tip if fits and _claim_held(tip, old.size(1), k, inference) else None)
+            if fast and tip is not None and tip.key == key and not old.requires_grad:
+                n = old.size(1)
+                if tip.used == n and n + k <= tip.data.size(1) and tip.inference == inference:
+                    tip.used = n + k
+                    claimed.append(tip)
+                    lengths.append(n)
+                    continue
+            claimed.append(None)
+            lengths.append(0)
+    if native is None:
+        native = blocks.available()
+    if native and new.device.type == "cpu":
+        return _write_native(olds, new, claimed, lengths)
     out: list[torch.Tensor] = []
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    for g, (old, buf) in enumerate(zip(olds, claimed, strict=True)):
+    rows = new.split(1)  # [1, k, ...] each
+    for g, (old, buf, n) in enumerate(zip(olds, claimed, lengths, strict=True)):
         if buf is None:
-            out.append(append_rows(old, new[g : g + 1]))
+            out.append(append_rows(old, rows[g]))
             continue
-        dst.append(buf.rows(old.size(1), k))
+        dst.append(buf.rows(n, k))
         src.append(rows[g])
         out.append(buf.tip())
     if dst:
         torch._foreach_copy_(dst, src)
+    return out
+
+
+def _write_native(
+    olds: Sequence[torch.Tensor], new: torch.Tensor, claimed: Sequence[_Buffer | None], lengths: Sequence[int]
+) -> list[torch.Tensor]:
+    """The claimed rows written by address (`blocks.copy_blocks`), the rest copied as `append_rows` does.
+
+    Safe: a claimed block [n, n + k) lies inside its buffer (the claim checked the capacity), blocks of
+    different buffers never overlap, no view handed out shows those rows yet, and `new` (contiguous here)
+    and every buffer stay alive until the call returns."""
+    src_rows = new.contiguous()
+    block = src_rows[0].numel() * src_rows.element_size()  # bytes of one sequence's k new rows
+    base = src_rows.data_ptr()
+    out: list[torch.Tensor] = []
+    dst_at, src_at = array("q"), array("q")
+    for g, (old, buf, n) in enumerate(zip(olds, claimed, lengths, strict=True)):
+        if buf is None:
+            out.append(append_rows(old, src_rows[g : g + 1]))
+            continue
+        dst_at.append(buf.address + n * buf.row_bytes)
+        src_at.append(base + g * block)
+        out.append(buf.tip())
+    blocks.copy_blocks(dst_at, src_at, block)
     return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import sparse_attn
+from kernels.native import blocks
 from model.append_buffer import append_rows, append_rows_many, append_rows_reference
 from model.attention import gather_selected
 
@@ -112,9 +113,17 @@ def _world(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [olds[i] for i in order]
 
 
-def test_append_rows_many_equals_its_per_sequence_twin():
+_WRITERS = [
+    pytest.param(False, id="foreach"),
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not blocks.available(), reason="no C compiler")),
+]
+
+
+@pytest.mark.parametrize("native", _WRITERS)
+def test_append_rows_many_equals_its_per_sequence_twin(native):
     """Same values as cat, the same appends in place as `append_rows` one sequence after another, and no
-    earlier view changed, over many rounds (buffers fill and regrow), for each stored dtype."""
+    earlier view changed, over many rounds (buffers fill and regrow), for each stored dtype, with the
+    in-place rows written by address (native) and through views (foreach, the slow twin)."""
     seed = int(torch.randint(0, 1 << 30, (1,)))
     for dtype in (torch.bfloat16, torch.uint8, torch.int64, torch.float8_e4m3fn, torch.float32):
         for mode in (False, True):
@@ -126,7 +135,9 @@ def test_append_rows_many_equals_its_per_sequence_twin():
                     new = (torch.randn(len(lone), k, 3, 4, generator=g) * 8).to(dtype)
                     before = [t.clone() for t in many]
                     want = [append_rows(t, new[i : i + 1]) for i, t in enumerate(lone)]
-                    got = append_rows_many(many, new)
+                    if step % 5 == 2:
+                        new = new.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+                    got = append_rows_many(many, new, native=native)
                     for i, (a, b, old) in enumerate(zip(want, got, many, strict=True)):
                         ref = append_rows_reference(old, new[i : i + 1])
                         assert b.dtype == dtype and b.shape == ref.shape, (seed, step, i)
@@ -139,21 +150,42 @@ def test_append_rows_many_equals_its_per_sequence_twin():
                     lone, many = want, got
 
 
-def test_append_rows_many_two_continuations_and_refusals():
+@pytest.mark.parametrize("native", _WRITERS)
+def test_append_rows_many_two_continuations_and_refusals(native):
     g = torch.Generator().manual_seed(6)
     base = append_rows(_rows(g, 5), _rows(g, 1))
     new = torch.randn(2, 2, 8, generator=g).bfloat16()
-    a, b = append_rows_many([base, base], new)
+    a, b = append_rows_many([base, base], new, native=native)
     assert torch.equal(a, append_rows_reference(base, new[:1]))
     assert torch.equal(b, append_rows_reference(base, new[1:]))
     assert a.data_ptr() == base.data_ptr() and b.data_ptr() != a.data_ptr()
     leaf = torch.randn(1, 3, 8, generator=g, requires_grad=True)
     plain = torch.randn(1, 3, 8, generator=g)
     rows = torch.randn(2, 1, 8, generator=g)
-    out = append_rows_many([leaf, plain], rows)
+    out = append_rows_many([leaf, plain], rows, native=native)
     assert out[0].requires_grad and torch.equal(
         out[0].detach(), append_rows_reference(leaf, rows[:1]).detach()
     )
     assert torch.equal(out[1], append_rows_reference(plain, rows[1:]))
     with pytest.raises(ValueError, match="G=2"):
         append_rows_many([base, base], new[:1])
+
+
+@pytest.mark.skipif(not blocks.available(), reason="no C compiler")
+def test_copy_blocks_copies_each_block_and_refuses_bad_arguments():
+    from array import array
+
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (5, 24), generator=g, dtype=torch.uint8)
+    dst = torch.zeros(5, 40, dtype=torch.uint8)
+    order = torch.randperm(5, generator=g).tolist()
+    blocks.copy_blocks(array("q", [dst[i].data_ptr() + 3 for i in range(5)]),
+                       array("q", [src[j].data_ptr() for j in order]), 24)  # fmt: skip
+    assert torch.equal(dst[:, 3:27], src[order]) and not dst[:, :3].any() and not dst[:, 27:].any()
+    blocks.copy_blocks(array("q"), array("q"), 24)  # nothing to copy
+    with pytest.raises(ValueError, match="one length"):
+        blocks.copy_blocks(array("q", [1]), array("q"), 8)
+    with pytest.raises(ValueError, match="array"):
+        blocks.copy_blocks(array("i", [1]), array("q", [1]), 8)
+    with pytest.raises(ValueError, match="nbytes=-1"):
+        blocks.copy_blocks(array("q"), array("q"), -1)
