@@ -160,6 +160,8 @@ def _step_and_compare(model: Transformer, rng: random.Random, states: list, step
     alone = [s.clone() for s in states]
     together = [s.clone() for s in states]
     slow = [s.clone() for s in states] if twin else []
+    # what the snapshots the steps start from hold now: no step may change them (ModelState.clone)
+    before = [[t.clone() for t in _state_tensors(s)] for s in states]
     for step in range(steps):  # crosses group boundaries of every ratio at some lengths
         tokens = [rng.randrange(16, cfg.vocab_size) for _ in states]
         ref = [decode(model, torch.tensor([t]), s) for t, s in zip(tokens, alone, strict=True)]
@@ -186,6 +188,12 @@ def _step_and_compare(model: Transformer, rng: random.Random, states: list, step
             if twin:
                 _assert_same_state(alone[i], slow[i])
     _assert_same_exports(model, alone, together)
+    for i, s in enumerate(states):
+        now = [t.contiguous().view(torch.uint8) for t in _state_tensors(s)]
+        then = [t.contiguous().view(torch.uint8) for t in before[i]]
+        assert len(now) == len(then) and all(
+            x.shape == y.shape and torch.equal(x, y) for x, y in zip(now, then, strict=True)
+        ), f"seed {seed}: snapshot {i} changed"
 
 
 @torch.inference_mode()
