@@ -245,8 +245,9 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         new = latent[:, torch.tensor(rows, device=dev)]  # [1, E, D]
         freqs = table[torch.tensor(positions, device=dev) * attn.ratio]  # [E, rope/2] at each entry's j*m
         extra = attn.entry_fields(new, freqs, backend=backend)  # name -> [1, E, ...], sequence after sequence
-    # each source's new rows appended as append_rows would, sequences with as many new entries in one call
-    appended: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
+    # each source's new rows appended as append_rows would, sequences with as many new entries in one call;
+    # the fields replaced on each state's own SourceCache (ModelState.clone copies those objects, so no
+    # snapshot shares one; no tensor is written), as the batched decode does (model/batched_attention.py)
     offsets = list(itertools.accumulate(spans, initial=0))
     for g, members in _by_key(spans).items():
         if not g:
@@ -259,15 +260,11 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
             olds = [getattr(srcs[i], name) for i in members]
             grown = append_rows_many(olds, part.reshape(len(members), g, *t.shape[2:]))  # new [G, g, ...]
             for i, grew in zip(members, grown, strict=True):
-                appended[i][name] = grew
-    for i, (r, src, (carry_kv, carry_score)) in enumerate(zip(seqs, srcs, carries, strict=True)):
-        fields = dict(kv=src.kv, index_k=src.index_k, kv_packed=src.kv_packed, kv_scales=src.kv_scales,
-                      index_packed=src.index_packed, index_scales=src.index_scales)  # fmt: skip
-        fields |= appended[i]
-        if spans[i] and "index_k" in extra:
+                setattr(srcs[i], name, grew)
+    for r, src, (carry_kv, carry_score), span in zip(seqs, srcs, carries, spans, strict=True):
+        src.carry_kv, src.carry_score = carry_kv, carry_score
+        if span and "index_k" in extra:
             r.state.extra["index_k_slot"] = layer
-        r.state.sources[layer] = SourceCache(ratio=src.ratio, carry_kv=carry_kv, carry_score=carry_score,
-                                             **fields)  # fmt: skip
 
 
 def _by_key(keys: Sequence) -> dict:

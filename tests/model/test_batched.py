@@ -47,6 +47,14 @@ def _state_tensors(state) -> list[torch.Tensor]:
     return out
 
 
+def _assert_same_state_tensors(now: list[torch.Tensor], then: list[torch.Tensor], where: str) -> None:
+    """The same tensors, byte for byte (NaN payloads, signed zeros, fp8 codes count)."""
+    assert len(now) == len(then), where
+    for x, y in zip(now, then, strict=True):
+        assert x.shape == y.shape, where
+        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), where
+
+
 def _assert_same_exports(model, alone, together) -> None:
     """Each pair of states exports the same global and window bytes (what the store would keep)."""
     f = b"f" * 32
@@ -189,11 +197,7 @@ def _step_and_compare(model: Transformer, rng: random.Random, states: list, step
                 _assert_same_state(alone[i], slow[i])
     _assert_same_exports(model, alone, together)
     for i, s in enumerate(states):
-        now = [t.contiguous().view(torch.uint8) for t in _state_tensors(s)]
-        then = [t.contiguous().view(torch.uint8) for t in before[i]]
-        assert len(now) == len(then) and all(
-            x.shape == y.shape and torch.equal(x, y) for x, y in zip(now, then, strict=True)
-        ), f"seed {seed}: snapshot {i} changed"
+        _assert_same_state_tensors(_state_tensors(s), before[i], f"seed {seed}: snapshot {i} changed")
 
 
 @torch.inference_mode()

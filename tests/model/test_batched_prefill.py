@@ -24,7 +24,12 @@ from model import Transformer, init_random, load_preset, prefill
 from model.batched_prefill import prefill_many
 from model.ragged_attention import ragged_sparse_attn
 from model.ragged_mixes import lone_runs, ragged_mixes
-from tests.model.test_batched import _assert_same_exports, _assert_same_state
+from tests.model.test_batched import (
+    _assert_same_exports,
+    _assert_same_state,
+    _assert_same_state_tensors,
+    _state_tensors,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +71,8 @@ def _compare(model: Transformer, seed: int, reps: int = 1) -> int:
     alone = [s.clone() if s is not None else None for s, _, _ in cases]
     together = [s.clone() if s is not None else None for s, _, _ in cases]
     twin = [s.clone() if s is not None else None for s, _, _ in cases]
+    # what the snapshots the passes start from hold now: no pass may change them (ModelState.clone)
+    before = [[t.clone() for t in _state_tensors(s)] for s, _, _ in cases if s is not None]
     ends = []
     batched_rows = 0
     seen = batched_prefill.attend_chunks
@@ -120,6 +127,8 @@ def _compare(model: Transformer, seed: int, reps: int = 1) -> int:
             alone[i], together[i], twin[i] = a.state, got[j].state, slow[j].state
     _assert_same_exports(model, alone, together)
     _assert_same_exports(model, alone, twin)
+    for k, s in enumerate(s for s, _, _ in cases if s is not None):
+        _assert_same_state_tensors(_state_tensors(s), before[k], f"seed {seed}: snapshot {k} changed")
     return batched_rows
 
 
