@@ -38,6 +38,8 @@ from kernels.index_score import index_score, index_score_at
 from kernels.mhc import collapse as mhc_collapse
 from kernels.mhc import expand as mhc_expand
 from kernels.mhc import sinkhorn, sinkhorn_reference
+from kernels.native.blocks import available as copy_blocks_available
+from kernels.native.blocks import copy_blocks
 from kernels.sparse_attn import sparse_attn
 from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
 
@@ -58,6 +60,8 @@ __all__ = [
     "bf16_linear",
     "bf16_linear_takes_compiled_path",
     "candidate_blocks",
+    "copy_blocks",
+    "copy_blocks_available",
     "candidate_ids",
     "dequantize_fp4_e4m3",
     "dequantize_fp4_weight",

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.native import blocks
+from kernels import copy_blocks, copy_blocks_available
 
 __all__ = ["append_rows", "append_rows_many", "append_rows_reference"]
 
@@ -194,7 +194,7 @@ def append_rows_many(
             claimed.append(None)
             lengths.append(0)
     if native is None:
-        native = blocks.available()
+        native = copy_blocks_available()
     if native and new.device.type == "cpu":
         return _write_native(olds, new, claimed, lengths)
     out: list[torch.Tensor] = []
@@ -216,7 +216,7 @@ def append_rows_many(
 def _write_native(
     olds: Sequence[torch.Tensor], new: torch.Tensor, claimed: Sequence[_Buffer | None], lengths: Sequence[int]
 ) -> list[torch.Tensor]:
-    """The claimed rows written by address (`blocks.copy_blocks`), the rest copied as `append_rows` does.
+    """The claimed rows written by address (`copy_blocks`), the rest copied as `append_rows` does.
 
     Safe: a claimed block [n, n + k) lies inside its buffer (the claim checked the capacity), blocks of
     different buffers never overlap, no view handed out shows those rows yet, and `new` (contiguous here)
@@ -233,5 +233,5 @@ def _write_native(
         dst_at.append(buf.address + n * buf.row_bytes)
         src_at.append(base + g * block)
         out.append(buf.tip())
-    blocks.copy_blocks(dst_at, src_at, block)
+    copy_blocks(dst_at, src_at, block)
     return out

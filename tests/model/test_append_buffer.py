@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import sparse_attn
-from kernels.native import blocks
+from kernels import copy_blocks, copy_blocks_available, sparse_attn
 from model.append_buffer import append_rows, append_rows_many, append_rows_reference
 from model.attention import gather_selected
 
@@ -115,7 +114,8 @@ def _world(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 _WRITERS = [
     pytest.param(False, id="foreach"),
-    pytest.param(True, id="native", marks=pytest.mark.skipif(not blocks.available(), reason="no C compiler")),
+    pytest.param(True, id="native",
+                 marks=pytest.mark.skipif(not copy_blocks_available(), reason="no C compiler")),  # fmt: skip
 ]
 
 
@@ -171,7 +171,7 @@ def test_append_rows_many_two_continuations_and_refusals(native):
         append_rows_many([base, base], new[:1])
 
 
-@pytest.mark.skipif(not blocks.available(), reason="no C compiler")
+@pytest.mark.skipif(not copy_blocks_available(), reason="no C compiler")
 def test_copy_blocks_copies_each_block_and_refuses_bad_arguments():
     from array import array
 
@@ -179,13 +179,13 @@ def test_copy_blocks_copies_each_block_and_refuses_bad_arguments():
     src = torch.randint(0, 256, (5, 24), generator=g, dtype=torch.uint8)
     dst = torch.zeros(5, 40, dtype=torch.uint8)
     order = torch.randperm(5, generator=g).tolist()
-    blocks.copy_blocks(array("q", [dst[i].data_ptr() + 3 for i in range(5)]),
+    copy_blocks(array("q", [dst[i].data_ptr() + 3 for i in range(5)]),
                        array("q", [src[j].data_ptr() for j in order]), 24)  # fmt: skip
     assert torch.equal(dst[:, 3:27], src[order]) and not dst[:, :3].any() and not dst[:, 27:].any()
-    blocks.copy_blocks(array("q"), array("q"), 24)  # nothing to copy
+    copy_blocks(array("q"), array("q"), 24)  # nothing to copy
     with pytest.raises(ValueError, match="one length"):
-        blocks.copy_blocks(array("q", [1]), array("q"), 8)
+        copy_blocks(array("q", [1]), array("q"), 8)
     with pytest.raises(ValueError, match="array"):
-        blocks.copy_blocks(array("i", [1]), array("q", [1]), 8)
+        copy_blocks(array("i", [1]), array("q", [1]), 8)
     with pytest.raises(ValueError, match="nbytes=-1"):
-        blocks.copy_blocks(array("q"), array("q"), -1)
+        copy_blocks(array("q"), array("q"), -1)
