@@ -435,7 +435,7 @@ class ProcessCompute:
 
         def outputs() -> list[PassOutput]:
             wires, generation = finish()
-            return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+            return [self._output(w, s, generation) for w, s in zip(wires.unpack(), states, strict=True)]
 
         return outputs
 
@@ -465,7 +465,7 @@ class ProcessCompute:
 
         def outputs() -> list[PassOutput]:
             wires, generation = finish()
-            return [self._output(w, s, generation) for w, s in zip(wires, states, strict=True)]
+            return [self._output(w, s, generation) for w, s in zip(wires.unpack(), states, strict=True)]
 
         return outputs
 

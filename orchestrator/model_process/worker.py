@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from orchestrator.child_process import serve_calls, serve_connections
-from orchestrator.model_process.wire import WireOutput, pack_logits
+from orchestrator.model_process.wire import WireOutput, WireOutputs, pack_logits
 
 __all__ = ["WorkerConfig", "serve_forever"]
 
@@ -103,12 +103,19 @@ class _Worker:
         return served
 
     def _output(self, out: Any, sid: int | None) -> WireOutput:
-        # the pass updated its input state in place; one that started from nothing made a new state
-        if sid is None or self._state(sid) is not out.state:
-            sid = self._keep(out.state)
+        sid = self._output_id(out, sid)
         return WireOutput(
             state_id=sid, n_tokens=out.state.n_tokens, logits=pack_logits(out.logits), stats=out.stats
         )
+
+    def _output_id(self, out: Any, sid: int | None) -> int:
+        # the pass updated its input state in place; one that started from nothing made a new state
+        if sid is None or self._state(sid) is not out.state:
+            sid = self._keep(out.state)
+        return sid
+
+    def _outputs(self, outs: Sequence[Any], sids: Sequence[int | None]) -> WireOutputs:
+        return WireOutputs.pack(list(outs), [self._output_id(o, s) for o, s in zip(outs, sids, strict=True)])
 
     # -- operations (`op_<name>`), each one call ------------------------------------------------------
 
@@ -228,10 +235,9 @@ class _Worker:
     def op_decode(self, model: str, token: int, sid: int) -> WireOutput:
         return self._output(self.compute.decode(self._served(model), token, self._state(sid)), sid)
 
-    def op_decode_many(self, model: str, tokens: Sequence[int], sids: Sequence[int]) -> list[WireOutput]:
+    def op_decode_many(self, model: str, tokens: Sequence[int], sids: Sequence[int]) -> WireOutputs:
         states = [self._state(s) for s in sids]
-        outs = self.compute.decode_many(self._served(model), tokens, states)
-        return [self._output(o, s) for o, s in zip(outs, sids, strict=True)]
+        return self._outputs(self.compute.decode_many(self._served(model), tokens, states), sids)
 
     def op_prefill_many(
         self,
@@ -239,10 +245,10 @@ class _Worker:
         chunks: Sequence[Sequence[int]],
         sids: Sequence[int | None],
         prompt_ends: Sequence[int],
-    ) -> list[WireOutput]:
+    ) -> WireOutputs:
         states = [self._state(s) for s in sids]
         outs = self.compute.prefill_many(self._served(model), chunks, states, prompt_ends)
-        return [self._output(o, s) for o, s in zip(outs, sids, strict=True)]
+        return self._outputs(outs, sids)
 
     def _account(self, op: str, cpu: float, wall: float) -> None:
         with self._lock:

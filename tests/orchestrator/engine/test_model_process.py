@@ -73,6 +73,22 @@ def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remo
     for a, b in zip(outs_a, outs_b, strict=True):
         assert torch.equal(a.logits, b.logits), f"seed {seed}"
         assert b.state is not None
+    # a batched pass whose outputs mix logits and none (chunks that end before their prompt), with a
+    # sequence that starts from nothing (its state is made there): each output as in-process compute's
+    chunks = [_prompt(rng, rng.randrange(1, 9)) for _ in range(len(states_a) + 1)]
+    # every other prompt goes on far past its chunk: its decoder does not run, so it has no logits
+    ends = [s.n_tokens + len(chunks[i]) + (i % 2) * 200 for i, s in enumerate(states_a)]
+    ends.append(len(chunks[-1]))
+    outs_a = local.prefill_many(served, chunks, [*states_a, None], ends)
+    outs_b = remote.prefill_many(served, chunks, [*states_b, None], ends)
+    assert [o.logits is None for o in outs_b] == [o.logits is None for o in outs_a]
+    assert any(o.logits is None for o in outs_a) and any(o.logits is not None for o in outs_a)
+    for a, b in zip(outs_a, outs_b, strict=True):
+        assert (a.logits is None) or torch.equal(a.logits, b.logits), f"seed {seed}"
+        assert a.stats == b.stats and b.state.n_tokens == a.state.n_tokens
+    assert isinstance(outs_b[-1].state, RemoteState)
+    states_a.append(outs_a[-1].state)
+    states_b.append(outs_b[-1].state)
     for a, b in zip(states_a, states_b, strict=True):
         n = a.n_tokens - a.n_tokens % 32
         assert local.export_global(served, a, 0, n) == remote.export_global(served, b, 0, n)
