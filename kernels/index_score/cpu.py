@@ -3,7 +3,7 @@ bit for bit equal to the torch reference (reference.py, its slow twin) under the
 profile, NaN payloads aside, about 10x faster at long histories (benchmarks/bench_attention.py).
 
 Knows nothing of validation (the package's `index_score` does it): it takes CPU bf16 tensors of the
-reference's shapes. The C file is built on first use by `kernels.native.load_library`; without a compiler
+reference's shapes. The C file is built on first use by `kernels.native.load_functions`; without a compiler
 `usable()` is False and callers keep the reference.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import load_library
+from kernels.native import load_functions
 
 _SOURCE = Path(__file__).with_name("cpu_index_score.c")
 _P = ctypes.c_void_p
@@ -25,12 +25,7 @@ _INT = ctypes.c_int
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_library(_SOURCE)
-    if lib is None:
-        return None
-    lib.index_score_bf16.argtypes = [_P, _P, _P, _I64, _INT, _INT, _I64, _P, _P]
-    lib.index_score_bf16.restype = _INT
-    return lib
+    return load_functions(_SOURCE, {"index_score_bf16": ([_P, _P, _P, _I64, _INT, _INT, _I64, _P, _P], _INT)})
 
 
 def covers(head_dim: int, rows: int) -> bool:

@@ -13,7 +13,7 @@ from array import array
 from functools import cache
 from pathlib import Path
 
-from kernels.native.build import load_library
+from kernels.native.build import load_functions
 
 __all__ = ["available", "copy_blocks"]
 
@@ -24,12 +24,7 @@ _I64 = ctypes.c_int64
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_library(_SOURCE)
-    if lib is None:
-        return None
-    lib.copy_blocks.argtypes = [_P, _P, _I64, _I64]
-    lib.copy_blocks.restype = None
-    return lib
+    return load_functions(_SOURCE, {"copy_blocks": ([_P, _P, _I64, _I64], None)})
 
 
 def available() -> bool:

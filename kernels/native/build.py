@@ -22,10 +22,12 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_flags", "load_library"]
+__all__ = ["cpu_flags", "load_functions", "load_library"]
 
 # a local header: `#include "path"`, resolved beside the including file
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -93,3 +95,16 @@ def load_library(source: Path) -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)
     return ctypes.CDLL(str(target))
+
+
+def load_functions(source: Path, signatures: Mapping[str, tuple[list[Any], Any]]) -> ctypes.CDLL | None:
+    """`load_library(source)` with each named function's ctypes signature declared: name -> (argtypes,
+    restype); None where the library does not build. Call it once per process (under `functools.cache`)."""
+    lib = load_library(source)
+    if lib is None:
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+    return lib
