@@ -176,62 +176,47 @@ def append_rows_many(
     key = (new.dtype, new.device, tuple(new.shape[2:]))
     inference = torch.is_inference_mode_enabled()
     fast = k > 0 and not new.requires_grad
-    # every claim under one acquisition, in order (as one append after the other would decide them);
-    # `_claim_held` inlined: this loop runs for every sequence and source field of a decode step
-    claimed: list[_Buffer | None] = []
-    lengths: list[int] = []
+    # every claim under one acquisition, in order (as one append after the other would decide them)
+    claims: list[tuple[_Buffer, int] | None] = []
     with _CLAIMS:
         for old in olds:
             tip: _Buffer | None = getattr(old, _TIP, None)
+            claim = None
             # as `_fits`, with new's part checked once
             if fast and tip is not None and tip.key == key and not old.requires_grad:
                 n = old.size(1)
-                if tip.used == n and n + k <= tip.data.size(1) and tip.inference == inference:
-                    tip.used = n + k
-                    claimed.append(tip)
-                    lengths.append(n)
-                    continue
-            claimed.append(None)
-            lengths.append(0)
+                claim = (tip, n) if _claim_held(tip, n, k, inference) else None
+            claims.append(claim)
     if native is None:
         native = copy_blocks_available()
-    if native and new.device.type == "cpu":
-        return _write_native(olds, new, claimed, lengths)
+    native = native and new.device.type == "cpu"
+    rows = new.contiguous() if native else new
     out: list[torch.Tensor] = []
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    rows = new.split(1)  # [1, k, ...] each
-    for g, (old, buf, n) in enumerate(zip(olds, claimed, lengths, strict=True)):
-        if buf is None:
-            out.append(append_rows(old, rows[g]))
+    claimed: list[tuple[int, _Buffer, int]] = []  # (g, buffer, rows it held)
+    for g, (old, claim) in enumerate(zip(olds, claims, strict=True)):
+        if claim is None:
+            out.append(append_rows(old, rows[g : g + 1]))
             continue
-        dst.append(buf.rows(n, k))
-        src.append(rows[g])
-        out.append(buf.tip())
-    if dst:
-        torch._foreach_copy_(dst, src)
+        claimed.append((g, *claim))
+        out.append(claim[0].tip())
+    if claimed:
+        if native:
+            _write_by_address(rows, claimed, k)
+        else:
+            dst = [buf.rows(n, k) for _, buf, n in claimed]
+            torch._foreach_copy_(dst, [rows[g : g + 1] for g, _, _ in claimed])
     return out
 
 
-def _write_native(
-    olds: Sequence[torch.Tensor], new: torch.Tensor, claimed: Sequence[_Buffer | None], lengths: Sequence[int]
-) -> list[torch.Tensor]:
-    """The claimed rows written by address (`copy_blocks`), the rest copied as `append_rows` does.
+def _write_by_address(rows: torch.Tensor, claimed: Sequence[tuple[int, _Buffer, int]], k: int) -> None:
+    """Write rows[g] ([k, ...] of a contiguous CPU `rows`) into rows [n, n + k) of each claimed buffer with
+    one `copy_blocks` call.
 
-    Safe: a claimed block [n, n + k) lies inside its buffer (the claim checked the capacity), blocks of
-    different buffers never overlap, no view handed out shows those rows yet, and `new` (contiguous here)
-    and every buffer stay alive until the call returns."""
-    src_rows = new.contiguous()
-    block = src_rows[0].numel() * src_rows.element_size()  # bytes of one sequence's k new rows
-    base = src_rows.data_ptr()
-    out: list[torch.Tensor] = []
-    dst_at, src_at = array("q"), array("q")
-    for g, (old, buf, n) in enumerate(zip(olds, claimed, lengths, strict=True)):
-        if buf is None:
-            out.append(append_rows(old, src_rows[g : g + 1]))
-            continue
-        dst_at.append(buf.address + n * buf.row_bytes)
-        src_at.append(base + g * block)
-        out.append(buf.tip())
+    Safe: a claimed block lies inside its buffer (the claim checked the capacity), blocks of different
+    buffers never overlap, no view handed out shows those rows yet, and `rows` and every buffer stay alive
+    until the call returns."""
+    block = k * claimed[0][1].row_bytes  # bytes of one sequence's k new rows (new's row shape and dtype)
+    base = rows.data_ptr()
+    dst_at = array("q", [buf.address + n * buf.row_bytes for _, buf, n in claimed])
+    src_at = array("q", [base + g * block for g, _, _ in claimed])
     copy_blocks(dst_at, src_at, block)
-    return out

@@ -169,6 +169,7 @@ def test_append_rows_many_two_continuations_and_refusals(native):
     assert torch.equal(out[1], append_rows_reference(plain, rows[1:]))
     with pytest.raises(ValueError, match="G=2"):
         append_rows_many([base, base], new[:1])
+    assert append_rows_many([], new[:0], native=native) == []
 
 
 @pytest.mark.skipif(not copy_blocks_available(), reason="no C compiler")
