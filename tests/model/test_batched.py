@@ -47,12 +47,13 @@ def _state_tensors(state) -> list[torch.Tensor]:
     return out
 
 
-def _assert_same_state_tensors(now: list[torch.Tensor], then: list[torch.Tensor], where: str) -> None:
-    """The same tensors, byte for byte (NaN payloads, signed zeros, fp8 codes count)."""
-    assert len(now) == len(then), where
-    for x, y in zip(now, then, strict=True):
-        assert x.shape == y.shape, where
-        assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), where
+def _assert_same_state_tensors(a: list[torch.Tensor], b: list[torch.Tensor], where: str) -> None:
+    """The same tensors, byte for byte: NaN payloads and signed zeros count, fp8 codes and e8m0 scales too."""
+    assert len(a) == len(b), where
+    for k, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{where}: tensor {k}"
+        x, y = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)
+        assert torch.equal(x, y), f"{where}: tensor {k} differs at byte {int((x != y).nonzero()[0, 0])}"
 
 
 def _assert_same_exports(model, alone, together) -> None:
@@ -67,11 +68,7 @@ def _assert_same_exports(model, alone, together) -> None:
 def _assert_same_state(a, b) -> None:
     assert a.window_from == b.window_from and a.enc_from == b.enc_from
     assert a.extra.get("index_k_slot") == b.extra.get("index_k_slot")
-    for k, (x, y) in enumerate(zip(_state_tensors(a), _state_tensors(b), strict=True)):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        # compare the bytes: NaN payloads and signed zeros count, fp8 codes and e8m0 scales too
-        x, y = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)
-        assert torch.equal(x, y), f"state tensor {k} differs at {int((x != y).nonzero()[0, 0])}"
+    _assert_same_state_tensors(_state_tensors(a), _state_tensors(b), "state")
 
 
 def test_rowwise_linear_equals_one_row_products() -> None:
