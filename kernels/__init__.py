@@ -34,6 +34,7 @@ from kernels.formats import (
     quantize_fp8_ue8m0,
     quantize_mxfp4,
 )
+from kernels.fp32_rows import one_row_products, one_row_products_reference
 from kernels.index_score import index_score, index_score_at
 from kernels.mhc import collapse as mhc_collapse
 from kernels.mhc import expand as mhc_expand
@@ -70,6 +71,8 @@ __all__ = [
     "dequantize_mxfp4",
     "fp4_linear",
     "fp8_linear",
+    "one_row_products",
+    "one_row_products_reference",
     "pack_bf16_weight",
     "prepare_fp4_weight",
     "prepare_fp8_weight",

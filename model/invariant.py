@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 # the row count from which MKL's fp32 GEMM computes every row alike (see the module docstring); the
 # block-scaled FP8/FP4 GEMMs of kernels/formats pad their small products to it too
-from kernels import GEMM_MIN_ROWS
+from kernels import GEMM_MIN_ROWS, one_row_products
 
 __all__ = [
     "GEMM_MIN_ROWS",
@@ -115,10 +115,9 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fp32_linear(x, weight)
     lead = x.shape[:-1]
     if x.size(-1) * weight.size(0) < _BMM_OWN_LOOP_BELOW:
-        # a tiny product (the MoE gate of few experts): torch's bmm would not run MKL's kernel; row by row
-        # (split: the M one-row views in one call, not a slice each)
-        flat = x.reshape(-1, x.size(-1))
-        return torch.cat([F.linear(row, weight) for row in flat.split(1)]).view(*lead, weight.size(0))
+        # a tiny product (the MoE gate of few experts): torch's bmm would not run MKL's kernel; each row its
+        # own one-row product, all in one call (kernels.one_row_products: the loop over rows compiled)
+        return one_row_products(x.reshape(-1, x.size(-1)), weight).view(*lead, weight.size(0))
     rows = x.reshape(-1, 1, x.size(-1))  # [M, 1, K]
     out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.size(0), -1, -1))  # [M, 1, N]
     return out.view(*lead, weight.size(0))

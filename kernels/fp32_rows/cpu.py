@@ -1,0 +1,86 @@
+"""The compiled CPU path of one-row fp32 products (cpu_fp32_rows.c): `[F.linear(row, w) for row in x]`
+in one call, each row through the BLAS `sgemm_` that torch itself calls for a one-row product, with the
+same arguments. Its slow twin is that torch loop (kernels.fp32_rows).
+
+The address of `sgemm_` is looked up in torch's own CPU library; where it is not exported (a torch built
+on another BLAS, or none) or the library does not build, nothing here is used. Before a shape is first
+computed here, a probe on wide-range values compares every bit with the torch loop in this process
+(`agrees`), so a torch whose one-row `F.linear` takes another route is found out, not trusted.
+
+Knows nothing of models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache, lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.native import load_functions
+
+__all__ = ["agrees", "available", "rows_linear"]
+
+_SOURCE = Path(__file__).with_name("cpu_fp32_rows.c")
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+# rows of the first-use probe: more than one, odd, enough for a row of every residue mod 16
+_PROBE_ROWS = 19
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    return load_functions(_SOURCE, {"fp32_rows_linear": ([_P, _P, _P, _P, _I64, _I32, _I32], None)})
+
+
+@cache
+def _sgemm() -> int | None:
+    """The address of the BLAS `sgemm_` in torch's CPU library, or None where it does not export one."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def available() -> bool:
+    """Whether the library builds and torch exports the BLAS call it makes."""
+    return _library() is not None and _sgemm() is not None
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 (contiguous CPU) @ weight [N, K]^T (fp32, contiguous CPU) -> [M, N], each row one
+    `sgemm_` call (check `available()` first)."""
+    lib = _library()
+    sgemm = _sgemm()
+    assert lib is not None and sgemm is not None
+    m, k = x.shape
+    n = weight.size(0)
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.fp32_rows_linear(sgemm, weight.data_ptr(), x.data_ptr(), out.data_ptr(), m, k, n)
+    return out
+
+
+def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """fp32 values of random sign over 2^-6..2^6 (the sums' order shows in most outputs)."""
+    exponent = torch.randint(-6, 7, shape, generator=gen).float()
+    sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
+    return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))
+
+
+@lru_cache(maxsize=64)
+def agrees(k: int, n: int, threads: int) -> bool:
+    """Whether, in this process (at `threads` intra-op threads), `rows_linear` gives every bit of the torch
+    loop for weights [n, k]: checked once per shape on wide-range values."""
+    if not available():
+        return False
+    gen = torch.Generator().manual_seed(20261206 + 7919 * k + n)
+    weight = _wide(gen, n, k)
+    x = _wide(gen, _PROBE_ROWS, k)
+    with torch.inference_mode():
+        want = torch.cat([F.linear(row, weight) for row in x.split(1)])
+        return torch.equal(rows_linear(x, weight), want)
