@@ -19,6 +19,8 @@ and 6 source fields was about 650 `append_rows` calls per decode step): it decid
 `append_rows` would, in order, and writes all the in-place rows of CPU buffers with one call of the
 compiled `copy_blocks` (kernels/native/blocks.py: addresses, no view per destination), elsewhere or without
 a compiler with one `torch._foreach_copy_` into views (its slow twin; both are tested against the other).
+`append_rows_ragged` is the same for runs of unequal lengths (a batched prefill's new entries: each chunk
+closes its own number of compression groups), one `copy_blocks` call per run length.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from kernels import copy_blocks, copy_blocks_available
 
-__all__ = ["append_rows", "append_rows_many", "append_rows_reference"]
+__all__ = ["append_rows", "append_rows_many", "append_rows_ragged", "append_rows_reference"]
 
 # Spare capacity on a re-allocation: half the rows again, at least this many (decode then copies once
 # per ~N/2 steps; a prefill chunk larger than the slack gets exactly what it needs plus the slack).
@@ -172,18 +174,48 @@ def append_rows_many(
     """
     if new.dim() < 2 or new.size(0) != len(olds):
         raise ValueError(f"append_rows_many needs new [G={len(olds)}, k, ...], got {tuple(new.shape)}")
-    k = new.size(1)
+    g, k = new.size(0), new.size(1)
+    return _append_runs(olds, new.reshape(1, g * k, *new.shape[2:]), [k] * g, native)
+
+
+def append_rows_ragged(
+    olds: Sequence[torch.Tensor], new: torch.Tensor, counts: Sequence[int], *, native: bool | None = None
+) -> list[torch.Tensor]:
+    """`append_rows_many` for runs of unequal lengths: `[append_rows(olds[i], new[:, a_i : a_i + counts[i]])
+    for i]`, where new [1, sum(counts), ...] holds each sequence's rows after the previous one's (a_i =
+    counts[0] + ... + counts[i - 1]); a count of 0 leaves its tensor as it is. `native` as there.
+
+    Raises:
+        ValueError: new is not [1, sum(counts), ...], a count is negative, or counts and olds differ in
+            number.
+    """
+    if len(counts) != len(olds) or any(c < 0 for c in counts):
+        raise ValueError(f"append_rows_ragged needs a count >= 0 for each of the {len(olds)} tensors, got "
+                         f"{list(counts)}")  # fmt: skip
+    if new.dim() < 2 or new.size(0) != 1 or new.size(1) != sum(counts):
+        raise ValueError(
+            f"append_rows_ragged needs new [1, {sum(counts)}, ...] for counts {list(counts)}, got "
+            f"{tuple(new.shape)}"
+        )
+    return _append_runs(olds, new, counts, native)
+
+
+def _append_runs(
+    olds: Sequence[torch.Tensor], new: torch.Tensor, counts: Sequence[int], native: bool | None
+) -> list[torch.Tensor]:
+    """The appends of `append_rows_ragged` (arguments checked): every claim decided in order under one
+    acquisition, then the claimed rows written in one call per run length."""
     key = (new.dtype, new.device, tuple(new.shape[2:]))
     inference = torch.is_inference_mode_enabled()
-    fast = k > 0 and not new.requires_grad
+    fast = not new.requires_grad
     # every claim under one acquisition, in order (as one append after the other would decide them)
     claims: list[tuple[_Buffer, int] | None] = []
     with _CLAIMS:
-        for old in olds:
+        for old, k in zip(olds, counts, strict=True):
             tip: _Buffer | None = getattr(old, _TIP, None)
             claim = None
             # as `_fits`, with new's part checked once
-            if fast and tip is not None and tip.key == key and not old.requires_grad:
+            if k and fast and tip is not None and tip.key == key and not old.requires_grad:
                 n = old.size(1)
                 claim = (tip, n) if _claim_held(tip, n, k, inference) else None
             claims.append(claim)
@@ -192,31 +224,37 @@ def append_rows_many(
     native = native and new.device.type == "cpu"
     rows = new.contiguous() if native else new
     out: list[torch.Tensor] = []
-    claimed: list[tuple[int, _Buffer, int]] = []  # (g, buffer, rows it held)
-    for g, (old, claim) in enumerate(zip(olds, claims, strict=True)):
+    claimed: list[tuple[int, int, _Buffer, int]] = []  # (first row in `rows`, count, buffer, rows it held)
+    at = 0
+    for old, k, claim in zip(olds, counts, claims, strict=True):
         if claim is None:
-            out.append(append_rows(old, rows[g : g + 1]))
-            continue
-        claimed.append((g, *claim))
-        out.append(claim[0].tip())
+            out.append(append_rows(old, rows[:, at : at + k]))
+        else:
+            claimed.append((at, k, *claim))
+            out.append(claim[0].tip())
+        at += k
     if claimed:
         if native:
-            _write_by_address(rows, claimed, k)
+            _write_by_address(rows, claimed)
         else:
-            dst = [buf.rows(n, k) for _, buf, n in claimed]
-            torch._foreach_copy_(dst, [rows[g : g + 1] for g, _, _ in claimed])
+            dst = [buf.rows(n, k) for _, k, buf, n in claimed]
+            torch._foreach_copy_(dst, [rows[:, a : a + k] for a, k, _, _ in claimed])
     return out
 
 
-def _write_by_address(rows: torch.Tensor, claimed: Sequence[tuple[int, _Buffer, int]], k: int) -> None:
-    """Write rows[g] ([k, ...] of a contiguous CPU `rows`) into rows [n, n + k) of each claimed buffer with
-    one `copy_blocks` call.
+def _write_by_address(rows: torch.Tensor, claimed: Sequence[tuple[int, int, _Buffer, int]]) -> None:
+    """Write each claim's rows of a contiguous CPU `rows` [1, S, ...] (k of them from row a) into rows
+    [n, n + k) of its buffer with one `copy_blocks` call per run length k.
 
     Safe: a claimed block lies inside its buffer (the claim checked the capacity), blocks of different
     buffers never overlap, no view handed out shows those rows yet, and `rows` and every buffer stay alive
     until the call returns."""
-    block = k * claimed[0][1].row_bytes  # bytes of one sequence's k new rows (new's row shape and dtype)
+    row_bytes = claimed[0][2].row_bytes  # bytes of one row (new's row shape and dtype)
     base = rows.data_ptr()
-    dst_at = array("q", [buf.address + n * buf.row_bytes for _, buf, n in claimed])
-    src_at = array("q", [base + g * block for g, _, _ in claimed])
-    copy_blocks(dst_at, src_at, block)
+    groups: dict[int, list[tuple[int, int, _Buffer, int]]] = {}
+    for claim in claimed:
+        groups.setdefault(claim[1], []).append(claim)
+    for k, group in groups.items():
+        dst_at = array("q", [buf.address + n * row_bytes for _, _, buf, n in group])
+        src_at = array("q", [base + a * row_bytes for a, _, _, _ in group])
+        copy_blocks(dst_at, src_at, k * row_bytes)

@@ -30,7 +30,6 @@ on fresh random ragged chunks, at 1 and 2 threads):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from kernels import (
     select_topk,
     sparse_attn,
 )
-from model.append_buffer import append_rows_many
+from model.append_buffer import append_rows_ragged
 from model.attention import Attention, ProjectedRows
 from model.invariant import stacked_fp32_linear
 from model.ragged_attention import ragged_sparse_attn
@@ -245,22 +244,16 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         new = latent[:, torch.tensor(rows, device=dev)]  # [1, E, D]
         freqs = table[torch.tensor(positions, device=dev) * attn.ratio]  # [E, rope/2] at each entry's j*m
         extra = attn.entry_fields(new, freqs, backend=backend)  # name -> [1, E, ...], sequence after sequence
-    # each source's new rows appended as append_rows would, sequences with as many new entries in one call;
-    # the fields replaced on each state's own SourceCache (ModelState.clone copies those objects, so no
-    # snapshot shares one; no tensor is written), as the batched decode does (model/batched_attention.py)
-    offsets = list(itertools.accumulate(spans, initial=0))
-    for g, members in _by_key(spans).items():
-        if not g:
-            continue
-        whole = len(members) == len(seqs)  # every sequence g new entries: the rows lie as [G, g] already
-        starts = [offsets[i] for i in members]
-        pick = None if whole else torch.tensor([o + j for o in starts for j in range(g)], device=x.device)
-        for name, t in extra.items():
-            part = t if whole else t.index_select(1, pick)
-            olds = [getattr(srcs[i], name) for i in members]
-            grown = append_rows_many(olds, part.reshape(len(members), g, *t.shape[2:]))  # new [G, g, ...]
-            for i, grew in zip(members, grown, strict=True):
-                setattr(srcs[i], name, grew)
+    # each source's new rows appended as append_rows would, every sequence's in one call per field (the
+    # rows lie sequence after sequence); the fields replaced on each state's own SourceCache
+    # (ModelState.clone copies those objects, so no snapshot shares one; no tensor is written), as the
+    # batched decode does (model/batched_attention.py)
+    members = [i for i, g in enumerate(spans) if g]
+    counts = [spans[i] for i in members]
+    for name, t in extra.items():
+        grown = append_rows_ragged([getattr(srcs[i], name) for i in members], t, counts)
+        for i, grew in zip(members, grown, strict=True):
+            setattr(srcs[i], name, grew)
     for r, src, (carry_kv, carry_score), span in zip(seqs, srcs, carries, spans, strict=True):
         src.carry_kv, src.carry_score = carry_kv, carry_score
         if span and "index_k" in extra:

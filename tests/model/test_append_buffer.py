@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import copy_blocks, copy_blocks_available, sparse_attn
-from model.append_buffer import append_rows, append_rows_many, append_rows_reference
+from model.append_buffer import append_rows, append_rows_many, append_rows_ragged, append_rows_reference
 from model.attention import gather_selected
 
 
@@ -148,6 +148,54 @@ def test_append_rows_many_equals_its_per_sequence_twin(native):
                     assert all(torch.equal(t.view(torch.uint8), c.view(torch.uint8))
                                for t, c in zip(many, before, strict=True))  # fmt: skip
                     lone, many = want, got
+
+
+@pytest.mark.parametrize("native", _WRITERS)
+def test_append_rows_ragged_equals_its_per_sequence_twin(native):
+    """Runs of unequal lengths (0 included) appended in one call: the values of cat, the same appends in
+    place as `append_rows` one sequence after another, and no earlier view changed, over many rounds
+    (buffers fill and regrow), for each stored dtype, written by address (native) and through views."""
+    seed = int(torch.randint(0, 1 << 30, (1,)))
+    for dtype in (torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32):
+        with torch.inference_mode():
+            lone, many = _world(seed, dtype), _world(seed, dtype)
+            g = torch.Generator().manual_seed(seed + 2)
+            for step in range(30):
+                counts = torch.randint(0, 9, (len(lone),), generator=g).tolist()
+                new = (torch.randn(1, sum(counts), 3, 4, generator=g) * 8).to(dtype)
+                starts = [sum(counts[:i]) for i in range(len(counts))]
+                before = [t.clone() for t in many]
+                runs = zip(lone, starts, counts, strict=True)
+                want = [append_rows(t, new[:, a : a + c]) for t, a, c in runs]
+                if step % 5 == 2:
+                    new = torch.cat([new, new], dim=-1)[..., :4]  # the same rows, not contiguous
+                    assert not new.is_contiguous()
+                got = append_rows_ragged(many, new, counts, native=native)
+                for i, (a, b, old) in enumerate(zip(want, got, many, strict=True)):
+                    ref = append_rows_reference(old, new[:, starts[i] : starts[i] + counts[i]])
+                    assert b.dtype == dtype and b.shape == ref.shape, (seed, step, i)
+                    assert torch.equal(b.view(torch.uint8), ref.view(torch.uint8)), (seed, step, i)
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (seed, step, i)
+                    in_place_a = a.data_ptr() == lone[i].data_ptr()
+                    assert in_place_a == (b.data_ptr() == old.data_ptr()), (seed, step, i)
+                    if counts[i] == 0:
+                        assert b is old, (seed, step, i)
+                assert all(torch.equal(t.view(torch.uint8), c.view(torch.uint8))
+                           for t, c in zip(many, before, strict=True))  # fmt: skip
+                lone, many = want, got
+
+
+@pytest.mark.parametrize("native", _WRITERS)
+def test_append_rows_ragged_refuses_what_does_not_add_up(native):
+    g = torch.Generator().manual_seed(9)
+    base = [append_rows(_rows(g, 4), _rows(g, 1)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"\[1, 5, \.\.\.\] for counts \[2, 3\]"):
+        append_rows_ragged(base, torch.zeros(1, 4, 8).bfloat16(), [2, 3], native=native)
+    with pytest.raises(ValueError, match=r"count >= 0.*\[2, -1\]"):
+        append_rows_ragged(base, torch.zeros(1, 1, 8).bfloat16(), [2, -1], native=native)
+    with pytest.raises(ValueError, match="each of the 2"):
+        append_rows_ragged(base, torch.zeros(1, 2, 8).bfloat16(), [2], native=native)
+    assert append_rows_ragged([], torch.zeros(1, 0, 8), [], native=native) == []
 
 
 @pytest.mark.parametrize("native", _WRITERS)
