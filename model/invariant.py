@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 # the row count from which MKL's fp32 GEMM computes every row alike (see the module docstring); the
 # block-scaled FP8/FP4 GEMMs of kernels/formats pad their small products to it too
-from kernels import GEMM_MIN_ROWS, one_row_products
+from kernels import GEMM_MIN_ROWS, one_row_products, wide_fp32
 
 __all__ = [
     "GEMM_MIN_ROWS",
@@ -129,14 +129,6 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _STACK_CHECK_ROWS = (4, 5, 24, 97, 256, 513, 1536)
 
 
-def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    """fp32 values of random sign over 2^-6..2^6: the sums' order shows in far more outputs than with
-    normal values (kernels/bf16_gemm has the bf16 twin; full fp32 mantissas here, as the products take)."""
-    exponent = torch.randint(-6, 7, shape, generator=gen).float()
-    sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
-    return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))
-
-
 @functools.lru_cache(maxsize=64)
 def _stacks_freely(k: int, n: int, threads: int) -> bool:
     """Whether, in this process (at `threads` intra-op threads), a plain fp32 product of many rows gives
@@ -145,8 +137,9 @@ def _stacks_freely(k: int, n: int, threads: int) -> bool:
     The numerics probe checks 2-16 rows against 40; this checks the larger stacks of a batched prefill
     too. Where it fails, `stacked_fp32_linear` runs one product per sequence, as the lone passes do."""
     gen = torch.Generator().manual_seed(20261205 + 7919 * k + n)
-    weight = _wide(gen, n, k)
-    x = _wide(gen, max(_STACK_CHECK_ROWS), k)
+    # wide-range values (kernels.wide_fp32; kernels/bf16_gemm has the bf16 twin)
+    weight = wide_fp32(gen, n, k)
+    x = wide_fp32(gen, max(_STACK_CHECK_ROWS), k)
     with torch.inference_mode():
         for m in _STACK_CHECK_ROWS:
             rows = x[:m]

@@ -8,16 +8,12 @@ Knows nothing of models.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.fp32_rows import cpu
+from kernels.fp32_rows.cpu import rows_linear_reference as one_row_products_reference
+from kernels.fp32_rows.cpu import wide_fp32
 
-__all__ = ["one_row_products", "one_row_products_reference"]
-
-
-def one_row_products_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The slow twin: x [M, K] @ weight [N, K]^T as M one-row `F.linear` calls -> [M, N]."""
-    return torch.cat([F.linear(row, weight) for row in x.split(1)])
+__all__ = ["one_row_products", "one_row_products_reference", "wide_fp32"]
 
 
 def one_row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels.native import load_functions
 
-__all__ = ["agrees", "available", "rows_linear"]
+__all__ = ["agrees", "available", "rows_linear", "rows_linear_reference", "wide_fp32"]
 
 _SOURCE = Path(__file__).with_name("cpu_fp32_rows.c")
 _P = ctypes.c_void_p
@@ -65,8 +65,14 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _wide(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    """fp32 values of random sign over 2^-6..2^6 (the sums' order shows in most outputs)."""
+def rows_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The slow twin: x [M, K] @ weight [N, K]^T as M one-row `F.linear` calls -> [M, N]."""
+    return torch.cat([F.linear(row, weight) for row in x.split(1)])
+
+
+def wide_fp32(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """fp32 values of random sign over 2^-6..2^6: a product's sums show their order in far more outputs
+    than with normal values (the probes of fp32 products here and in model/invariant.py)."""
     exponent = torch.randint(-6, 7, shape, generator=gen).float()
     sign = torch.randint(0, 2, shape, generator=gen).float() * 2 - 1
     return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=gen))
@@ -79,8 +85,7 @@ def agrees(k: int, n: int, threads: int) -> bool:
     if not available():
         return False
     gen = torch.Generator().manual_seed(20261206 + 7919 * k + n)
-    weight = _wide(gen, n, k)
-    x = _wide(gen, _PROBE_ROWS, k)
+    weight = wide_fp32(gen, n, k)
+    x = wide_fp32(gen, _PROBE_ROWS, k)
     with torch.inference_mode():
-        want = torch.cat([F.linear(row, weight) for row in x.split(1)])
-        return torch.equal(rows_linear(x, weight), want)
+        return torch.equal(rows_linear(x, weight), rows_linear_reference(x, weight))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import wide_fp32
 from model import (
     Transformer,
     decode,
@@ -127,11 +128,11 @@ def test_stacked_products_give_each_sequence_its_own_product(monkeypatch, stacks
     rng = random.Random(random.randrange(1 << 30))
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     for k, n in ((384, 24), (96, 2), (96, 64)):
-        w = invariant._wide(gen, n, k)
+        w = wide_fp32(gen, n, k)
         for _ in range(4):
             sizes = [1, 1, 2, 3, 5, 24, rng.randrange(1, 60)]
             runs = [rng.choice(sizes) for _ in range(rng.randrange(1, 12))]
-            x = invariant._wide(gen, sum(runs), k)
+            x = wide_fp32(gen, sum(runs), k)
             got = stacked_fp32_linear(x, w, runs)
             at, alone = 0, []
             for t in runs:
