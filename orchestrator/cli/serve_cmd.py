@@ -197,7 +197,6 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    threads = settings.torch_threads or len(os.sched_getaffinity(0))
     # The model process on CPUs of its own and this process on the others (the setting's measurements:
     # orchestrator/cpu_split.py). Before torch starts its threads here, so that they inherit the pinning;
     # build_node gives the model process at most one thread per CPU of its own.
@@ -209,6 +208,10 @@ def _run(args: argparse.Namespace) -> int:
     )
     if split is not None:
         log.info("cpu_split", model_process_cpus=sorted(split.model), service_cpus=sorted(split.service))
+    # Counted after the split: more torch threads than the CPUs this process kept made every parallel op
+    # of its own (the weights' fingerprint at start) wait for its threads to take turns on one CPU
+    # (v41-tiny's start: 4 s of weight initialisation instead of 0.15 s).
+    threads = settings.torch_threads or len(os.sched_getaffinity(0))
     configure_torch(settings.model_numerics, threads=threads)
     log.info("numerics_profile", **profile_report(settings.model_numerics))
 

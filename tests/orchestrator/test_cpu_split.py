@@ -170,7 +170,9 @@ def _serve(data_dir: Path, **env: str) -> subprocess.Popen:
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 CPUs")
 def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
-    proc = _serve(tmp_path, KVRESUME_TORCH_THREADS="1")
+    # torch_threads left at 0 (every CPU): serve counts them after the split, so neither process runs more
+    # torch threads than it has CPUs
+    proc = _serve(tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "ready.json").is_file():
@@ -188,7 +190,10 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
         # one model thread: the last CPU for the model process, the others for the service
         assert set(map(frozenset, _masks(model[0]).values())) == {frozenset({cpus[-1]})}
         assert set(map(frozenset, _masks(server).values())) == {frozenset(cpus[:-1])}
-        assert "cpu_split" in (tmp_path / "serve.log").read_text()
+        log = (tmp_path / "serve.log").read_text()
+        assert "cpu_split" in log
+        profile = next(json.loads(line) for line in log.splitlines() if '"numerics_profile"' in line)
+        assert profile["threads"] == len(cpus) - 1, profile
     finally:
         proc.terminate()
         proc.wait(30)
