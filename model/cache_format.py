@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -89,6 +90,15 @@ def _take(payload: memoryview, offset: int, n: int, dtype: torch.dtype, shape: t
         return torch.empty(shape, dtype=dtype), offset
     raw = torch.frombuffer(bytearray(payload[offset : offset + n]), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape), offset + n
+
+
+def _field(raw: torch.Tensor, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]):
+    """Bytes [offset, offset + n) of `raw` (uint8) as `dtype` in `shape`: a view where the offset is a
+    multiple of the dtype's size (what `view(dtype)` of an offset slice needs), else a copy."""
+    part = raw[offset : offset + n]
+    if offset % dtype.itemsize:
+        part = part.clone()
+    return part.view(dtype).reshape(shape)
 
 
 def export_global(state: ModelState, start: int, end: int, *, fingerprint: bytes, row: int = 0) -> bytes:
@@ -343,6 +353,11 @@ def export_windows(model: Transformer, state: ModelState, *, fingerprint: bytes,
 def import_windows(model: Transformer, state: ModelState, blob: bytes, *, fingerprint: bytes) -> None:
     """Restore the encoder pool entry into a batch-1 state at the same position (after `state_from_global`).
 
+    A full hit runs this once a turn, so the payload is copied once and every field is a view of that copy
+    (where its offset suits its dtype; else a copy of its own), and the encoder layers' rings are
+    dequantized in one call (elementwise: the same values as one call per layer). The fields share that
+    one allocation, which only this state holds.
+
     Raises:
         CacheFormatError: corrupt or foreign blob, or a pool entry for another position.
     """
@@ -351,29 +366,42 @@ def import_windows(model: Transformer, state: ModelState, blob: bytes, *, finger
         raise CacheFormatError(f"window entry is for position {n_tokens}, the state is at {state.n_tokens}")
     cfg = model.cfg
     w, d, dev = cfg.window_size, cfg.head_dim, state.device
+    hc, dim = cfg.hc_mult, cfg.dim
+    layers = _encoder_layers(model)
+    carried = [
+        layer
+        for layer in sorted(state.sources)
+        if layer in layers and state.sources[layer].carry_kv is not None
+    ]
+    # the layout `export_windows` writes, checked whole before anything is read
+    ring = 8 + w * d + w * d // 32
+    carry_bytes = [8 * math.prod(state.sources[layer].carry_kv.shape[1:]) for layer in carried]
+    size = len(layers) * ring + sum(carry_bytes) + 8 + 2 * w * hc * dim + 4 * w * hc
+    if len(payload) != size:
+        raise CacheFormatError(
+            f"window entry payload does not fit this model: {len(payload)} bytes, its windows take {size}"
+        )
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     offset = 0
-    try:
-        for i in _encoder_layers(model):
-            (state.window_from[i],) = struct.unpack_from("<Q", payload, offset)
-            codes, offset = _take(payload, offset + 8, w * d, torch.float8_e4m3fn, (1, w, d))
-            scales, offset = _take(payload, offset, w * d // 32, torch.uint8, (1, w, d // 32))
-            state.window_codes[i], state.window_scales[i] = codes.to(dev), scales.to(dev)
-            state.windows[i] = dequantize_fp8_ue8m0(codes, scales, torch.bfloat16).to(dev)
-        for layer in sorted(state.sources):
-            src = state.sources[layer]
-            if layer in _encoder_layers(model) and src.carry_kv is not None:
-                shape = tuple(src.carry_kv.shape[1:])
-                n = 4 * shape[0] * shape[1]
-                kv, offset = _take(payload, offset, n, torch.float32, (1, *shape))
-                score, offset = _take(payload, offset, n, torch.float32, (1, *shape))
-                carry = {"carry_kv": kv.to(dev), "carry_score": score.to(dev)}
-                state.sources[layer] = dataclasses.replace(src, **carry)
-        (state.enc_from,) = struct.unpack_from("<Q", payload, offset)
-        hc, dim = cfg.hc_mult, cfg.dim
-        lanes, offset = _take(payload, offset + 8, 2 * w * hc * dim, torch.bfloat16, (1, w, hc, dim))
-        pre, offset = _take(payload, offset, 4 * w * hc, torch.float32, (1, w, hc))
-    except (struct.error, RuntimeError) as exc:
-        raise CacheFormatError(f"window entry payload does not fit this model: {exc}") from exc
-    if offset != len(payload):
-        raise CacheFormatError(f"window entry has {len(payload) - offset} trailing bytes")
+    codes, scales = [], []
+    for i in layers:
+        (state.window_from[i],) = struct.unpack_from("<Q", payload, offset)
+        codes.append(_field(raw, offset + 8, w * d, torch.float8_e4m3fn, (1, w, d)))
+        scales.append(_field(raw, offset + 8 + w * d, w * d // 32, torch.uint8, (1, w, d // 32)))
+        offset += ring
+    if codes:
+        rings = dequantize_fp8_ue8m0(torch.cat(codes), torch.cat(scales), torch.bfloat16).to(dev)
+        for j, i in enumerate(layers):
+            state.window_codes[i], state.window_scales[i] = codes[j].to(dev), scales[j].to(dev)
+            state.windows[i] = rings[j : j + 1]
+    for layer, n in zip(carried, carry_bytes, strict=True):
+        src = state.sources[layer]
+        shape = (1, *src.carry_kv.shape[1:])
+        kv = _field(raw, offset, n // 2, torch.float32, shape)
+        score = _field(raw, offset + n // 2, n // 2, torch.float32, shape)
+        state.sources[layer] = dataclasses.replace(src, carry_kv=kv.to(dev), carry_score=score.to(dev))
+        offset += n
+    (state.enc_from,) = struct.unpack_from("<Q", payload, offset)
+    lanes = _field(raw, offset + 8, 2 * w * hc * dim, torch.bfloat16, (1, w, hc, dim))
+    pre = _field(raw, offset + 8 + 2 * w * hc * dim, 4 * w * hc, torch.float32, (1, w, hc))
     state.enc_lanes, state.enc_pre = lanes.to(dev), pre.to(dev)

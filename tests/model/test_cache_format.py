@@ -10,6 +10,7 @@ from model import (
     HEADER_BYTES,
     CacheFormatError,
     Transformer,
+    cache_format,
     decode,
     export_global,
     export_windows,
@@ -184,6 +185,35 @@ def test_corrupt_or_foreign_blobs_are_rejected(model: Transformer, fp: bytes) ->
     other = prefill(model, _tokens(10, 7), mode="ced").state
     with pytest.raises(CacheFormatError, match="position"):
         import_windows(model, restored, export_windows(model, other, fingerprint=fp), fingerprint=fp)
+
+
+@torch.inference_mode()
+def test_a_windows_payload_of_another_size_is_refused_naming_both_and_leaves_the_state(
+    model: Transformer, fp: bytes
+) -> None:
+    state = prefill(model, _tokens(37, 9), mode="ced").state
+    pool = export_windows(model, state, fingerprint=fp)
+    payload = pool[HEADER_BYTES:]
+    restored = state_from_global(model, state.tokens, [export_global(state, 0, 37, fingerprint=fp)],
+                                 fingerprint=fp)  # fmt: skip
+    before = ([w.clone() for w in restored.windows], list(restored.window_from), restored.enc_from)
+    # well-formed blobs (header, checksum) whose payload is a byte longer or shorter than this model's
+    for wrong in (payload + b"\0", payload[:-1]):
+        blob = cache_format._pack(cache_format.WINDOWS_MAGIC, fp, 37, 0, wrong)
+        with pytest.raises(CacheFormatError, match=f"{len(wrong)} bytes, its windows take {len(payload)}"):
+            import_windows(model, restored, blob, fingerprint=fp)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], restored.windows, strict=True))
+    assert (before[1], before[2]) == (restored.window_from, restored.enc_from)
+
+
+def test_payload_fields_are_views_where_aligned_and_copies_elsewhere() -> None:
+    values = torch.arange(12, dtype=torch.float32)
+    for lead in (0, 1, 3, 4):
+        raw = torch.frombuffer(bytearray(b"\x7f" * lead + values.numpy().tobytes()), dtype=torch.uint8)
+        got = cache_format._field(raw, lead, 48, torch.float32, (3, 4))
+        assert torch.equal(got, values.reshape(3, 4)), lead
+        # a view shares the payload's memory; a misaligned field is a copy of its own
+        assert (got.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()) == (lead % 4 == 0)
 
 
 def _same_sources(a, b) -> bool:

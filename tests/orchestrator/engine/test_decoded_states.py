@@ -20,7 +20,7 @@ from model import ModelState, decode, export_global, import_global_chunks, prefi
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates, TensorSources
 from orchestrator.engine.global_kv import chunk_ranges
-from orchestrator.engine.model_compute import export_windows_keeping
+from orchestrator.engine.model_compute import export_windows_keeping, token_row
 from orchestrator.engine.pool_entry import chunks_digest
 from storage import PoolConfig, WindowPool
 
@@ -105,6 +105,51 @@ def test_filled_state_equals_the_import_of_the_stored_chunks(served, seed: int) 
     assert kept.matches(ranges, [hashlib.sha256(b).digest() for b in blobs])
     _TORCH.fill_decoded(served, fast, kept.kept)
     _assert_states_equal(_sealed(served, fast, tokens), _sealed(served, slow, tokens))
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_restore_decoded_equals_new_state_fill_and_seal_then_takes_the_live_windows(served, seed) -> None:
+    rng = random.Random(seed)
+    n = rng.randrange(5, 200)  # from fewer tokens than the window up
+    tokens = [rng.randrange(0, served.vocab_size) for _ in range(n)]
+    live = _run(served, tokens, decode_steps=rng.randrange(1, 6), rng=rng)
+    kept = TensorSources.of(live)
+    slow = served.model.new_state(1)
+    _TORCH.fill_decoded(served, slow, kept)
+    slow = _sealed(served, slow, tokens)
+    fast = _TORCH.restore_decoded(served, kept, tokens)
+    _assert_states_equal(fast, slow)
+    # a full hit then imports the turn end's windows: the encoder layers hold the live state's rings,
+    # carries and encoder rows again, bit for bit
+    windows = _TORCH.export_windows(served, live)
+    _TORCH.import_windows(served, fast, windows)
+    _TORCH.import_windows(served, slow, windows)
+    _assert_states_equal(fast, slow)
+    encoder = range(served.model.split)
+    for name in ("windows", "window_codes", "window_scales"):
+        for i in encoder:
+            ta, tb = getattr(fast, name)[i], getattr(live, name)[i]
+            assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)), (name, i)
+    assert [fast.window_from[i] for i in encoder] == [live.window_from[i] for i in encoder]
+    assert fast.enc_from == live.enc_from
+    assert torch.equal(fast.enc_lanes, live.enc_lanes) and torch.equal(fast.enc_pre, live.enc_pre)
+    for layer in fast.sources:
+        if layer in encoder and live.sources[layer].carry_kv is not None:
+            assert torch.equal(fast.sources[layer].carry_kv, live.sources[layer].carry_kv), layer
+            assert torch.equal(fast.sources[layer].carry_score, live.sources[layer].carry_score), layer
+
+
+def test_token_row_equals_torch_tensor_and_refuses_ids_out_of_int64() -> None:
+    rng = random.Random(11)
+    for n in (0, 1, 7, 700):
+        ids = [rng.randrange(0, 1 << 40) for _ in range(n)]
+        row = token_row(ids, "cpu")
+        want = torch.tensor([ids], dtype=torch.int64).reshape(1, n)
+        assert row.dtype == torch.int64 and row.shape == (1, n) and torch.equal(row, want)
+    with pytest.raises(OverflowError):
+        token_row([1 << 63], "cpu")
+    with pytest.raises(TypeError):
+        token_row([1.5], "cpu")
 
 
 def test_matches_only_exactly_the_bytes_it_decodes(served) -> None:
