@@ -24,7 +24,13 @@ lint: $(STAMP)
 # loadgroup: tests marked xdist_group(name) run on one worker, so they can share a module fixture.
 TEST_WORKERS ?= 2
 
+# Byte-compiled once before the run: where PYTHONDONTWRITEBYTECODE is set (these machines set it), every
+# process the tests start (about 100 model processes, `kvresume serve`, the CLI) compiled the project's
+# modules from source again.
+PROJECT_PACKAGES := orchestrator model kernels mappers storage proto kvresume benchmarks tests
+
 test: lint
+	$(PY) -m compileall -q -j 0 $(PROJECT_PACKAGES) >/dev/null
 	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-all: lint
