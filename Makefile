@@ -21,7 +21,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Test processes (pytest-xdist): the CI machine's 2 cores; TEST_WORKERS=0 runs the suite in one process.
-# loadgroup: tests marked xdist_group(name) run on one worker, so they can share a module fixture.
+# loadgroup: tests marked xdist_group(name) are meant to run on one worker, so they can share a module
+# fixture. Under pytest 9.2 with pytest-xdist 3.8.0 the grouping does nothing (xdist tags the group onto
+# `item._nodeid`, which pytest 9 no longer reads): grouped tests spread over the workers like the rest.
 TEST_WORKERS ?= 2
 
 # Byte-compiled once before the run: where PYTHONDONTWRITEBYTECODE is set (these machines set it), every
