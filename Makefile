@@ -32,7 +32,7 @@ TEST_WORKERS ?= 2
 PROJECT_PACKAGES := orchestrator model kernels mappers storage proto kvresume benchmarks tests
 
 test: lint
-	$(PY) -m compileall -q -j 0 $(PROJECT_PACKAGES) >/dev/null
+	$(PY) -m compileall -q -j 0 $(PROJECT_PACKAGES)
 	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-all: lint
