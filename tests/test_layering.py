@@ -80,3 +80,28 @@ def test_layering_detects_a_forbidden_edge(tmp_path: Path) -> None:
     assert modules == {"torch", "model.config"}
     assert "torch" in FORBIDDEN_THIRD_PARTY["storage"]
     assert "model" not in ALLOWED["storage"]
+
+
+def test_the_engine_package_names_resolve_lazily_and_the_model_process_imports_no_registry() -> None:
+    """orchestrator.engine imports its names on first use: every name of `__all__` has its module in the
+    map, resolves to what that module defines, and the model process's imports (served_models,
+    model_compute) pull in neither SQLAlchemy nor Alembic (what the lazy package is for)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import orchestrator.engine as engine
+
+    homes = engine._HOMES  # noqa: SLF001 - the map under test
+    assert set(homes) == set(engine.__all__)
+    for name, home in homes.items():
+        assert getattr(engine, name) is getattr(importlib.import_module(home), name), name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        engine.no_such_name  # noqa: B018 - the lookup is the test
+    probe = (
+        "import sys, orchestrator.engine.served_models, orchestrator.engine.model_compute; "
+        "print(sorted(m for m in ('sqlalchemy', 'alembic', 'orchestrator.engine.service') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
