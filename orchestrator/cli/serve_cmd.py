@@ -97,6 +97,7 @@ def serve(
 
     from orchestrator.api import build_server
     from orchestrator.engine import build_node
+    from orchestrator.heap import freeze_startup_heap
 
     log = structlog.get_logger(__name__)
     node = build_node(settings, maintenance=True, preload=preload, model_cpus=model_cpus)
@@ -112,6 +113,10 @@ def serve(
         from orchestrator.http import start_http_server
 
         http = start_http_server(ctx, host=settings.grpc_host, port=settings.http_port)
+    # ready: the start-up heap leaves the collector's reach (orchestrator/heap.py); this process is ours
+    frozen = freeze_startup_heap() if settings.freeze_startup_heap else None
+    if frozen is not None:
+        log.info("startup_heap_frozen", objects=frozen.objects, ms=round(frozen.seconds * 1e3, 1))
     log.info(
         "service_started",
         grpc=f"{settings.grpc_host}:{running.port}",
@@ -136,6 +141,8 @@ def serve(
             metrics_server.shutdown()  # type: ignore[attr-defined]
             metrics_server.server_close()  # type: ignore[attr-defined]
         node.close()
+        if frozen is not None:
+            frozen.release()
 
 
 def check_port_free(host: str, port: int, what: str) -> None:

@@ -45,6 +45,8 @@ class WorkerConfig:
     authkey: bytes
     # the CPUs this process pins itself to before torch loads (orchestrator/cpu_split.py); empty: none
     cpus: tuple[int, ...] = ()
+    # freeze the start-up heap (torch, the served models' specs) once ready (orchestrator/heap.py)
+    freeze_heap: bool = True
 
 
 class _Worker:
@@ -69,6 +71,8 @@ class _Worker:
         self._lock = threading.Lock()
         # op -> [calls, thread CPU seconds, wall seconds] (`op_stats`: where the model process's time goes)
         self._op_times: dict[str, list[float]] = {}
+        # objects of the start-up heap frozen out of the collector's reach (`serve_forever`; 0: none)
+        self.frozen_objects = 0
 
     # -- the state table --------------------------------------------------------------------------------
 
@@ -126,11 +130,13 @@ class _Worker:
         return self.held()
 
     def op_stats(self) -> dict[str, Any]:
-        """Calls, thread CPU and wall seconds per operation, and the process's CPU seconds."""
+        """Calls, thread CPU and wall seconds per operation, the process's CPU seconds, the states held and
+        the start-up objects frozen (orchestrator/heap.py)."""
         with self._lock:
             ops = {op: tuple(v) for op, v in self._op_times.items()}
         t = os.times()
-        return {"ops": ops, "process_cpu_s": t.user + t.system, "states": self.held()}
+        return {"ops": ops, "process_cpu_s": t.user + t.system, "states": self.held(),
+                "frozen_objects": self.frozen_objects}  # fmt: skip
 
     def op_new_state(self, model: str) -> tuple[int, int]:
         state = self.compute.new_state(self._served(model))
@@ -282,4 +288,8 @@ class _Worker:
 def serve_forever(config: WorkerConfig) -> None:
     """Load the models, print the ready line, and serve connections until the process ends."""
     worker = _Worker(config)
+    if config.freeze_heap:
+        from orchestrator.heap import freeze_startup_heap
+
+        worker.frozen_objects = freeze_startup_heap().objects
     serve_connections(config.authkey, worker.serve, "kvresume-model-conn")

@@ -138,6 +138,18 @@ def test_imports_clone_and_seal_equal_in_process_compute(
         remote.decode(served, 20, local_state)
 
 
+def test_the_model_process_freezes_its_start_up_heap_unless_told_not_to(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    # torch's modules alone are far more than this (about 250,000 objects in the service's process)
+    assert remote.stats()["frozen_objects"] > 10_000
+    plain = ProcessCompute.from_registry(models, threads=1, freeze_heap=False)
+    try:
+        assert plain.stats()["frozen_objects"] == 0
+    finally:
+        plain.close()
+
+
 def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessCompute) -> None:
     served = models.get("a")
     gc.collect()  # handles of earlier tests caught in reference cycles go now, not during the count
