@@ -77,7 +77,7 @@ from benchmarks.service_model_load import ASYNC_POOL_WORKERS, DEFAULT_MODEL_PROC
 from model import CacheFormatError, NumericsProfile, PassOutput, PassStats, greedy, prefill
 from orchestrator.api import build_server
 from orchestrator.engine import ModelRegistry, ServedModel, ServedModelSpec, TorchCompute, build_node
-from orchestrator.heap import FrozenHeap, freeze_startup_heap
+from orchestrator.heap import ServingGc, tune_gc_for_serving
 from orchestrator.numerics_env import resolve_cpu_path
 from orchestrator.settings import Settings
 
@@ -291,15 +291,15 @@ class NoOpNode:
     client: _Client
     chunk_bytes_per_token: float
     pool_entry_bytes: int
-    # the start-up heap frozen as `kvresume serve` freezes it (orchestrator/heap.py); None: not frozen
-    frozen: FrozenHeap | None = None
+    # the collector tuned as `kvresume serve` tunes it (orchestrator/heap.py); None: not tuned
+    tuned: ServingGc | None = None
 
     def close(self) -> None:
         self.client.channel.close()
         self.server.stop(grace_s=None)
         self.node.close()
-        if self.frozen is not None:
-            self.frozen.release()
+        if self.tuned is not None:
+            self.tuned.release()
 
 
 def noop_node(root: Path, workers: int, grpc_server: str = DEFAULT_GRPC_SERVER) -> NoOpNode:
@@ -314,8 +314,8 @@ def noop_node(root: Path, workers: int, grpc_server: str = DEFAULT_GRPC_SERVER) 
         compute=NoOpCompute(per_token, windows, geo.window, geo.group, kept_per_token),
     )
     server = build_server(node.ctx, host="127.0.0.1", port=0)
-    frozen = freeze_startup_heap() if node.ctx.settings.freeze_startup_heap else None
-    return NoOpNode(node, server, _Client(node, server.port), per_token, windows, frozen)
+    tuned = tune_gc_for_serving() if node.ctx.settings.tune_gc else None
+    return NoOpNode(node, server, _Client(node, server.port), per_token, windows, tuned)
 
 
 def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:

@@ -10,6 +10,9 @@ the model's arithmetic and Python; with a model process only this side's) and th
 that CPU time (above 1: the steps waited for the GIL the service's threads hold, or for a core); and the
 CPU per turn of this process (the service with the in-process clients) and of the model process, in all
 and by operation (its own accounting), which say which of the two bounds the run.
+
+The service is built and its garbage collector tuned as `kvresume serve` does (`tune_gc` setting,
+orchestrator/heap.py; released at the run's end, since one process runs several services).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from benchmarks.concurrency import run_clients
 from orchestrator.api import build_server
 from orchestrator.cpu_split import CpuSplit, enter_cpu_split
 from orchestrator.engine import ModelRegistry, ServedModelSpec, build_node
-from orchestrator.heap import freeze_startup_heap
+from orchestrator.heap import tune_gc_for_serving
 from orchestrator.settings import Settings
 
 __all__ = ["ASYNC_POOL_WORKERS", "DEFAULT_MODEL_PROCESS_CPUS", "model_load"]
@@ -119,9 +122,9 @@ def _run(
     scheduler, model_process, grpc_server = settings.scheduler, settings.model_process, settings.grpc_server
     node = build_node(settings, registry=registry, preload=True, model_cpus=split.model if split else ())
     server = build_server(node.ctx, host="127.0.0.1", port=0)
-    # as `kvresume serve` does once it serves (orchestrator/heap.py); released when the run ends, since
-    # this process runs several services one after another
-    frozen = freeze_startup_heap() if settings.freeze_startup_heap else None
+    # the collector tuned as `kvresume serve` tunes it once it serves (orchestrator/heap.py); released when
+    # the run ends, since this process runs several services one after another
+    tuned = tune_gc_for_serving() if settings.tune_gc else None
     pb = node.ctx.stubs
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb.sessions_grpc.SessionsStub(channel)
@@ -176,8 +179,8 @@ def _run(
     channel.close()
     server.stop(grace_s=None)
     node.close()
-    if frozen is not None:
-        frozen.release()
+    if tuned is not None:
+        tuned.release()
     if errors:
         raise RuntimeError(f"{len(errors)} sessions failed ({scheduler}, {sessions}): {errors[:3]}")
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
@@ -205,8 +208,8 @@ def _run(
         # this process (the service and the benchmark's in-process clients), and the model process
         "service_cpu_ms_per_turn": service_cpu / len(latencies) * 1e3,
         # start-up objects out of the collector's reach (orchestrator/heap.py): this process's, the model
-        # process's (None: no freeze, or no model process)
-        "frozen_objects": frozen.objects if frozen is not None else None,
+        # process's (None: not tuned, or no model process)
+        "frozen_objects": tuned.objects if tuned is not None else None,
         "model_process_frozen_objects": model0.get("frozen_objects") if model0 is not None else None,
         **_model_process_cpu(model0, model1, len(latencies)),
     }

@@ -1,25 +1,32 @@
-"""The garbage collector of a long-lived kvresume process: its start-up heap frozen out of the collector's
-reach once the process is ready to serve.
+"""The garbage collector of a long-lived kvresume process, tuned for serving once the process is ready:
+its start-up heap frozen out of the collector's reach, and its youngest generation collected less often.
 
-Why: a collection of CPython's oldest generation walks every object the collector tracks, and holds the
-GIL while it does, so every thread of the process waits. In the service's process most of those objects
-are start-up state that lives as long as the process: the modules of torch, SQLAlchemy, grpc and
-protobuf, the registry's metadata, the served models' specs (about 250,000 objects, v41-sib-s). The turn
-path's own garbage is acyclic, freed by reference counting, so those walks find next to nothing.
-Measured (session 30, AMD EPYC Zen 4, 2 vCPUs, 64 sessions x 20 turns of v41-sib-s with a model process,
-a `gc.callbacks` probe in the service's process): one such collection during the 13-16 s load, 130-205 ms
-of CPU; the model process then had no pass to run for 190-440 ms (its calls' timeline), and in three
-alternating pairs of the load the frozen heap gave 94.6 / 92.3 / 97.5 turns/s against 85.4 / 90.4 / 78.9
-(orchestrator/README.md, "Session 30").
-
+Why: CPython's collector holds the GIL while it walks the objects it tracks, so every thread of the
+process waits for it. The turn path's garbage is acyclic, freed by reference counting as it goes, so
+the walks find next to nothing, and they cost in two ways (session 30, AMD EPYC Zen 4, 2 vCPUs,
+v41-sib-s, a `gc.callbacks` probe in the service's process; orchestrator/README.md, "Session 30"):
+- A collection of the oldest generation walks every tracked object, and in the service's process most
+  are start-up state that lives as long as the process: the modules of torch, SQLAlchemy, grpc and
+  protobuf, the registry's metadata (about 250,000 objects). One such collection during a 64 x 20 load
+  took 130-205 ms of CPU; the model process then had no pass to run for 190-440 ms.
+- The youngest generation was collected every 700 new objects, about 1 ms each: 150 collections (and 14
+  of the middle generation, 5-9 ms each) in a load of 1280 turns, 3-5% of the service's CPU.
 `gc.freeze()` moves every object tracked now into a permanent generation that no collection walks
-(Python's `gc` documentation). vLLM freezes its API server's, engine core's and workers' heaps after
-start-up for the same reason (vllm-project/vllm#24008, "Freeze core engine proc heap after init").
+(Python's `gc` documentation); vLLM freezes its API server's, engine core's and workers' heaps after
+start-up for the same reason (vllm-project/vllm#24008, "Freeze core engine proc heap after init"). And the
+youngest generation's threshold goes from 700 to `YOUNG_THRESHOLD` new objects, so a collection comes
+about once a run instead of every few turns (what survives is collected as before, only later).
+
+Measured in alternating runs (the same VM): the 64 x 20 load with the frozen heap 94.6 / 92.3 / 97.5 /
+(`bench_ab_load`, 4 pairs) 1.137x median turns/s of the unfrozen; the no-op stand-in at 64 sessions
+1.09-1.12x turns/s with the raised threshold over the frozen heap alone, one session's p50 5.1-6.7 ms
+against 6.3-7.0.
 
 The trade: an object tracked at the freeze that later becomes part of a garbage reference cycle is never
-reclaimed. So only code that owns a whole process's life freezes (`kvresume serve`, the model process,
-the benchmarks' service harnesses), never a library path that one process runs many times (a test
-process builds hundreds of nodes); `FrozenHeap.release` (`gc.unfreeze`) hands the objects back.
+reclaimed, and cyclic garbage waits for up to `YOUNG_THRESHOLD` new objects. So only code that owns a
+whole process's life tunes it (`kvresume serve`, the model process, the benchmarks' service harnesses),
+never a library path that one process runs many times (a test process builds hundreds of nodes);
+`ServingGc.release` hands the frozen objects back and restores the thresholds.
 """
 
 from __future__ import annotations
@@ -28,32 +35,44 @@ import gc
 import time
 from dataclasses import dataclass
 
-__all__ = ["FrozenHeap", "freeze_startup_heap"]
+__all__ = ["YOUNG_THRESHOLD", "ServingGc", "tune_gc_for_serving"]
+
+# New tracked objects between two collections of the youngest generation while serving (CPython's
+# default is 700). At this size one collection came in a whole 64 x 20 load.
+YOUNG_THRESHOLD = 20_000
 
 
 @dataclass(frozen=True)
-class FrozenHeap:
-    """What one freeze moved out of the collector's reach: objects frozen (the process's total, earlier
-    freezes included) and how long the collection and the freeze took."""
+class ServingGc:
+    """What `tune_gc_for_serving` did: the objects frozen (the process's total), the thresholds it
+    replaced, and how long the collection and the freeze took."""
 
     objects: int
+    previous_thresholds: tuple[int, int, int]
     seconds: float
 
     def release(self) -> None:
-        """Hand every frozen object back to the collector (its oldest generation)."""
+        """Hand every frozen object back to the collector (its oldest generation) and restore the
+        thresholds."""
         gc.unfreeze()
+        gc.set_threshold(*self.previous_thresholds)
 
 
-def freeze_startup_heap() -> FrozenHeap:
-    """Collect what start-up left as garbage, then freeze every object still tracked (`gc.freeze`).
+def tune_gc_for_serving() -> ServingGc:
+    """Collect what start-up left as garbage, freeze every object still tracked (`gc.freeze`), and raise
+    the youngest generation's threshold to `YOUNG_THRESHOLD`.
 
     Call it once the process is ready to serve, and only where the caller owns the whole process's life
     (module docstring). It logs nothing (the model process's stdout carries its ready line): the caller
-    reports the figures (`kvresume serve` logs `startup_heap_frozen`, the model process's `stats` call
+    reports the figures (`kvresume serve` logs `gc_tuned_for_serving`, the model process's `stats` call
     returns them).
     """
     started = time.perf_counter()
     # garbage first: a cycle frozen now would never be reclaimed
     gc.collect()
     gc.freeze()
-    return FrozenHeap(objects=gc.get_freeze_count(), seconds=time.perf_counter() - started)
+    previous = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, *previous[1:])
+    return ServingGc(
+        objects=gc.get_freeze_count(), previous_thresholds=previous, seconds=time.perf_counter() - started
+    )

@@ -127,11 +127,12 @@ class Settings:
     # CPUs as Linux writes them ("3", "2-3"), the service keeping the others. Measured: 64 sessions on 2
     # CPUs, 82-85 -> 102-107 turns/s (orchestrator/cpu_split.py).
     model_process_cpus: str = "auto"
-    # Freeze the start-up heap of `kvresume serve`'s process and of its model process once they are
-    # ready (`gc.freeze`, orchestrator/heap.py): the collector's full passes then no longer walk the
-    # start-up objects (torch, SQLAlchemy, grpc; about 250,000), each of which stopped every thread for
-    # 130-205 ms under load. Off: every object stays collectable, at the price of those pauses.
-    freeze_startup_heap: bool = True
+    # Tune the garbage collector of `kvresume serve`'s process and of its model process for serving once
+    # they are ready (orchestrator/heap.py): the start-up heap frozen (`gc.freeze`), so that the
+    # collector's full passes no longer walk its objects (torch, SQLAlchemy, grpc; about 250,000), each
+    # of which stopped every thread for 130-205 ms under load; and the youngest generation collected every
+    # 20,000 new objects instead of 700. Off: CPython's defaults, at the price of those pauses.
+    tune_gc: bool = True
     # Where a turn's registry transaction runs on a SQLite file registry: "inline" (in the turn's own
     # thread) or "process" (the registry writer process, orchestrator/registry_writer/, while two or more
     # turns run: the transaction holds SQLite's one write lock, and in this process each of its statements
@@ -294,7 +295,7 @@ _INT_FIELDS = {
     "fit_threads",
     "fit_max_budget_tokens",
 }
-_BOOL_FIELDS = {"metrics_enabled", "freeze_startup_heap"}
+_BOOL_FIELDS = {"metrics_enabled", "tune_gc"}
 _FLOAT_FIELDS = {"pool_ttl_s", "retention_floor_s", "retention_ceiling_s", "audit_anchor_interval_s",
                  "orphan_grace_s"}
 

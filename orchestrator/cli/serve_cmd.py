@@ -97,7 +97,7 @@ def serve(
 
     from orchestrator.api import build_server
     from orchestrator.engine import build_node
-    from orchestrator.heap import freeze_startup_heap
+    from orchestrator.heap import YOUNG_THRESHOLD, tune_gc_for_serving
 
     log = structlog.get_logger(__name__)
     node = build_node(settings, maintenance=True, preload=preload, model_cpus=model_cpus)
@@ -113,10 +113,11 @@ def serve(
         from orchestrator.http import start_http_server
 
         http = start_http_server(ctx, host=settings.grpc_host, port=settings.http_port)
-    # ready: the start-up heap leaves the collector's reach (orchestrator/heap.py); this process is ours
-    frozen = freeze_startup_heap() if settings.freeze_startup_heap else None
-    if frozen is not None:
-        log.info("startup_heap_frozen", objects=frozen.objects, ms=round(frozen.seconds * 1e3, 1))
+    # ready: the collector tuned for serving (orchestrator/heap.py); this process's life is ours
+    tuned = tune_gc_for_serving() if settings.tune_gc else None
+    if tuned is not None:
+        log.info("gc_tuned_for_serving", frozen_objects=tuned.objects, ms=round(tuned.seconds * 1e3, 1),
+                 young_threshold=YOUNG_THRESHOLD)  # fmt: skip
     log.info(
         "service_started",
         grpc=f"{settings.grpc_host}:{running.port}",
@@ -141,8 +142,8 @@ def serve(
             metrics_server.shutdown()  # type: ignore[attr-defined]
             metrics_server.server_close()  # type: ignore[attr-defined]
         node.close()
-        if frozen is not None:
-            frozen.release()
+        if tuned is not None:
+            tuned.release()
 
 
 def check_port_free(host: str, port: int, what: str) -> None:

@@ -351,7 +351,7 @@ def build_node(
             # one thread per CPU of its own at most: more would take turns on the same cores
             ProcessCompute.from_registry(
                 registry, threads=min(threads, len(model_cpus)) if model_cpus else threads, cpus=model_cpus,
-                freeze_heap=settings.freeze_startup_heap,
+                tune_gc=settings.tune_gc,
             )
             if settings.model_process == "separate"
             else TorchCompute()

@@ -145,7 +145,8 @@ class ProcessCompute:
         cpus: the CPUs the model process pins itself to (orchestrator/cpu_split.py); empty: none.
         connections: most calls in flight at once.
         start_timeout_s: how long a start may take (importing torch, loading the models).
-        freeze_heap: the model process freezes its start-up heap once ready (orchestrator/heap.py).
+        tune_gc: the model process tunes its garbage collector for serving once ready
+            (orchestrator/heap.py).
     """
 
     def __init__(
@@ -161,13 +162,13 @@ class ProcessCompute:
         connections: int = 8,
         python: str | None = None,
         start_timeout_s: float = 120.0,
-        freeze_heap: bool = True,
+        tune_gc: bool = True,
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections={connections} must be >= 1")
         self._config_args = dict(
             specs=dict(specs), device=device, kernel_backend=kernel_backend, cpu_path=cpu_path,
-            linear_math=linear_math, threads=threads, cpus=tuple(sorted(cpus)), freeze_heap=freeze_heap,
+            linear_math=linear_math, threads=threads, cpus=tuple(sorted(cpus)), tune_gc=tune_gc,
         )  # fmt: skip
         self._connections = connections
         self._python = python or sys.executable
@@ -184,7 +185,7 @@ class ProcessCompute:
     @classmethod
     def from_registry(
         cls, registry: Any, *, threads: int = 1, cpus: Collection[int] = (), connections: int = 8,
-        freeze_heap: bool = True,
+        tune_gc: bool = True,
     ) -> ProcessCompute:
         return cls(
             specs={name: registry.spec(name) for name in registry.names},
@@ -195,7 +196,7 @@ class ProcessCompute:
             threads=threads,
             cpus=cpus,
             connections=connections,
-            freeze_heap=freeze_heap,
+            tune_gc=tune_gc,
         )
 
     # -- process and calls ----------------------------------------------------------------------------

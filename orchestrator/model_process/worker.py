@@ -17,6 +17,7 @@ keeps the input's id, and a pass that starts from nothing gets a new one.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import threading
@@ -45,8 +46,9 @@ class WorkerConfig:
     authkey: bytes
     # the CPUs this process pins itself to before torch loads (orchestrator/cpu_split.py); empty: none
     cpus: tuple[int, ...] = ()
-    # freeze the start-up heap (torch, the served models' specs) once ready (orchestrator/heap.py)
-    freeze_heap: bool = True
+    # tune the collector for serving once ready (orchestrator/heap.py): the start-up heap (torch, the
+    # served models' specs) frozen, the youngest generation collected less often
+    tune_gc: bool = True
 
 
 class _Worker:
@@ -130,13 +132,13 @@ class _Worker:
         return self.held()
 
     def op_stats(self) -> dict[str, Any]:
-        """Calls, thread CPU and wall seconds per operation, the process's CPU seconds, the states held and
-        the start-up objects frozen (orchestrator/heap.py)."""
+        """Calls, thread CPU and wall seconds per operation, the process's CPU seconds, the states held, the
+        start-up objects frozen and the collector's thresholds (orchestrator/heap.py)."""
         with self._lock:
             ops = {op: tuple(v) for op, v in self._op_times.items()}
         t = os.times()
         return {"ops": ops, "process_cpu_s": t.user + t.system, "states": self.held(),
-                "frozen_objects": self.frozen_objects}  # fmt: skip
+                "frozen_objects": self.frozen_objects, "gc_threshold": gc.get_threshold()}  # fmt: skip
 
     def op_new_state(self, model: str) -> tuple[int, int]:
         state = self.compute.new_state(self._served(model))
@@ -288,8 +290,8 @@ class _Worker:
 def serve_forever(config: WorkerConfig) -> None:
     """Load the models, print the ready line, and serve connections until the process ends."""
     worker = _Worker(config)
-    if config.freeze_heap:
-        from orchestrator.heap import freeze_startup_heap
+    if config.tune_gc:
+        from orchestrator.heap import tune_gc_for_serving
 
-        worker.frozen_objects = freeze_startup_heap().objects
+        worker.frozen_objects = tune_gc_for_serving().objects
     serve_connections(config.authkey, worker.serve, "kvresume-model-conn")

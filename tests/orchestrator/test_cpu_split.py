@@ -194,9 +194,9 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
         assert "cpu_split" in log
         profile = next(json.loads(line) for line in log.splitlines() if '"numerics_profile"' in line)
         assert profile["threads"] == len(cpus) - 1, profile
-        # ready, it froze its start-up heap (orchestrator/heap.py)
-        frozen = next(json.loads(line) for line in log.splitlines() if '"startup_heap_frozen"' in line)
-        assert frozen["objects"] > 10_000, frozen
+        # ready, it tuned its collector (orchestrator/heap.py): the start-up heap frozen
+        tuned = next(json.loads(line) for line in log.splitlines() if '"gc_tuned_for_serving"' in line)
+        assert tuned["frozen_objects"] > 10_000, tuned
     finally:
         proc.terminate()
         proc.wait(30)

@@ -23,6 +23,7 @@ import torch
 from model import CacheFormatError, state_from_global
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
 from orchestrator.engine.model_compute import clone_with_windows, export_windows_keeping, restore_decoded
+from orchestrator.heap import YOUNG_THRESHOLD
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
 from tests.processes import process_alive
 
@@ -138,14 +139,18 @@ def test_imports_clone_and_seal_equal_in_process_compute(
         remote.decode(served, 20, local_state)
 
 
-def test_the_model_process_freezes_its_start_up_heap_unless_told_not_to(
+def test_the_model_process_tunes_its_collector_unless_told_not_to(
     models: ModelRegistry, remote: ProcessCompute
 ) -> None:
     # torch's modules alone are far more than this (about 250,000 objects in the service's process)
-    assert remote.stats()["frozen_objects"] > 10_000
-    plain = ProcessCompute.from_registry(models, threads=1, freeze_heap=False)
+    tuned = remote.stats()
+    assert tuned["frozen_objects"] > 10_000
+    assert tuned["gc_threshold"][0] == YOUNG_THRESHOLD
+    plain = ProcessCompute.from_registry(models, threads=1, tune_gc=False)
     try:
-        assert plain.stats()["frozen_objects"] == 0
+        untouched = plain.stats()
+        assert untouched["frozen_objects"] == 0
+        assert untouched["gc_threshold"][0] == 700  # CPython's default
     finally:
         plain.close()
 
