@@ -44,20 +44,38 @@ from model import ModelState
 from orchestrator.engine.pool_entry import chunks_digest_of
 from storage import WindowPool
 
-__all__ = ["DecodedSources", "DecodedStates", "DecodedStats", "KeptDecoded", "SOURCE_FIELDS", "TensorSources"]
+__all__ = [
+    "SOURCE_FIELDS",
+    "DecodedSources",
+    "DecodedStates",
+    "DecodedStats",
+    "KeptDecoded",
+    "TensorSources",
+    "held_bytes",
+    "state_tensors",
+]
 
 # The fields of a SourceCache that `model.import_global_chunks` writes (the rest come from `new_state`,
 # `seal_prefix` and the windows import, as on the import path).
 SOURCE_FIELDS = ("kv", "index_k", "kv_packed", "kv_scales", "index_packed", "index_scales")
 
 
-def _held_bytes(tensors: list[torch.Tensor]) -> int:
+def held_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the storages the tensors pin (a view of a growing append buffer pins all of it)."""
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
+
+
+def state_tensors(state: ModelState) -> list[torch.Tensor]:
+    """Every tensor a state holds: its history, each kv source's fields and carries, the rings and their
+    stored forms, the encoder rows (what a snapshot of it pins, with `held_bytes`)."""
+    tensors = [state.tokens, *state.windows, *state.window_codes, *state.window_scales]
+    for src in state.sources.values():
+        tensors += [t for t in dataclasses.astuple(src) if isinstance(t, torch.Tensor)]
+    return tensors + [t for t in (state.enc_lanes, state.enc_pre) if t is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +108,7 @@ class TensorSources:
             for layer, src in state.sources.items()
             if src.n_entries > 0
         }
-        nbytes = _held_bytes([t for ts in fields.values() for t in ts])
+        nbytes = held_bytes([t for ts in fields.values() for t in ts])
         return cls(n_tokens=state.n_tokens, fields=fields, nbytes=nbytes)
 
     def fill(self, state: ModelState) -> None:

@@ -51,6 +51,20 @@ class WorkerConfig:
     tune_gc: bool = True
 
 
+@dataclass(frozen=True)
+class _KeptTurnEnd:
+    """What a turn end keeps (`op_export_windows_keeping`): the decoded global KV, which every use of the
+    kept id fills from, and a snapshot of the whole state (`ModelState.clone`: its tensors shared, never
+    written) with the windows bytes exported from it. A full hit that brings those very bytes for the
+    snapshot's history continues from a copy of the snapshot (`op_restore_with_windows`) instead of
+    filling a new state and importing the bytes: the same state (the import reads back what the export
+    wrote, tested bit for bit), without the import's copies and dequantization (session 30)."""
+
+    sources: Any  # engine.decoded_states.TensorSources
+    snapshot: Any  # model.ModelState
+    windows: bytes
+
+
 class _Worker:
     def __init__(self, config: WorkerConfig) -> None:
         # torch only here, after the parent's numerics environment (inherited) is in force
@@ -75,6 +89,8 @@ class _Worker:
         self._op_times: dict[str, list[float]] = {}
         # objects of the start-up heap frozen out of the collector's reach (`serve_forever`; 0: none)
         self.frozen_objects = 0
+        # full hits continued from a turn end's snapshot (`_KeptTurnEnd`), not filled and imported
+        self.snapshot_restores = 0
 
     # -- the state table --------------------------------------------------------------------------------
 
@@ -138,7 +154,8 @@ class _Worker:
             ops = {op: tuple(v) for op, v in self._op_times.items()}
         t = os.times()
         return {"ops": ops, "process_cpu_s": t.user + t.system, "states": self.held(),
-                "frozen_objects": self.frozen_objects, "gc_threshold": gc.get_threshold()}  # fmt: skip
+                "frozen_objects": self.frozen_objects, "gc_threshold": gc.get_threshold(),
+                "snapshot_restores": self.snapshot_restores}  # fmt: skip
 
     def op_new_state(self, model: str) -> tuple[int, int]:
         state = self.compute.new_state(self._served(model))
@@ -195,17 +212,37 @@ class _Worker:
             return None, 0, 0
         return self._keep(kept), kept.n_tokens, kept.nbytes
 
+    def _sources(self, kept_id: int) -> Any:
+        """The decoded global KV kept under `kept_id` (by `op_keep_decoded` or a turn end)."""
+        kept = self._state(kept_id)
+        return kept.sources if isinstance(kept, _KeptTurnEnd) else kept
+
     def op_export_windows_keeping(
         self, model: str, sid: int, keep: bool
     ) -> tuple[bytes, tuple[int | None, int, int]]:
         """`op_export_windows` and, with `keep`, `op_keep_decoded` of the same state in one call (what a
-        turn end pools)."""
+        turn end pools), with a snapshot of the state beside the decoded KV (`_KeptTurnEnd`; its bytes:
+        the storages the snapshot pins, the decoded KV's among them)."""
         windows = self.op_export_windows(model, sid)
-        return windows, self.op_keep_decoded(model, sid) if keep else (None, 0, 0)
+        if not keep:
+            return windows, (None, 0, 0)
+        from orchestrator.engine.decoded_states import held_bytes, state_tensors
+
+        state = self._state(sid)
+        kept = self.compute.keep_decoded(self._served(model), state)
+        if kept is None:
+            return windows, (None, 0, 0)
+        # a state a chunked prefill left mid-prompt continues differently from a fresh one (its decoder
+        # floor): only the decoded KV is kept of it
+        if "decoder_floor" in state.extra:
+            return windows, (self._keep(kept), kept.n_tokens, kept.nbytes)
+        snapshot = state.clone()
+        return windows, (self._keep(_KeptTurnEnd(kept, snapshot, windows)), kept.n_tokens,
+                         held_bytes(state_tensors(snapshot)))  # fmt: skip
 
     def op_fill_decoded(self, model: str, sid: int, kept_id: int) -> int:
         state = self._state(sid)
-        self.compute.fill_decoded(self._served(model), state, self._state(kept_id))
+        self.compute.fill_decoded(self._served(model), state, self._sources(kept_id))
         return state.n_tokens
 
     def op_restore_decoded(self, model: str, kept_id: int, tokens: Sequence[int]) -> tuple[int, int]:
@@ -213,7 +250,7 @@ class _Worker:
         what the turn engine's full hit does in three: `engine.restore_decoded`)."""
         from orchestrator.engine.model_compute import restore_decoded
 
-        state = restore_decoded(self.compute, self._served(model), self._state(kept_id), tokens)
+        state = restore_decoded(self.compute, self._served(model), self._sources(kept_id), tokens)
         return self._keep(state), state.n_tokens
 
     def op_restore_with_windows(
@@ -221,11 +258,24 @@ class _Worker:
     ) -> tuple[int, int]:
         """`op_restore_decoded` with the windows imported into the restored state (what restoring the
         prefix and then `op_clone_with_windows` of it gives a full hit, without the prefix or its copy);
-        kept only when the windows fit (CacheFormatError)."""
+        kept only when the windows fit (CacheFormatError). A turn end's snapshot whose windows are `blob`
+        and whose history is `tokens` is that state already: a copy of it is kept instead."""
         from orchestrator.engine.model_compute import restore_decoded
 
+        kept = self._state(kept_id)
+        if isinstance(kept, _KeptTurnEnd):
+            snapshot = kept.snapshot
+            same_history = snapshot.n_tokens == len(tokens) and snapshot.tokens[0].tolist() == list(tokens)
+            if same_history and blob == kept.windows:
+                self.snapshot_restores += 1
+                state = snapshot.clone()
+                # as the import leaves it: the other key (`index_k_slot`) serves conformance's reference
+                # slots only, which no served pass reads
+                state.extra.clear()
+                return self._keep(state), state.n_tokens
+            kept = kept.sources
         served = self._served(model)
-        state = restore_decoded(self.compute, served, self._state(kept_id), tokens)
+        state = restore_decoded(self.compute, served, kept, tokens)
         self.compute.import_windows(served, state, blob)
         return self._keep(state), state.n_tokens
 

@@ -22,6 +22,7 @@ import torch
 
 from model import CacheFormatError, state_from_global
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.engine.decoded_states import held_bytes, state_tensors
 from orchestrator.engine.model_compute import clone_with_windows, export_windows_keeping, restore_decoded
 from orchestrator.heap import YOUNG_THRESHOLD
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
@@ -155,6 +156,59 @@ def test_the_model_process_tunes_its_collector_unless_told_not_to(
         plain.close()
 
 
+def test_a_full_hit_on_a_turn_end_snapshot_continues_as_the_import_path_here(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    """A turn end kept there (`export_windows_keeping`) and restored with its own windows for its own
+    history takes the snapshot (no fill, no import); the state continues, by a prefill chunk and decode
+    steps, bit for bit as the same history filled and imported here; windows that are not the snapshot's
+    take the import there (refused here: they do not fit)."""
+    torch.set_num_threads(1)
+    served = models.get("a")
+    local = TorchCompute()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompt = _prompt(rng, rng.randrange(20, 200))
+    live_a = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    live_b = remote.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    history = list(prompt)
+    for _ in range(rng.randrange(1, 4)):
+        token = rng.randrange(16, 512)
+        live_a, live_b = local.decode(served, token, live_a).state, remote.decode(served, token, live_b).state
+        history.append(token)
+    windows, kept_a = export_windows_keeping(local, served, live_a, keep=True)
+    windows_b, kept_b = export_windows_keeping(remote, served, live_b, keep=True)
+    assert windows_b == windows and kept_a is not None and kept_b is not None
+    taken = remote.stats()["snapshot_restores"]
+    ca = clone_with_windows(local, served, restore_decoded(local, served, kept_a, history), windows)
+    cb = clone_with_windows(remote, served, restore_decoded(remote, served, kept_b, history), windows)
+    assert remote.stats()["snapshot_restores"] == taken + 1
+    assert cb.n_tokens == ca.n_tokens == len(history)
+    step = _prompt(rng, rng.randrange(1, 33))
+    out_a = local.prefill(served, step, ca, prompt_end=len(history) + len(step))
+    out_b = remote.prefill(served, step, cb, prompt_end=len(history) + len(step))
+    assert out_a.stats == out_b.stats and torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    for _ in range(3):
+        t = rng.randrange(16, 512)
+        out_a, out_b = local.decode(served, t, out_a.state), remote.decode(served, t, out_b.state)
+        assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    n = out_a.state.n_tokens
+    assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
+    assert local.export_windows(served, out_a.state) == remote.export_windows(served, out_b.state)
+    # the snapshot is not written by the turn that continued from it: a second full hit takes it again
+    cb2 = clone_with_windows(remote, served, restore_decoded(remote, served, kept_b, history), windows)
+    assert remote.stats()["snapshot_restores"] == taken + 2
+    ca2 = clone_with_windows(local, served, restore_decoded(local, served, kept_a, history), windows)
+    end = len(history) + len(step)
+    again_a = local.prefill(served, step, ca2, prompt_end=end)
+    again_b = remote.prefill(served, step, cb2, prompt_end=end)
+    assert torch.equal(again_a.logits, again_b.logits), f"seed {seed}"
+    # other windows: the import there, which refuses these as it would anyway
+    with pytest.raises(CacheFormatError):
+        clone_with_windows(remote, served, restore_decoded(remote, served, kept_b, history), windows[:-5])
+    assert remote.stats()["snapshot_restores"] == taken + 2
+
+
 def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessCompute) -> None:
     served = models.get("a")
     gc.collect()  # handles of earlier tests caught in reference cycles go now, not during the count
@@ -200,7 +254,9 @@ def test_kept_decoded_state_fills_as_in_process_compute(
     answered = remote.stats()["ops"].get("export_windows_keeping", (0,))[0]
     both, kept_both = export_windows_keeping(remote, served, live_b, keep=True)
     assert both == windows and kept_both is not None and kept_both.usable
-    assert (kept_both.n_tokens, kept_both.nbytes) == (kept_a.n_tokens, kept_a.nbytes)
+    # with the decoded KV, a snapshot of the whole state: its bytes are all the storages the state pins
+    assert kept_both.n_tokens == kept_a.n_tokens
+    assert kept_both.nbytes == held_bytes(state_tensors(live_a)) > kept_a.nbytes
     assert export_windows_keeping(remote, served, live_b, keep=False) == (windows, None)
     assert export_windows_keeping(local, served, live_a, keep=False) == (windows, None)
     assert remote.stats()["ops"]["export_windows_keeping"][0] == answered + 2
