@@ -74,7 +74,9 @@ def state_tensors(state: ModelState) -> list[torch.Tensor]:
     stored forms, the encoder rows (what a snapshot of it pins, with `held_bytes`)."""
     tensors = [state.tokens, *state.windows, *state.window_codes, *state.window_scales]
     for src in state.sources.values():
-        tensors += [t for t in dataclasses.astuple(src) if isinstance(t, torch.Tensor)]
+        # (not `dataclasses.astuple`: it deep-copies every tensor)
+        fields = (getattr(src, f.name) for f in dataclasses.fields(src))
+        tensors += [t for t in fields if isinstance(t, torch.Tensor)]
     return tensors + [t for t in (state.enc_lanes, state.enc_pre) if t is not None]
 
 
