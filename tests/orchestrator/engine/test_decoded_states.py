@@ -18,7 +18,14 @@ import torch
 
 from model import ModelState, decode, export_global, import_global_chunks, prefill
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
-from orchestrator.engine.decoded_states import SOURCE_FIELDS, DecodedSources, DecodedStates, TensorSources
+from orchestrator.engine.decoded_states import (
+    SOURCE_FIELDS,
+    DecodedSources,
+    DecodedStates,
+    TensorSources,
+    held_bytes,
+    state_tensors,
+)
 from orchestrator.engine.global_kv import chunk_ranges
 from orchestrator.engine.model_compute import export_windows_keeping, token_row
 from orchestrator.engine.pool_entry import chunks_digest
@@ -137,6 +144,21 @@ def test_restore_decoded_equals_new_state_fill_and_seal_then_takes_the_live_wind
         if layer in encoder and live.sources[layer].carry_kv is not None:
             assert torch.equal(fast.sources[layer].carry_kv, live.sources[layer].carry_kv), layer
             assert torch.equal(fast.sources[layer].carry_score, live.sources[layer].carry_score), layer
+
+
+def test_state_tensors_are_every_tensor_of_the_state_itself_never_a_copy(served) -> None:
+    rng = random.Random(7)
+    state = _run(served, [rng.randrange(16, 512) for _ in range(rng.randrange(40, 300))], 2, rng)
+    got = state_tensors(state)
+    want = [state.tokens, *state.windows, *state.window_codes, *state.window_scales, state.enc_lanes,
+            state.enc_pre]  # fmt: skip
+    for src in state.sources.values():
+        names = (*SOURCE_FIELDS, "carry_kv", "carry_score")
+        want += [getattr(src, n) for n in names if getattr(src, n) is not None]
+    assert len(got) == len(want) and {id(t) for t in got} == {id(t) for t in want}
+    # what a snapshot pins: at least every tensor's bytes, and what the decoded KV alone pins
+    assert held_bytes(got) >= max(t.untyped_storage().nbytes() for t in got)
+    assert held_bytes(got) > TensorSources.of(state).nbytes
 
 
 def test_token_row_equals_torch_tensor_and_refuses_ids_out_of_int64() -> None:
