@@ -222,7 +222,7 @@ class _Worker:
     ) -> tuple[bytes, tuple[int | None, int, int]]:
         """`op_export_windows` and, with `keep`, `op_keep_decoded` of the same state in one call (what a
         turn end pools), with a snapshot of the state beside the decoded KV (`_KeptTurnEnd`; its bytes:
-        the storages the snapshot pins, the decoded KV's among them)."""
+        the storages the snapshot pins, the decoded KV's among them, and the windows bytes kept)."""
         windows = self.op_export_windows(model, sid)
         if not keep:
             return windows, (None, 0, 0)
@@ -238,7 +238,7 @@ class _Worker:
             return windows, (self._keep(kept), kept.n_tokens, kept.nbytes)
         snapshot = state.clone()
         return windows, (self._keep(_KeptTurnEnd(kept, snapshot, windows)), kept.n_tokens,
-                         held_bytes(state_tensors(snapshot)))  # fmt: skip
+                         held_bytes(state_tensors(snapshot)) + len(windows))  # fmt: skip
 
     def op_fill_decoded(self, model: str, sid: int, kept_id: int) -> int:
         state = self._state(sid)
@@ -267,7 +267,8 @@ class _Worker:
             snapshot = kept.snapshot
             same_history = snapshot.n_tokens == len(tokens) and snapshot.tokens[0].tolist() == list(tokens)
             if same_history and blob == kept.windows:
-                self.snapshot_restores += 1
+                with self._lock:
+                    self.snapshot_restores += 1
                 state = snapshot.clone()
                 # as the import leaves it: the other key (`index_k_slot`) serves conformance's reference
                 # slots only, which no served pass reads
