@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +46,43 @@ def remote(models: ModelRegistry):
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def _lived_here_and_there(
+    local: TorchCompute, remote: ProcessCompute, served, rng: random.Random, prompt_tokens: int, decodes: int
+) -> tuple[Any, Any, list[int]]:
+    """One random history lived here and there: a prefill of `prompt_tokens` random ids, then `decodes`
+    decode steps of random ids; (the state here, the state there, the history)."""
+    torch.set_num_threads(1)
+    prompt = _prompt(rng, prompt_tokens)
+    live_a = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    live_b = remote.prefill(served, prompt, None, prompt_end=len(prompt)).state
+    history = list(prompt)
+    for _ in range(decodes):
+        token = rng.randrange(16, 512)
+        live_a, live_b = local.decode(served, token, live_a).state, remote.decode(served, token, live_b).state
+        history.append(token)
+    return live_a, live_b, history
+
+
+def _continued_alike(
+    local: TorchCompute, remote: ProcessCompute, served, rng: random.Random, states: tuple[Any, Any],
+    n: int, step: list[int], decodes: int, seed: int,
+) -> tuple[Any, Any]:
+    """States of the same `n`-token history here and there, continued alike by the prompt chunk `step`
+    and `decodes` decode steps of random ids: the same stats and logits at each pass and the same global
+    KV export at the end; the last outputs (here, there)."""
+    out_a = local.prefill(served, step, states[0], prompt_end=n + len(step))
+    out_b = remote.prefill(served, step, states[1], prompt_end=n + len(step))
+    assert out_a.stats == out_b.stats and torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    for _ in range(decodes):
+        t = rng.randrange(16, 512)
+        out_a, out_b = local.decode(served, t, out_a.state), remote.decode(served, t, out_b.state)
+        assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
+    end = out_a.state.n_tokens
+    here = local.export_global(served, out_a.state, 0, end)
+    assert here == remote.export_global(served, out_b.state, 0, end), f"seed {seed}"
+    return out_a, out_b
 
 
 def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remote: ProcessCompute) -> None:
@@ -163,19 +201,13 @@ def test_a_full_hit_on_a_turn_end_snapshot_continues_as_the_import_path_here(
     history takes the snapshot (no fill, no import); the state continues, by a prefill chunk and decode
     steps, bit for bit as the same history filled and imported here; windows that are not the snapshot's
     take the import there (refused here: they do not fit)."""
-    torch.set_num_threads(1)
     served = models.get("a")
     local = TorchCompute()
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    prompt = _prompt(rng, rng.randrange(20, 200))
-    live_a = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
-    live_b = remote.prefill(served, prompt, None, prompt_end=len(prompt)).state
-    history = list(prompt)
-    for _ in range(rng.randrange(1, 4)):
-        token = rng.randrange(16, 512)
-        live_a, live_b = local.decode(served, token, live_a).state, remote.decode(served, token, live_b).state
-        history.append(token)
+    live_a, live_b, history = _lived_here_and_there(
+        local, remote, served, rng, rng.randrange(20, 200), rng.randrange(1, 4)
+    )
     windows, kept_a = export_windows_keeping(local, served, live_a, keep=True)
     windows_b, kept_b = export_windows_keeping(remote, served, live_b, keep=True)
     assert windows_b == windows and kept_a is not None and kept_b is not None
@@ -185,15 +217,7 @@ def test_a_full_hit_on_a_turn_end_snapshot_continues_as_the_import_path_here(
     assert remote.stats()["snapshot_restores"] == taken + 1
     assert cb.n_tokens == ca.n_tokens == len(history)
     step = _prompt(rng, rng.randrange(1, 33))
-    out_a = local.prefill(served, step, ca, prompt_end=len(history) + len(step))
-    out_b = remote.prefill(served, step, cb, prompt_end=len(history) + len(step))
-    assert out_a.stats == out_b.stats and torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
-    for _ in range(3):
-        t = rng.randrange(16, 512)
-        out_a, out_b = local.decode(served, t, out_a.state), remote.decode(served, t, out_b.state)
-        assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
-    n = out_a.state.n_tokens
-    assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
+    out_a, out_b = _continued_alike(local, remote, served, rng, (ca, cb), len(history), step, 3, seed)
     assert local.export_windows(served, out_a.state) == remote.export_windows(served, out_b.state)
     # the snapshot is not written by the turn that continued from it: a second full hit takes it again
     cb2 = clone_with_windows(remote, served, restore_decoded(remote, served, kept_b, history), windows)
@@ -230,18 +254,11 @@ def test_kept_decoded_state_fills_as_in_process_compute(
     """`keep_decoded` / `fill_decoded` there against the same in this process, on a fresh random
     history: the filled states are then sealed, given the live state's windows and continued by a prefill
     chunk and decode steps, bit for bit alike; dropping the handle frees the kept tensors there."""
-    torch.set_num_threads(1)
     served = models.get("a")
     local = TorchCompute()
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    prompt = _prompt(rng, rng.randrange(40, 120))
-    live_a = local.prefill(served, prompt, None, prompt_end=len(prompt)).state
-    live_b = remote.prefill(served, prompt, None, prompt_end=len(prompt)).state
-    token = rng.randrange(16, 512)
-    live_a = local.decode(served, token, live_a).state
-    live_b = remote.decode(served, token, live_b).state
-    history = [*prompt, token]
+    live_a, live_b, history = _lived_here_and_there(local, remote, served, rng, rng.randrange(40, 120), 1)
     gc.collect()
     before = remote.held_states()
     kept_a, kept_b = local.keep_decoded(served, live_a), remote.keep_decoded(served, live_b)
@@ -271,15 +288,7 @@ def test_kept_decoded_state_fills_as_in_process_compute(
         compute.import_windows(served, state, windows)
     assert b.n_tokens == a.n_tokens == len(history)
     step = _prompt(rng, rng.randrange(1, 9))
-    out_a = local.prefill(served, step, a, prompt_end=len(history) + len(step))
-    out_b = remote.prefill(served, step, b, prompt_end=len(history) + len(step))
-    assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
-    for _ in range(2):
-        t = rng.randrange(16, 512)
-        out_a, out_b = local.decode(served, t, out_a.state), remote.decode(served, t, out_b.state)
-        assert torch.equal(out_a.logits, out_b.logits), f"seed {seed}"
-    n = out_a.state.n_tokens
-    assert local.export_global(served, out_a.state, 0, n) == remote.export_global(served, out_b.state, 0, n)
+    _continued_alike(local, remote, served, rng, (a, b), len(history), step, 2, seed)
     with pytest.raises(TypeError, match="not kept by the model process"):
         remote.fill_decoded(served, remote.new_state(served), kept_a)
     # a full hit's state in one call there (`restore_with_windows`: the prefix restored straight into
