@@ -260,12 +260,16 @@ class _Worker:
         prefix and then `op_clone_with_windows` of it gives a full hit, without the prefix or its copy);
         kept only when the windows fit (CacheFormatError). A turn end's snapshot whose windows are `blob`
         and whose history is `tokens` is that state already: a copy of it is kept instead."""
-        from orchestrator.engine.model_compute import restore_decoded
+        import torch
+
+        from orchestrator.engine.model_compute import restore_decoded, token_row
 
         kept = self._state(kept_id)
         if isinstance(kept, _KeptTurnEnd):
             snapshot = kept.snapshot
-            same_history = snapshot.n_tokens == len(tokens) and snapshot.tokens[0].tolist() == list(tokens)
+            same_history = snapshot.n_tokens == len(tokens) and torch.equal(
+                snapshot.tokens, token_row(tokens, snapshot.device)
+            )
             if same_history and blob == kept.windows:
                 with self._lock:
                     self.snapshot_restores += 1
