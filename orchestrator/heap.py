@@ -17,16 +17,17 @@ start-up for the same reason (vllm-project/vllm#24008, "Freeze core engine proc 
 youngest generation's threshold goes from 700 to `YOUNG_THRESHOLD` new objects, so a collection comes
 about once a run instead of every few turns (what survives is collected as before, only later).
 
-Measured in alternating runs (the same VM): the 64 x 20 load with the frozen heap 94.6 / 92.3 / 97.5 /
-(`bench_ab_load`, 4 pairs) 1.137x median turns/s of the unfrozen; the no-op stand-in at 64 sessions
-1.09-1.12x turns/s with the raised threshold over the frozen heap alone, one session's p50 5.1-6.7 ms
-against 6.3-7.0.
+Measured in alternating runs on the same VM (`bench_ab_load` for the 64 x 20 load): the frozen heap
+1.137x median turns/s over the untuned collector (4 pairs), the raised threshold 1.104x over the frozen
+heap alone (3 pairs); the no-op stand-in at 64 sessions 1.09-1.12x turns/s from the threshold, one
+session's p50 5.1-6.7 ms against 6.3-7.0.
 
 The trade: an object tracked at the freeze that later becomes part of a garbage reference cycle is never
-reclaimed, and cyclic garbage waits for up to `YOUNG_THRESHOLD` new objects. So only code that owns a
-whole process's life tunes it (`kvresume serve`, the model process, the benchmarks' service harnesses),
-never a library path that one process runs many times (a test process builds hundreds of nodes);
-`ServingGc.release` hands the frozen objects back and restores the thresholds.
+reclaimed, and cyclic garbage waits for up to `YOUNG_THRESHOLD` new objects. So only a process's
+service entry points tune it (`kvresume serve`'s `serve`, the model process, the benchmarks' service
+harnesses), never `build_node` (a test process builds hundreds of nodes), and an entry point that may run
+inside someone else's process (`serve` in a test) hands everything back when it stops
+(`ServingGc.release`: the frozen objects unfrozen, the thresholds restored).
 """
 
 from __future__ import annotations

@@ -113,7 +113,9 @@ def serve(
         from orchestrator.http import start_http_server
 
         http = start_http_server(ctx, host=settings.grpc_host, port=settings.http_port)
-    # ready: the collector tuned for serving (orchestrator/heap.py); this process's life is ours
+    # ready: the collector tuned for serving (orchestrator/heap.py), for as long as this service runs
+    # (`kvresume serve` runs one a process; a caller that runs it in its own process, a test, gets the
+    # collector back when it stops)
     tuned = tune_gc_for_serving() if settings.tune_gc else None
     if tuned is not None:
         log.info("gc_tuned_for_serving", frozen_objects=tuned.objects, ms=round(tuned.seconds * 1e3, 1),
@@ -135,6 +137,9 @@ def serve(
         stop.wait()
     finally:
         log.info("service_stopping")
+        # first, so that nothing below can keep the caller's objects frozen
+        if tuned is not None:
+            tuned.release()
         if http is not None:
             http.stop(grace_s=5.0)
         running.stop(grace_s=5.0)
@@ -142,8 +147,6 @@ def serve(
             metrics_server.shutdown()  # type: ignore[attr-defined]
             metrics_server.server_close()  # type: ignore[attr-defined]
         node.close()
-        if tuned is not None:
-            tuned.release()
 
 
 def check_port_free(host: str, port: int, what: str) -> None:

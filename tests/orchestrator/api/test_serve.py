@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import urllib.request
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.api import build_context, build_server
 from orchestrator.cli import main
 from orchestrator.cli.serve_cmd import serve
+from orchestrator.heap import YOUNG_THRESHOLD
 from tests.orchestrator.api.conftest import make_settings
 
 
@@ -20,8 +22,11 @@ def test_serve_answers_health_and_metrics_then_stops(tmp_path) -> None:
     settings = make_settings(tmp_path, metrics_port=0)
     stop = threading.Event()
     seen: dict[str, object] = {}
+    collector = gc.get_threshold(), gc.get_freeze_count()
 
     def on_ready(ctx, running, metrics_port) -> None:
+        # serving, the collector is tuned (orchestrator/heap.py) ...
+        seen["tuned"] = gc.get_threshold()[0] == YOUNG_THRESHOLD and gc.get_freeze_count() > 0
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
             seen["health"] = reply.status
@@ -30,6 +35,9 @@ def test_serve_answers_health_and_metrics_then_stops(tmp_path) -> None:
         stop.set()
 
     serve(settings, stop, on_ready=on_ready)
+    assert seen["tuned"]
+    # ... and stopped, this process (a test's) gets its collector back
+    assert (gc.get_threshold(), gc.get_freeze_count()) == collector
     assert seen["health"] == health_pb2.HealthCheckResponse.SERVING
     assert "kvresume_running_turns 0.0" in seen["metrics"]
 
