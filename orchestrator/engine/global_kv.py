@@ -342,6 +342,7 @@ def persist_chunks(
     known_hashes: Mapping[tuple[int, int], bytes] | None = None,
     digests: PayloadDigests | None = None,
     history_ids: bytes | None = None,
+    exported: Mapping[tuple[int, int], bytes] | None = None,
 ) -> PersistOutcome:
     """Export the chunks of `history` not yet stored for this session and write them durably.
 
@@ -356,6 +357,8 @@ def persist_chunks(
         digests: told the payload digest of each value this put wrote, by its stored checksum, so that
             the next turn proves the chunk without reading it (`read_prefix(payloads_optional=True)`).
         history_ids: `token_bytes(history)`, when the caller holds them.
+        exported: payloads by range the caller exported from `state` already (a turn end's one call
+            there: `export_turn_end`); the ranges not in it or in `known` are exported here.
 
     Returns:
         The durable segments of the whole history to link in the registry, or why nothing was persisted;
@@ -365,6 +368,7 @@ def persist_chunks(
     compute = compute if compute is not None else TorchCompute()
     known = known if known is not None else {}
     known_hashes = known_hashes if known_hashes is not None else {}
+    exported = exported if exported is not None else {}
     n = len(history)
     if state.n_tokens != n:
         raise ValueError(f"state covers {state.n_tokens} tokens but the history has {n}")
@@ -375,6 +379,8 @@ def persist_chunks(
 
     def payload(r: tuple[int, int]) -> bytes:
         held = known.get(r)
+        if held is None:
+            held = exported.get(r)
         return held if held is not None else compute.export_global(served, state, r[0], r[1])
 
     payloads = {r: payload(r) for r in ranges}

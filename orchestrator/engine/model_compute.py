@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +33,9 @@ from orchestrator.engine.served_models import ServedModel
 __all__ = [
     "ModelCompute",
     "TorchCompute",
+    "TurnEndExport",
     "clone_with_windows",
+    "export_turn_end",
     "export_windows_keeping",
     "import_chunks",
     "restore_decoded",
@@ -160,6 +163,35 @@ def export_windows_keeping(
     windows = compute.export_windows(served, state)
     one = getattr(compute, "keep_decoded", None) if keep else None
     return windows, (one(served, state) if one is not None else None)
+
+
+@dataclass(frozen=True)
+class TurnEndExport:
+    """What a persisted turn end takes from its state: the global-KV payloads of the chunks it writes,
+    by range, and what its pool put needs (the windows blob, and the decoded KV kept beside them)."""
+
+    global_blobs: dict[tuple[int, int], bytes]
+    windows: bytes
+    kept: KeptDecoded | None
+
+
+def export_turn_end(
+    compute: ModelCompute,
+    served: ServedModel,
+    state: Any,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    keep: bool,
+) -> TurnEndExport:
+    """`export_global` of each of `ranges` and `export_windows_keeping` of the same state: the compute's
+    `export_turn_end` when it has one (a model process answers all of them in one round trip, where they
+    were 1.33 + 1 round trips a turn), else those calls one by one."""
+    one = getattr(compute, "export_turn_end", None)
+    if one is not None:
+        return one(served, state, ranges, keep=keep)
+    blobs = {(start, end): compute.export_global(served, state, start, end) for start, end in ranges}
+    windows, kept = export_windows_keeping(compute, served, state, keep=keep)
+    return TurnEndExport(global_blobs=blobs, windows=windows, kept=kept)
 
 
 def token_row(tokens: Sequence[int], device: torch.device | str) -> torch.Tensor:

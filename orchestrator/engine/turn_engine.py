@@ -50,15 +50,14 @@ from orchestrator.db.models import (
     tokens_to_blob,
 )
 from orchestrator.engine.decoded_states import DecodedStates
-from orchestrator.engine.global_kv import persist_chunks
-from orchestrator.engine.model_compute import ModelCompute, TorchCompute, export_windows_keeping
+from orchestrator.engine.global_kv import chunk_ranges, persist_chunks
+from orchestrator.engine.model_compute import ModelCompute, TorchCompute, TurnEndExport, export_turn_end
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.pool_entry import pack_pool_entry
 from orchestrator.engine.sampler import Sampler
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, NoMappers
 from orchestrator.engine.turn_facts import TurnFacts, TurnPreparation
-from orchestrator.model_process import ModelProcessError
 from orchestrator.planner import CostTable, ResumePath, TokenCounts
 from orchestrator.registry_writer import DriverFinish, FinishRequest, RegistryWriter, write_finish
 from orchestrator.scheduler import (
@@ -442,10 +441,23 @@ class TurnEngine:
             finally:
                 # a turn that stops early (an error, a cancellation, a client gone) queues nothing more
                 chain.halt()
+            turn_end: TurnEndExport | None = None
             if plan.persist:
                 # the history's ids as the store and the digests take them, encoded once for both (the
                 # turn rows' ids as read, then only this turn's)
                 full_ids = f.history_ids + token_bytes(full[len(f.history) :])
+                already_stored = f.own_stored if plan.path != ResumePath.MODEL_SWAP else 0
+                # Everything the turn end takes from the state in one call (a model process's one round
+                # trip): the chunks the put writes that the state was not loaded from, and the windows
+                # and kept decoded KV that the pool put after the commit needs.
+                ranges = chunk_ranges(len(full), self.store.config.chunk_tokens, from_pos=already_stored)
+                turn_end = export_turn_end(
+                    self.compute,
+                    served,
+                    state,
+                    [r for r in ranges if r not in f.reused],
+                    keep=self.decoded.enabled,
+                )
                 outcome = persist_chunks(
                     self.store,
                     tenant=f.tenant_id,
@@ -453,7 +465,7 @@ class TurnEngine:
                     served=served,
                     history=full,
                     state=state,
-                    already_stored=f.own_stored if plan.path != ResumePath.MODEL_SWAP else 0,
+                    already_stored=already_stored,
                     retention_s=f.retention_s,
                     node=self._ctx.node,
                     clock=self._clock,
@@ -462,6 +474,7 @@ class TurnEngine:
                     known_hashes=f.reused_hashes,
                     digests=self._prep.digests,
                     history_ids=full_ids,
+                    exported=turn_end.global_blobs,
                 )
                 persisted = outcome.persisted
             try:
@@ -477,17 +490,8 @@ class TurnEngine:
             self._finish(f, turn_id, output, persisted, outcome, ttft=ttft, rate=rate, total=total)
             status = TurnStatus.DONE
             if persisted:
-                assert outcome is not None
-                try:
-                    self._pool_turn_end(f, served, state, full, outcome.chunks, full_ids)
-                except ModelProcessError as exc:
-                    # The turn is committed (its row, its links, its chunks): what failed would only have
-                    # sped up the next turn, which now starts from the stored chunks (a global-only
-                    # replay). Its stream still ends with its record, so no client retries a turn that
-                    # is in the history.
-                    log.warning("turn_end_not_pooled", error=str(exc))
-                    self.decoded.discard(f.tenant_id, f.session_id)
-                    self.pool.discard(f.tenant_id, f.session_id)
+                assert outcome is not None and turn_end is not None
+                self._pool_turn_end(f, served, full, outcome.chunks, full_ids, turn_end)
             yield TurnStatsEvent(
                 turn_index=index,
                 ttft_s=ttft,
@@ -526,12 +530,19 @@ class TurnEngine:
             raise
 
     def _pool_turn_end(
-        self, f: TurnFacts, served: ServedModel, state: Any, full: list[int], chunks: bytes, full_ids: bytes
+        self,
+        f: TurnFacts,
+        served: ServedModel,
+        full: list[int],
+        chunks: bytes,
+        full_ids: bytes,
+        turn_end: TurnEndExport,
     ) -> None:
         """Pool the committed turn end's windows (and keep its decoded global KV beside them), so that
-        the next turn of the session is a full hit. `full_ids`: `token_bytes(full)`."""
-        # the windows and the decoded KV kept beside them: one model-process round trip for both
-        windows, kept = export_windows_keeping(self.compute, served, state, keep=self.decoded.enabled)
+        the next turn of the session is a full hit. `full_ids`: `token_bytes(full)`; `turn_end`: what
+        the turn end exported before its put (the windows and the kept KV among it), so that nothing
+        here asks the compute (a model process lost now cannot fail a committed turn)."""
+        windows, kept = turn_end.windows, turn_end.kept
         # the envelope and the content index name the same digest: hashed once, from the encoded ids
         digest = history_digest(full_ids)
         entry = pack_pool_entry(

@@ -31,7 +31,9 @@ from typing import Any
 import structlog
 
 from model import PassOutput
+from orchestrator.api.errors import UnavailableError
 from orchestrator.child_process import ChildProcess
+from orchestrator.engine.model_compute import TurnEndExport
 from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, unpack_logits
 from orchestrator.model_process.worker import WorkerConfig
 
@@ -40,8 +42,12 @@ __all__ = ["ModelProcessError", "ProcessCompute", "RemoteKept", "RemoteState"]
 log = structlog.get_logger(__name__)
 
 
-class ModelProcessError(RuntimeError):
-    """The model process died or could not start, or a state it held is gone with it."""
+class ModelProcessError(UnavailableError, RuntimeError):
+    """The model process died or could not start, or a state it held is gone with it. A turn that meets
+    it fails before its commit; the next call starts a new model process, so callers see UNAVAILABLE with
+    a retry hint."""
+
+    default_retry_after_s = 1.0
 
 
 class RemoteState:
@@ -502,6 +508,22 @@ class ProcessCompute:
             "export_windows_keeping", served.name, sid, bool(keep), served=served, states=(state,)
         )
         return windows, self._kept_handle(kept, generation)
+
+    def export_turn_end(
+        self, served: Any, state: RemoteState, ranges: Sequence[tuple[int, int]], *, keep: bool
+    ) -> TurnEndExport:
+        """A persisted turn end's global-KV payloads of `ranges`, windows and kept decoded KV in one round
+        trip (`export_global` per range and `export_windows_keeping` there)."""
+        spans = [(int(start), int(end)) for start, end in ranges]
+        sid = self._sid(state)
+        (blobs, windows, kept), generation = self._call_at(
+            "export_turn_end", served.name, sid, spans, bool(keep), served=served, states=(state,)
+        )
+        return TurnEndExport(
+            global_blobs=dict(zip(spans, blobs, strict=True)),
+            windows=windows,
+            kept=self._kept_handle(kept, generation),
+        )
 
     def _kid(self, kept: Any) -> int:
         """The id there of what `keep_decoded` kept, checked to be of the running model process."""

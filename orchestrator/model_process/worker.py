@@ -240,6 +240,15 @@ class _Worker:
         return windows, (self._keep(_KeptTurnEnd(kept, snapshot, windows)), kept.n_tokens,
                          held_bytes(state_tensors(snapshot)) + len(windows))  # fmt: skip
 
+    def op_export_turn_end(
+        self, model: str, sid: int, ranges: Sequence[tuple[int, int]], keep: bool
+    ) -> tuple[list[bytes], bytes, tuple[int | None, int, int]]:
+        """A persisted turn end in one call: `op_export_global` of each range, then
+        `op_export_windows_keeping` of the same state."""
+        blobs = [self.op_export_global(model, sid, start, end) for start, end in ranges]
+        windows, kept = self.op_export_windows_keeping(model, sid, keep)
+        return blobs, windows, kept
+
     def op_fill_decoded(self, model: str, sid: int, kept_id: int) -> int:
         state = self._state(sid)
         self.compute.fill_decoded(self._served(model), state, self._sources(kept_id))

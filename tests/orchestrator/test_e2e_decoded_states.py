@@ -16,15 +16,16 @@ import random
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 
 from orchestrator.engine import ModelRegistry
 from orchestrator.engine.payload_digests import PayloadDigests
 from orchestrator.engine.prefix_reuse import find_reuse
-from storage import PoolMiss
 from tests.orchestrator.engine.node_harness import (
     POOL_TTL_S,
     admin_md,
+    md,
     new_session,
     run_turn,
     start_node,
@@ -221,11 +222,12 @@ def _purge_expiry_isolation(tmp_path: Path, models, database_url: str | None) ->
         node.stop()
 
 
-def test_a_model_process_lost_after_the_commit_ends_the_turn_with_its_record(tmp_path: Path, models) -> None:
-    """The model process dies while a turn pools its committed end (windows export, kept state): the
-    stream still ends with the turn's stats (it is in the history, so no client should retry it), nothing
-    of that end is pooled or kept, and the next turn starts from the stored chunks on a new model process
-    with the tokens an uninterrupted node gives."""
+def test_a_model_process_lost_at_the_turn_end_fails_it_before_its_commit(tmp_path: Path, models) -> None:
+    """The model process dies as a turn takes its end from the state (its one call there before the put:
+    the chunks it writes, the windows and the kept state): the turn fails with nothing of it in the
+    history or the store (the session's length and the stored chunks unchanged); nothing runs against the
+    model process after a commit, so no committed turn can fail that way. The same turn sent again runs on
+    a new model process, and it and the next turn give the tokens an uninterrupted node gives."""
     rng = random.Random(5)
     parts = [_ids(rng, 120), _ids(rng, 20), _ids(rng, 15)]
     node = start_node(tmp_path / "separate", models, model_process="separate")
@@ -233,27 +235,31 @@ def test_a_model_process_lost_after_the_commit_ends_the_turn_with_its_record(tmp
     try:
         sid, ref = _new_session(node), _new_session(reference)
         compute = node.service.engine.compute
-        # the turn end's windows export and kept state: one call there (`export_windows_keeping`)
-        export_windows_keeping = compute.export_windows_keeping
+        export_turn_end = compute.export_turn_end
 
-        def dies_first(served, state, *, keep):
+        def dies_first(served, state, ranges, *, keep):
             os.kill(compute._proc.proc.pid, signal.SIGKILL)  # noqa: SLF001 - the model process dies here
             compute._proc.proc.wait()  # noqa: SLF001
-            return export_windows_keeping(served, state, keep=keep)
+            return export_turn_end(served, state, ranges, keep=keep)
 
         first, want = run_turn(node, sid, parts[0], max_new=4), run_turn(reference, ref, parts[0], max_new=4)
         assert first.tokens == want.tokens
-        compute.export_windows_keeping = dies_first
+        chunks = node.service.store.stats().chunks
+        compute.export_turn_end = dies_first
         try:
-            second = run_turn(node, sid, parts[1], max_new=4)
+            with pytest.raises(grpc.RpcError) as failed:
+                run_turn(node, sid, parts[1], max_new=4)
         finally:
-            compute.export_windows_keeping = export_windows_keeping
-        want = run_turn(reference, ref, parts[1], max_new=4)
-        assert second.path == "FULL_HIT" and second.tokens == want.tokens and second.stats.persisted
-        assert node.service.pool.get("acme", sid) == PoolMiss.ABSENT
-        assert node.service.engine.decoded.stats().entries == 0
+            compute.export_turn_end = export_turn_end
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        asked = node.pb.sessions.GetSessionRequest(session_id=sid)
+        got = node.sessions.GetSession(asked, metadata=md("acme"))
+        assert got.turn_count == 1
+        assert node.service.store.stats().chunks == chunks
+        second, want = run_turn(node, sid, parts[1], max_new=4), run_turn(reference, ref, parts[1], max_new=4)
+        assert second.tokens == want.tokens and second.stats.persisted
         third, want = run_turn(node, sid, parts[2], max_new=4), run_turn(reference, ref, parts[2], max_new=4)
-        assert third.path == "GLOBAL_REPLAY", third.plan.reason
+        assert third.path == "FULL_HIT", third.plan.reason
         assert third.tokens == want.tokens
         assert compute.running(compute._proc.generation) and compute._proc.generation == 2  # noqa: SLF001
     finally:

@@ -24,7 +24,13 @@ import torch
 from model import CacheFormatError, state_from_global
 from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import held_bytes, state_tensors
-from orchestrator.engine.model_compute import clone_with_windows, export_windows_keeping, restore_decoded
+from orchestrator.engine.global_kv import chunk_ranges
+from orchestrator.engine.model_compute import (
+    clone_with_windows,
+    export_turn_end,
+    export_windows_keeping,
+    restore_decoded,
+)
 from orchestrator.heap import YOUNG_THRESHOLD
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
 from tests.processes import process_alive
@@ -231,6 +237,40 @@ def test_a_full_hit_on_a_turn_end_snapshot_continues_as_the_import_path_here(
     with pytest.raises(CacheFormatError):
         clone_with_windows(remote, served, restore_decoded(remote, served, kept_b, history), windows[:-5])
     assert remote.stats()["snapshot_restores"] == taken + 2
+
+
+def test_a_turn_end_takes_in_one_call_there_what_the_calls_give(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    """`export_turn_end` there (one call) against the calls one by one here, on a fresh random history
+    and random chunk ranges from a random stored prefix: the same global-KV payloads by range, the same
+    windows, and a kept state of the same history; no other call reaches the model process."""
+    served = models.get("a")
+    local = TorchCompute()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    live_a, live_b, history = _lived_here_and_there(
+        local, remote, served, rng, rng.randrange(20, 200), rng.randrange(1, 4)
+    )
+    size = rng.choice((16, 32, 64))
+    ranges = chunk_ranges(len(history), size, from_pos=rng.randrange(0, len(history)))
+    before = dict(remote.stats()["ops"])
+    there = export_turn_end(remote, served, live_b, ranges, keep=True)
+    ops = remote.stats()["ops"]
+    assert {op: n for op, (n, *_) in ops.items() if n != before.get(op, (0,))[0]} == {
+        "export_turn_end": before.get("export_turn_end", (0,))[0] + 1,
+        "stats": before.get("stats", (0,))[0] + 1,
+    }, f"seed {seed}"
+    here = export_turn_end(local, served, live_a, ranges, keep=True)
+    want = {r: local.export_global(served, live_a, *r) for r in ranges}
+    assert there.global_blobs == here.global_blobs == want, f"seed {seed}"
+    assert there.windows == here.windows == local.export_windows(served, live_a)
+    assert there.kept is not None and here.kept is not None and there.kept.usable
+    assert there.kept.n_tokens == here.kept.n_tokens == len(history)
+    # without keeping: nothing kept, the same payloads and windows
+    bare = export_turn_end(remote, served, live_b, ranges[-1:], keep=False)
+    assert bare.kept is None and bare.windows == there.windows
+    assert bare.global_blobs == {ranges[-1]: want[ranges[-1]]}
 
 
 def test_dropped_handles_are_freed_there(models: ModelRegistry, remote: ProcessCompute) -> None:
