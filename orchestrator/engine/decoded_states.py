@@ -219,7 +219,7 @@ class DecodedStates:
         pool_value: bytes,
     ) -> bool:
         """Keep a turn end's decoded global KV, `kept` (what the compute's `keep_decoded` returned:
-        `model_compute.export_windows_keeping` asks for it with the windows' export), beside the pool
+        `model_compute.export_turn_end` asks for it with the windows' export), beside the pool
         entry `pool_value` of the same turn end; call before the pool put of that value (the put drops the
         previous value, whose entry goes). Returns whether it was kept (not when disabled, over the whole
         budget, or when the compute kept nothing (None): a batched state, a stand-in's without
