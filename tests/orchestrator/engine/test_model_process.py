@@ -54,6 +54,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(16, 512) for _ in range(n)]
 
 
+def _seeded() -> tuple[int, random.Random]:
+    """A fresh seed (named in assertion messages) and the generator it seeds."""
+    seed = random.randrange(1 << 30)
+    return seed, random.Random(seed)
+
+
 def _lived_here_and_there(
     local: TorchCompute, remote: ProcessCompute, served, rng: random.Random, prompt_tokens: int, decodes: int
 ) -> tuple[Any, Any, list[int]]:
@@ -207,10 +213,8 @@ def test_a_full_hit_on_a_turn_end_snapshot_continues_as_the_import_path_here(
     history takes the snapshot (no fill, no import); the state continues, by a prefill chunk and decode
     steps, bit for bit as the same history filled and imported here; windows that are not the snapshot's
     take the import there (refused here: they do not fit)."""
-    served = models.get("a")
-    local = TorchCompute()
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
+    served, local = models.get("a"), TorchCompute()
+    seed, rng = _seeded()
     live_a, live_b, history = _lived_here_and_there(
         local, remote, served, rng, rng.randrange(20, 200), rng.randrange(1, 4)
     )
@@ -245,10 +249,8 @@ def test_a_turn_end_takes_in_one_call_there_what_the_calls_give(
     """`export_turn_end` there (one call) against the calls one by one here, on a fresh random history
     and random chunk ranges from a random stored prefix: the same global-KV payloads by range, the same
     windows, and a kept state of the same history; no other call reaches the model process."""
-    served = models.get("a")
-    local = TorchCompute()
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
+    served, local = models.get("a"), TorchCompute()
+    seed, rng = _seeded()
     live_a, live_b, history = _lived_here_and_there(
         local, remote, served, rng, rng.randrange(20, 200), rng.randrange(1, 4)
     )
