@@ -7,6 +7,7 @@ import pytest
 
 from orchestrator.api import errors
 from orchestrator.api.status_table import STATUS_TABLE, status_for
+from orchestrator.model_process import ModelProcessError
 from storage import StoreDamagedError
 
 
@@ -22,6 +23,7 @@ from storage import StoreDamagedError
         (errors.ResourceExhaustedError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (errors.UnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
         (StoreDamagedError("x"), grpc.StatusCode.UNAVAILABLE),
+        (ModelProcessError("the model process ended"), grpc.StatusCode.UNAVAILABLE),
         (errors.DeadlineError("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
         (errors.CancelledError("x"), grpc.StatusCode.CANCELLED),
         (NotImplementedError("x"), grpc.StatusCode.UNIMPLEMENTED),

@@ -16,6 +16,7 @@ from sqlalchemy.exc import OperationalError
 
 from orchestrator.api import errors
 from orchestrator.api.status_table import HTTP_BY_CODE, STATUS_TABLE, http_error_for
+from orchestrator.model_process import ModelProcessError
 from tests.orchestrator.http.conftest import ADMIN, MODEL, TOKENS, HttpNode, start_http_node
 
 MESSAGES = [{"role": "user", "content": "Fix resume()."}]
@@ -185,6 +186,13 @@ def test_capacity_is_429_and_a_concurrent_turn_409() -> None:
     assert http_error_for(errors.ResourceExhaustedError("full")).status == 429
     turn = errors.PreconditionError("busy", reason="TURN_RUNNING", retry_after_s=1.0)
     assert (http_error_for(turn).status, http_error_for(turn).retry_after_s) == (409, 1.0)
+
+
+def test_a_lost_model_process_is_a_503_with_retry_after() -> None:
+    """A turn that met a lost model process failed before its commit: the caller may send it again."""
+    err = http_error_for(ModelProcessError("the model process ended during decode_many (exit code -9)"))
+    assert (err.status, err.reason, err.retry_after_s) == (503, "UNAVAILABLE", 1.0)
+    assert "exit code -9" in err.message
 
 
 def test_concurrent_requests_of_one_key_get_one_turn(http_node: HttpNode) -> None:
