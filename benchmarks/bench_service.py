@@ -3,7 +3,8 @@ and 64 concurrent sessions, with the model replaced by a NO-OP STAND-IN; (2) an 
 comparing, turn by turn, kvresume's time to first token against re-prefilling the whole history.
 
 Run: `python -m benchmarks.bench_service [--json PATH|-] [--turns 12] [--overhead-turns 4]
-[--grpc-server threads|async|both] [--model-load [--model-sessions 64] [--model-turns 20]]`.
+[--grpc-server threads|async|both] [--model-load [--model-sessions 64] [--model-turns 20]
+[--load-rounds 1]]`.
 
 `--grpc-server both` (the default) runs the no-op sweeps on the thread-pool server and on the asyncio
 server side by side (`overhead_by_grpc_server`), and with `--model-load` the 64 sessions once more on
@@ -22,7 +23,10 @@ again with the models placed the other way (`model_process`: by default "separat
 their own; the other run, `c64_batching_inline`, computes in the service's process), and once more with
 the model process and the service on any CPU (`c64_batching_unpinned`: `model_process_cpus = "none"`;
 the default runs pin them apart as `kvresume serve` does, orchestrator/cpu_split.py). The headline keys
-are the default placement's runs.
+are the default placement's runs. `--load-rounds R` runs the batched, serial and one-session arms R
+times in turn and reports each arm's median round, with each round's ratios (`load_rounds`): on a VM
+whose speed drifts 10-30% within minutes (orchestrator/README, sessions 27-31), a single run's baseline
+can fall in a slow spell that its batched arm missed, and the ratio then moves with it.
 
 (1) Each session runs turns of 64 new tokens and 4 generated tokens over gRPC on loopback against a node
 with a SQLite registry file and a RocksDB store in a temp dir. The stand-in (`NoOpCompute`) does no
@@ -545,6 +549,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-sessions", type=int, default=64, help="sessions of the load run")
     parser.add_argument("--model-turns", type=int, default=20, help="turns per session of the load run")
     parser.add_argument(
+        "--load-rounds",
+        type=int,
+        default=1,
+        help="rounds of the load run's batched, serial and one-session arms, in turn (each reports its "
+        "median round)",
+    )
+    parser.add_argument(
         "--grpc-server",
         choices=("threads", "async", "both"),
         default="both",
@@ -559,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--turns={args.turns} must be >= 4 (turn 1 is checked as a full hit, before the idle)")
     if args.overhead_turns < 2:
         parser.error(f"--overhead-turns={args.overhead_turns} must be >= 2 (quantiles need two turns)")
+    if args.load_rounds < 1:
+        parser.error(f"--load-rounds={args.load_rounds} must be >= 1")
     if args.model_load and (args.model_sessions < 1 or args.model_turns < 2):
         parser.error(
             f"--model-sessions={args.model_sessions} must be >= 1 and --model-turns={args.model_turns} >= 2"
@@ -582,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         sweeps = by_server[headline_server]
         anchors = measure_anchors(int(sweeps[0]["chunk_bytes_per_token"] * 256))
         load: dict[str, Any] = {}
+        # with `--load-rounds` > 1: each round's model and decode ratios
+        load_rounds: dict[str, list[float]] | None = None
         if args.model_load:
             other = [s for s in servers if s != headline_server]
             sessions, default_cpus = args.model_sessions, DEFAULT_MODEL_PROCESS_CPUS
@@ -610,14 +625,15 @@ def main(argv: list[str] | None = None) -> int:
                     else []
                 ),
             ]
-            for name, scheduler, n, model_process, grpc_server, cpus in runs:
+            def arm(name: str, scheduler: str, n: int, model_process: str, grpc_server: str, cpus: str,
+                    round_: int) -> dict[str, Any]:  # fmt: skip
                 # One session's run is short (20 turns: a second or two), so a slow spell of the machine
                 # moves it far more than the 64-session runs (seen: its model CPU a turn 59 -> 89 ms on
                 # unchanged code); it runs ONE_SESSION_REPEATS times and reports the median run.
                 repeats = ONE_SESSION_REPEATS if n == 1 else 1
                 tries = [
                     model_load(
-                        root / f"load-{name}-{i}",
+                        root / f"load-{name}-r{round_}-{i}",
                         args.checkpoint,
                         scheduler=scheduler,
                         sessions=n,
@@ -629,11 +645,38 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(repeats)
                 ]
                 tries.sort(key=lambda run: run["decode_tokens_per_s"])
-                load[name] = tries[len(tries) // 2]
+                chosen = tries[len(tries) // 2]
                 if repeats > 1:
-                    load[name]["repeats_decode_tokens_per_s"] = [run["decode_tokens_per_s"] for run in tries]
+                    chosen["repeats_decode_tokens_per_s"] = [run["decode_tokens_per_s"] for run in tries]
                 # each run takes minutes: its figures reach stderr at once, whatever happens later
-                print(f"model load {name}: {json.dumps(load[name])}", file=sys.stderr, flush=True)
+                print(f"model load {name} (round {round_}): {json.dumps(chosen)}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                return chosen
+
+            # The three arms the targets divide run first, `--load-rounds` times in turn (batched, serial,
+            # one session, again), so that each ratio's two sides meet the machine's drift alike; each
+            # reports its median round. The side arms run once after them.
+            headline_arms, side_arms = runs[:3], runs[3:]
+            by_round: dict[str, list[dict[str, Any]]] = {spec[0]: [] for spec in headline_arms}
+            for round_ in range(args.load_rounds):
+                for spec in headline_arms:
+                    by_round[spec[0]].append(arm(*spec, round_))
+            for name, got in by_round.items():
+                ordered = sorted(got, key=lambda run: run["decode_tokens_per_s"])
+                load[name] = ordered[len(ordered) // 2]
+                if args.load_rounds > 1:
+                    load[name]["rounds_decode_tokens_per_s"] = [run["decode_tokens_per_s"] for run in got]
+                    load[name]["rounds_turns_per_s"] = [run["turns_per_s"] for run in got]
+            if args.load_rounds > 1:
+                # each round's own ratios, from arms run minutes apart rather than a whole run apart
+                load_rounds = {
+                    "model_ratio": [b["turns_per_s"] / s["turns_per_s"] for b, s in
+                                    zip(by_round["c64_batching"], by_round["c64_serial"], strict=True)],
+                    "decode_ratio": [b["decode_tokens_per_s"] / o["decode_tokens_per_s"] for b, o in
+                                     zip(by_round["c64_batching"], by_round["c1_batching"], strict=True)],
+                }  # fmt: skip
+            for spec in side_arms:
+                load[spec[0]] = arm(*spec, 0)
     by_c = {s["concurrency"]: s for s in sweeps}
     headline: dict[str, Any] = {
         "turns_per_s_c64_noop": by_c[64]["turns_per_s"],
@@ -657,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_service",
         "anchors": anchors,
         "model_load": load,
+        "load_rounds": load_rounds,
         "model_for_overhead": "NO-OP STAND-IN (NoOpCompute: no model arithmetic, real byte sizes)",
         "model_for_replay": "v41-tiny random-init (seed 1), torch CPU, 1 thread, ced mode",
         "grpc_server": headline_server,
@@ -763,6 +807,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['service_cpu_ms_per_turn']:>16.1f} {opt(r['model_process_cpu_ms_per_turn'], '18.1f')}",
                 file=out,
             )
+    if load_rounds is not None:
+        for what, ratios in load_rounds.items():
+            print(f"{what} by round: {', '.join(f'{r:.2f}x' for r in ratios)} "
+                  f"(median {statistics.median(ratios):.2f}x)", file=out)  # fmt: skip
     print(f"hardware: {result['hardware']}", file=out)
     write_json(result, args.json)
     return 0

@@ -24,7 +24,7 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     path = tmp_path / "service.json"
     before = os.sched_getaffinity(0)
     rc = bench.main(["--turns", "4", "--overhead-turns", "2", "--model-load", "--model-sessions", "2",
-                     "--model-turns", "2", "--json", str(path)])  # fmt: skip
+                     "--model-turns", "2", "--load-rounds", "2", "--json", str(path)])  # fmt: skip
     assert rc in (0, None)
     doc = json.loads(path.read_text())
     for key in HEADLINE:
@@ -37,6 +37,20 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     assert placements["c64_batching"] == placements["c64_serial"] == bench.DEFAULT_MODEL_PROCESS
     assert placements[f"c64_batching_{bench.OTHER_MODEL_PROCESS}"] == bench.OTHER_MODEL_PROCESS
     assert doc["model_load"]["c64_batching"]["turns"] == 4
+    # the three arms the ratios divide ran twice in turn: each reports its median round (of two, the
+    # faster), and each round's ratios come from that round's own arms
+    rounds = {name: doc["model_load"][name] for name in ("c64_batching", "c64_serial", "c1_batching")}
+    for name, run in rounds.items():
+        assert len(run["rounds_decode_tokens_per_s"]) == 2, name
+        assert run["decode_tokens_per_s"] == max(run["rounds_decode_tokens_per_s"]), name
+    batched = rounds["c64_batching"]["rounds_turns_per_s"]
+    baseline = rounds["c64_serial"]["rounds_turns_per_s"]
+    assert doc["load_rounds"]["model_ratio"] == [b / s for b, s in zip(batched, baseline, strict=True)]
+    decoded = rounds["c64_batching"]["rounds_decode_tokens_per_s"]
+    alone = rounds["c1_batching"]["rounds_decode_tokens_per_s"]
+    assert doc["load_rounds"]["decode_ratio"] == [b / o for b, o in zip(decoded, alone, strict=True)]
+    # the side arms run once
+    assert "rounds_turns_per_s" not in doc["model_load"][f"c64_batching_{bench.OTHER_MODEL_PROCESS}"]
     # one session's short run: the median of its repeats
     one = doc["model_load"]["c1_batching"]
     repeats = one["repeats_decode_tokens_per_s"]
