@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.topk import cpu as _cpu
+
 TIE_BREAKS = ("reference", "deterministic")
 # +inf's bits in fp32 and bf16 (positive, so already monotone as signed integers)
 _F32_INF_BITS = 0x7F800000
@@ -98,6 +100,7 @@ def select_topk(
     *,
     tie_break: str = "reference",
     drop_neg_inf: bool = True,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """The k best-scoring entry ids per row, ascending, with -1 for picks the row may not use.
 
@@ -109,12 +112,16 @@ def select_topk(
             "deterministic" (higher score, then lower id; independent of N, T and chunking).
         drop_neg_inf: also turn picks whose score is -inf into -1 (V41_SPEC §4.2 deliberate deviation:
             the reference would keep them as valid ids; no conformance row picks one).
+        compiled: the deterministic rule's compiled CPU path (kernels/topk/cpu.py: integer work, the same
+            ids) for bf16 CPU scores of at most 2^16 entries; None: wherever it applies and builds; False:
+            the torch ops (its slow twin); True: that path or a ValueError.
 
     Returns:
         [B, T, k] int32: valid ids ascending, then the -1s. No offset is added.
 
     Raises:
-        ValueError: scores not 3-D, k out of range, bad visible shape/dtype or unknown tie_break.
+        ValueError: scores not 3-D, k out of range, bad visible shape/dtype, unknown tie_break, or
+            compiled=True where the compiled path does not apply.
     """
     check_tie_break(tie_break)
     if scores.dim() != 3:
@@ -123,6 +130,16 @@ def select_topk(
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, N={n}], got {k}")
     counts = as_row_counts(visible, scores)
+    applies = tie_break == "deterministic" and _cpu.covers(scores) and _cpu.usable()
+    if compiled and not applies:
+        raise ValueError(
+            "select_topk(compiled=True) needs the deterministic rule, bf16 CPU scores of at most 2^16 "
+            f"entries and the compiled library, got {tie_break!r}, {scores.dtype}, {scores.device}, N={n}"
+        )
+    if applies and compiled is not False:
+        picked = _cpu.select_topk_cpu(scores, k, counts, drop_neg_inf)
+        if picked is not None:
+            return picked
     idxs = top_indices(scores, k, tie_break=tie_break, reference_sorted=False).sort(dim=-1).values
     unusable = idxs >= counts
     if drop_neg_inf:

@@ -1,0 +1,164 @@
+/* Compiled CPU top-k selection of bf16 indexer scores under the deterministic rule (higher score, then
+ * lower id): what kernels/topk/selection.py's torch path (`rank_keys`, `topk`, the two sorts and the
+ * masks of `select_topk`) gives, id for id. Integer work only, so nothing here depends on the numerics
+ * profile: every step is a comparison of the keys below.
+ *
+ * Key of entry j of a row (as `rank_keys` makes it for bf16 rows of at most 2^16 entries): the score's
+ * bits made monotone as a signed integer (a negative value's 15 magnitude bits flipped; -0 counts as +0;
+ * every NaN gets +inf's bits plus one, above every score), shifted left 16, with 65535 - j in the low
+ * bits. Keys are distinct, so the k largest are one set whatever the method: here a min-heap of the best
+ * k for few picks against many entries, else a quickselect on a scratch copy (a sort of the range left
+ * where it runs long); then the picked ids sorted ascending.
+ * A pick is unusable when its id is at or past the row's visible count, or (drop_neg_inf) when its score
+ * is -inf; the row's kept ids come first, ascending, then -1 for the unusable ones.
+ *
+ * scores: [R, N] bf16 bits, rows contiguous; counts: [R] int64 visible counts; out: [R, K] int32.
+ * Returns 0, or 1 when the scratch memory could not be allocated (nothing written then).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BF16_NEG_INF 0xFF80u
+#define BF16_NAN_KEY 0x7F81 /* +inf's bits plus one */
+/* partition rounds of one row before the range left is sorted instead (keys distinct: rare) */
+#define MAX_ROUNDS 64
+/* a min-heap of the best k when k is at most n / HEAP_RATIO (few entries pass its one comparison), else
+ * the quickselect */
+#define HEAP_RATIO 8
+
+static inline int32_t rank_key(uint16_t bits, int64_t j) {
+    int32_t mono;
+    if ((bits & 0x7FFFu) > 0x7F80u) {
+        mono = BF16_NAN_KEY;
+    } else {
+        int32_t s = (int16_t)(bits == 0x8000u ? 0u : bits);
+        mono = s < 0 ? (s ^ 0x7FFF) : s;
+    }
+    return (int32_t)(((uint32_t)mono << 16) | (uint32_t)(65535 - j));
+}
+
+static int cmp_i32_asc(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static inline void swap_i32(int32_t *a, int32_t *b) {
+    int32_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders keys[0, n) so that keys[n - k, n) are the k largest (in no order). */
+static void top_k_last(int32_t *keys, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, target = n - k;
+    for (int round = 0; lo < hi; round++) {
+        if (round == MAX_ROUNDS) {
+            qsort(keys + lo, (size_t)(hi - lo + 1), sizeof(int32_t), cmp_i32_asc);
+            return;
+        }
+        /* median of three as the pivot, moved to hi */
+        int64_t mid = lo + (hi - lo) / 2;
+        if (keys[mid] < keys[lo]) swap_i32(&keys[mid], &keys[lo]);
+        if (keys[hi] < keys[lo]) swap_i32(&keys[hi], &keys[lo]);
+        if (keys[mid] < keys[hi]) swap_i32(&keys[mid], &keys[hi]);
+        int32_t pivot = keys[hi];
+        int64_t store = lo;
+        for (int64_t i = lo; i < hi; i++) {
+            if (keys[i] < pivot) swap_i32(&keys[i], &keys[store++]);
+        }
+        swap_i32(&keys[store], &keys[hi]);
+        if (store == target) return;
+        if (store < target) {
+            lo = store + 1;
+        } else {
+            hi = store - 1;
+        }
+    }
+}
+
+/* Sift the root of a min-heap of m keys down. */
+static inline void sift_down(int32_t *heap, int64_t m) {
+    int64_t i = 0;
+    for (;;) {
+        int64_t l = 2 * i + 1, small = i;
+        if (l < m && heap[l] < heap[small]) small = l;
+        if (l + 1 < m && heap[l + 1] < heap[small]) small = l + 1;
+        if (small == i) return;
+        swap_i32(&heap[i], &heap[small]);
+        i = small;
+    }
+}
+
+/* The k largest keys of a row into heap[0, k) (in no order), by a min-heap of the best k so far: one
+ * comparison for most entries when k is small against n. */
+static void top_k_heap(const uint16_t *row, int64_t n, int64_t k, int32_t *heap) {
+    for (int64_t j = 0; j < k; j++) {
+        /* insert keeping the heap property (sift up) */
+        int64_t i = j;
+        heap[i] = rank_key(row[j], j);
+        while (i > 0 && heap[(i - 1) / 2] > heap[i]) {
+            swap_i32(&heap[(i - 1) / 2], &heap[i]);
+            i = (i - 1) / 2;
+        }
+    }
+    for (int64_t j = k; j < n; j++) {
+        int32_t key = rank_key(row[j], j);
+        if (key > heap[0]) {
+            heap[0] = key;
+            sift_down(heap, k);
+        }
+    }
+}
+
+static void sort_ids(int32_t *ids, int64_t k) {
+    if (k > 32) {
+        qsort(ids, (size_t)k, sizeof(int32_t), cmp_i32_asc);
+        return;
+    }
+    for (int64_t i = 1; i < k; i++) {
+        int32_t v = ids[i];
+        int64_t j = i - 1;
+        while (j >= 0 && ids[j] > v) {
+            ids[j + 1] = ids[j];
+            j--;
+        }
+        ids[j + 1] = v;
+    }
+}
+
+int select_topk_bf16(const uint16_t *scores, int64_t rows, int64_t n, int64_t k, const int64_t *counts,
+                     int drop_neg_inf, int32_t *out) {
+    if (k <= 0 || rows <= 0) return 0;
+    int32_t *keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
+    int32_t *ids = (int32_t *)malloc((size_t)k * sizeof(int32_t));
+    if (keys == NULL || ids == NULL) {
+        free(keys);
+        free(ids);
+        return 1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = scores + r * n;
+        const int32_t *best;
+        if (k * HEAP_RATIO <= n) {
+            top_k_heap(row, n, k, keys);
+            best = keys;
+        } else {
+            for (int64_t j = 0; j < n; j++) keys[j] = rank_key(row[j], j);
+            top_k_last(keys, n, k);
+            best = keys + (n - k);
+        }
+        for (int64_t i = 0; i < k; i++) ids[i] = 65535 - (best[i] & 0xFFFF);
+        sort_ids(ids, k);
+        int32_t *dst = out + r * k;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < k; i++) {
+            int32_t id = ids[i];
+            if (id >= counts[r] || (drop_neg_inf && row[id] == BF16_NEG_INF)) continue;
+            dst[kept++] = id;
+        }
+        for (int64_t i = kept; i < k; i++) dst[i] = -1;
+    }
+    free(keys);
+    free(ids);
+    return 0;
+}
