@@ -17,7 +17,9 @@
  * Layout for speed: keys are converted to fp32 once per block of 8 keys, transposed so that one AVX2
  * vector holds one dimension of 8 different keys; every (row, head) then runs the same ordered sums on 8
  * keys at once. Each key's sums are still exactly the order above: vectorizing across keys never
- * reassociates within one key. Built without fast-math and with -ffp-contract=off (kernels/native), so
+ * reassociates within one key. Where a key serves only a few (row, head) products (a decode row: one row,
+ * two heads), the transposition costs more than they do, and each key's sums run on it directly,
+ * vectorized across the dimension with each lane holding what that lane holds above (`dot_direct`). Built without fast-math and with -ffp-contract=off (kernels/native), so
  * the only fused operations are the explicit _mm256_fmadd_ps, where ATen fuses too (measured: products
  * whose fp32 rounding is visible, subnormal ones, match only fused). Needs AVX2 and FMA, which the
  * portable profile needs anyway; on other CPUs the build fails and callers keep the reference.
@@ -39,6 +41,9 @@
 #define KEYS 8   /* keys per block: one fp32 AVX2 vector per dimension */
 #define LANES 8  /* ATen's fp32 vector width at the AVX2 level */
 #define REGS 8   /* ATen's accumulator registers per 64-wide chunk */
+/* (row, head) products a key up to which each key's products run on it directly (`scores_direct`) rather
+ * than on a transposed block of 8 keys: measured on the Zen 4 VM, a decode row's 2 heads at D = 32 */
+#define DIRECT_MAX_PRODUCTS 4
 
 static inline __m256 round_bf16(__m256 x) { return _mm256_castsi256_ps(round_bf16_bits(x)); }
 
@@ -72,6 +77,63 @@ static inline __m256 dot_block(const float *qv, const __m256 *kt, int d) {
     return lane[0];
 }
 
+/* The same dot product for one query row qv[D] and one key kv[D] (both fp32), vectorized across the
+ * dimension instead of across keys: lane j of each vector holds what lane j of `dot_block` holds for that
+ * key (element l of a 64-wide chunk in register (l / 8) % 8, lane l % 8, the same fused multiply-add chain
+ * per register, the same pairwise register sum, the same leftover pieces after it), and the lanes are
+ * summed in the same pairs (j + 4, then + 2, then + 1). Bit for bit `dot_block`'s lane for this key. */
+static inline float dot_direct(const float *qv, const float *kv, int d) {
+    const int chunks = d / (REGS * LANES);
+    __m256 s = _mm256_setzero_ps();
+    if (chunks > 0) {
+        __m256 reg[REGS];
+        for (int r = 0; r < REGS; r++) {
+            __m256 v = _mm256_setzero_ps();
+            for (int c = 0; c < chunks; c++) {
+                const int l = c * REGS * LANES + r * LANES;
+                v = _mm256_fmadd_ps(_mm256_loadu_ps(qv + l), _mm256_loadu_ps(kv + l), v);
+            }
+            reg[r] = v;
+        }
+        for (int half = REGS / 2; half >= 1; half /= 2)
+            for (int r = 0; r < half; r++) reg[r] = _mm256_add_ps(reg[r], reg[r + half]);
+        s = reg[0];
+    }
+    for (int l = chunks * REGS * LANES; l < d; l += LANES)
+        s = _mm256_fmadd_ps(_mm256_loadu_ps(qv + l), _mm256_loadu_ps(kv + l), s);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)); /* j + (j + 4) */
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));                         /* + (j + 2) */
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));                    /* + (j + 1) */
+}
+
+static inline float round_bf16_f32(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* Few (row, head) products a key (a decode step's one row): each key is converted once and its products
+ * run on it directly (`dot_direct`), where transposing a block of 8 keys would cost more than the products
+ * it serves. The same scores as the blocked loop below, element for element. */
+static void scores_direct(const float *qf, const float *wf, const uint16_t *k, int64_t rows, int heads, int d,
+                          int64_t computed, int64_t n_keys, const int64_t *visible, float *kf, uint16_t *out) {
+    for (int64_t n = 0; n < computed; n++) {
+        for (int l = 0; l < d; l += LANES) { /* bf16 -> fp32 is exact: the bits shifted up */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(k + n * d + l));
+            _mm256_storeu_ps(kf + l, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            if (visible && n >= visible[r]) {
+                out[r * n_keys + n] = 0xFF80;
+                continue;
+            }
+            float total = 0.0f; /* the head sum starts at +0, as torch's fp32 sum does */
+            for (int h = 0; h < heads; h++) {
+                float s = round_bf16_f32(dot_direct(qf + (r * heads + h) * d, kf, d));
+                s = s < 0.0f ? 0.0f : s; /* relu keeps -0 and NaN, as torch's does */
+                total = total + round_bf16_f32(s * wf[r * heads + h]);
+            }
+            out[r * n_keys + n] = f32_to_bf16(total);
+        }
+    }
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated (the caller falls back to the reference). */
 int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, int64_t rows, int heads, int d,
                      int64_t n_keys, const int64_t *visible, uint16_t *out) {
@@ -97,6 +159,13 @@ int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, in
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t n = computed; n < n_keys; n++) out[r * n_keys + n] = 0xFF80;
+    if (rows * heads <= DIRECT_MAX_PRODUCTS) {
+        scores_direct(qf, wf, k, rows, heads, d, computed, n_keys, visible, (float *)kt, out);
+        free(qf);
+        free(wf);
+        free(kt);
+        return 0;
+    }
     for (int64_t n0 = 0; n0 < computed; n0 += KEYS) {
         const int nb = computed - n0 < KEYS ? (int)(computed - n0) : KEYS;
         /* transpose the block to fp32 [D] x 8 keys; a short last block pads with zero keys, never stored */
