@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.topk import cpu as _cpu
 from kernels.topk.selection import as_row_counts, check_tie_break, top_indices
 
 
@@ -102,13 +103,21 @@ def pool_ids(pool: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def candidate_ids(
-    scores: torch.Tensor, visible: int | torch.Tensor, block_size: int, topk_blocks: int
+    scores: torch.Tensor,
+    visible: int | torch.Tensor,
+    block_size: int,
+    topk_blocks: int,
+    *,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """The deterministic candidate pool as entry ids: `pool_ids(candidate_blocks(..., tie_break=
     "deterministic"), topk_blocks * block_size)` bit for bit (tested), without building the [B, T, N] mask.
 
     Args:
         scores, visible, block_size, topk_blocks: as `candidate_blocks`.
+        compiled: pick the blocks with the compiled selection (kernels/topk/cpu.py: the deterministic
+            rule, blocks not above -inf dropped) where it applies (bf16 CPU scores, at most 2^16 blocks) and
+            builds; False: the torch ops (its slow twin). The same ids either way.
 
     Returns:
         [B, T, topk_blocks * block_size] int64: the kept blocks' entry ids ascending, then -1.
@@ -124,10 +133,18 @@ def candidate_ids(
     per_block = block_scores(scores, visible, block_size)  # [B, T, nblocks]
     nblocks = per_block.size(-1)
     kept = min(topk_blocks, nblocks)
-    picks = top_indices(per_block, kept, tie_break="deterministic", reference_sorted=True)
-    reachable = per_block.gather(-1, picks) > -torch.inf
-    # kept blocks ascending, unreachable ones (-inf) after them
-    blocks = torch.where(reachable, picks, nblocks).sort(dim=-1).values  # [B, T, kept]
+    blocks = None
+    if compiled and _cpu.covers(per_block) and _cpu.usable():
+        # the best blocks, those not above -inf (-inf or NaN) as -1 after the kept ones ascending
+        picked = _cpu.select_topk_cpu(per_block, kept, nblocks, True, drop_nan=True)
+        if picked is not None:
+            blocks = picked.long()
+            blocks = torch.where(blocks >= 0, blocks, nblocks)  # as the torch ops leave them, below
+    if blocks is None:
+        picks = top_indices(per_block, kept, tie_break="deterministic", reference_sorted=True)
+        reachable = per_block.gather(-1, picks) > -torch.inf
+        # kept blocks ascending, unreachable ones (-inf) after them
+        blocks = torch.where(reachable, picks, nblocks).sort(dim=-1).values  # [B, T, kept]
     entries = blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device)
     entries = entries.flatten(-2)  # [B, T, kept * P]
     # only the last block can run past N, and it sorts last among the kept: the -1s stay at the end

@@ -28,7 +28,7 @@ _MAX_ENTRIES = 2**16
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    return load_functions(_SOURCE, {"select_topk_bf16": ([_P, _I64, _I64, _I64, _P, _INT, _P], _INT)})
+    return load_functions(_SOURCE, {"select_topk_bf16": ([_P, _I64, _I64, _I64, _P, _INT, _INT, _P], _INT)})
 
 
 def covers(scores: torch.Tensor) -> bool:
@@ -42,11 +42,13 @@ def usable() -> bool:
 
 
 def select_topk_cpu(
-    scores: torch.Tensor, k: int, counts: int | torch.Tensor, drop_neg_inf: bool
+    scores: torch.Tensor, k: int, counts: int | torch.Tensor, drop_neg_inf: bool, *, drop_nan: bool = False
 ) -> torch.Tensor | None:
     """`select_topk(scores, k, counts, tie_break="deterministic", drop_neg_inf=...)` for scores [B, T, N]
     that `covers` takes and counts as `as_row_counts` shapes them (an int, or [1|B, T, 1] int64): [B, T, k]
-    int32, or None when the C code could not allocate its scratch memory (the caller runs torch)."""
+    int32, or None when the C code could not allocate its scratch memory (the caller runs torch).
+    drop_nan: NaN picks are unusable too (the candidate pool's rule: a block scoring -inf or NaN is not
+    above -inf)."""
     lib = _library()
     assert lib is not None
     b, t, n = scores.shape
@@ -59,6 +61,6 @@ def select_topk_cpu(
     else:
         per_row = counts.expand(b, t, 1).reshape(b * t).contiguous()
     failed = lib.select_topk_bf16(
-        rows.data_ptr(), b * t, n, k, per_row.data_ptr(), int(drop_neg_inf), out.data_ptr()
+        rows.data_ptr(), b * t, n, k, per_row.data_ptr(), int(drop_neg_inf), int(drop_nan), out.data_ptr()
     )
     return None if failed else out

@@ -9,8 +9,9 @@
  * bits. Keys are distinct, so the k largest are one set whatever the method: here a min-heap of the best
  * k for few picks against many entries, else a quickselect on a scratch copy (a sort of the range left
  * where it runs long); then the picked ids sorted ascending.
- * A pick is unusable when its id is at or past the row's visible count, or (drop_neg_inf) when its score
- * is -inf; the row's kept ids come first, ascending, then -1 for the unusable ones.
+ * A pick is unusable when its id is at or past the row's visible count, (drop_neg_inf) when its score is
+ * -inf, or (drop_nan) when it is NaN (a candidate pool keeps only blocks whose score is above -inf); the
+ * row's kept ids come first, ascending, then -1 for the unusable ones.
  *
  * scores: [R, N] bf16 bits, rows contiguous; counts: [R] int64 visible counts; out: [R, K] int32.
  * Returns 0, or 1 when the scratch memory could not be allocated (nothing written then).
@@ -127,7 +128,7 @@ static void sort_ids(int32_t *ids, int64_t k) {
 }
 
 int select_topk_bf16(const uint16_t *scores, int64_t rows, int64_t n, int64_t k, const int64_t *counts,
-                     int drop_neg_inf, int32_t *out) {
+                     int drop_neg_inf, int drop_nan, int32_t *out) {
     if (k <= 0 || rows <= 0) return 0;
     int32_t *keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
     int32_t *ids = (int32_t *)malloc((size_t)k * sizeof(int32_t));
@@ -153,7 +154,9 @@ int select_topk_bf16(const uint16_t *scores, int64_t rows, int64_t n, int64_t k,
         int64_t kept = 0;
         for (int64_t i = 0; i < k; i++) {
             int32_t id = ids[i];
-            if (id >= counts[r] || (drop_neg_inf && row[id] == BF16_NEG_INF)) continue;
+            if (id >= counts[r] || (drop_neg_inf && row[id] == BF16_NEG_INF) ||
+                (drop_nan && (row[id] & 0x7FFFu) > 0x7F80u))
+                continue;
             dst[kept++] = id;
         }
         for (int64_t i = kept; i < k; i++) dst[i] = -1;

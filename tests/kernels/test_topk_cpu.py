@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels.topk import cpu, select_topk
+from kernels.topk import candidate_ids, cpu, select_topk
 
 pytestmark = pytest.mark.skipif(not cpu.usable(), reason="no C compiler: the torch path alone")
 
@@ -81,3 +81,21 @@ def test_where_the_compiled_path_does_not_apply_the_torch_ops_answer() -> None:
         select_topk(fp32, 5, 40, tie_break="deterministic", compiled=True)
     with pytest.raises(ValueError, match="compiled=True"):
         select_topk(fp32.bfloat16(), 5, 40, tie_break="reference", compiled=True)
+
+
+def test_compiled_candidate_pools_equal_the_torch_ops() -> None:
+    """`candidate_ids` picks its blocks with the compiled selection: the same pools as its torch ops on
+    fresh scores with ties, NaN (a NaN block is not above -inf, so it is dropped like a -inf one),
+    infinities and short last blocks."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    for trial in range(60):
+        b, t, n = rng.randint(1, 3), rng.randint(1, 6), rng.randint(1, 700)
+        scores = _scores(g, b, t, n)
+        if trial % 3 == 0:
+            scores[..., rng.randrange(n)] = float("nan")
+        visible = rng.choice([rng.randint(0, n), torch.randint(0, n + 1, (b, t), generator=g)])
+        for block, blocks in ((4, 3), (7, 2), (16, 8)):
+            got = candidate_ids(scores, visible, block, blocks)
+            want = candidate_ids(scores, visible, block, blocks, compiled=False)
+            assert torch.equal(got, want), (seed, trial, b, t, n, block, blocks)
