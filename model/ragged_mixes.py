@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels import sinkhorn
-from model.invariant import rows_apart, stacked_fp32_linear
+from model.invariant import stacked_fp32_linear
 
 __all__ = ["SIMD_STEP", "lone_runs", "ragged_mixes"]
 
@@ -58,33 +58,43 @@ def lone_runs(
         return torch.cat(parts)
     flat = x.reshape(-1)
     n = flat.numel()
-    buf = flat.new_zeros(-(-n // SIMD_STEP) * SIMD_STEP)
-    buf[:n] = flat
+    pad = -n % SIMD_STEP
+    # one contiguous buffer of whole SIMD steps (the padding's zeros are computed and dropped)
+    buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     piece = (_GRAIN - 1) // SIMD_STEP * SIMD_STEP
     if buf.numel() <= piece:
-        out = op(buf)[:n]
+        out = op(buf)
     else:
-        out = torch.cat([op(buf[i : i + piece]) for i in range(0, buf.numel(), piece)])[:n]
-    tail = _tail_elements(tuple(runs), per_row, x.device)
+        out = torch.cat([op(buf[i : i + piece]) for i in range(0, buf.numel(), piece)])
+    if pad:
+        out = out[:n]
+    tail, twice = _tail_elements(tuple(runs), per_row, x.device)
     if tail.numel():
-        out[tail] = op(rows_apart(flat[tail].view(-1, 1))).view(-1)
+        # each scalar element gathered twice over: as [m, 2] its first column is m runs of one element,
+        # which the op computes with the scalar function (`invariant.rows_apart` lays them out the same)
+        alone = flat[twice].view(-1, 2)[:, :1]
+        out[tail] = op(alone).view(-1)
     return out.view(x.shape)
 
 
 @functools.lru_cache(maxsize=64)
-def _tail_elements(runs: tuple[int, ...], per_row: int, device: torch.device) -> torch.Tensor:
+def _tail_elements(
+    runs: tuple[int, ...], per_row: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat indices of the elements each run's lone call computes with the scalar function (past its
-    last whole SIMD step). Cached: a pass asks for the same runs in every layer of a half (read-only)."""
+    last whole SIMD step), and the same indices each given twice in a row (`lone_runs` gathers them
+    apart). Cached: a pass asks for the same runs in every layer of a half (read-only)."""
     tails: list[int] = []
     at = 0
     for t in runs:
         length = t * per_row
         tails += range(at + length - length % SIMD_STEP, at + length)
         at += length
-    # a normal tensor even when first asked for in inference mode, so that a later caller outside it may
-    # use it as an index that autograd saves
+    # normal tensors even when first asked for in inference mode, so that a later caller outside it may
+    # use them as indices that autograd saves
     with torch.inference_mode(False):
-        return torch.tensor(tails, dtype=torch.int64, device=device)
+        tail = torch.tensor(tails, dtype=torch.int64, device=device)
+        return tail, tail.repeat_interleave(2)
 
 
 def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tuple[torch.Tensor, ...]:
