@@ -86,15 +86,15 @@ static inline float dot_direct(const float *qv, const float *kv, int d) {
     const int chunks = d / (REGS * LANES);
     __m256 s = _mm256_setzero_ps();
     if (chunks > 0) {
+        /* each register's chain runs over the chunks in order; the registers are independent, so
+         * stepping them together (chunk by chunk) changes no sum */
         __m256 reg[REGS];
-        for (int r = 0; r < REGS; r++) {
-            __m256 v = _mm256_setzero_ps();
-            for (int c = 0; c < chunks; c++) {
-                const int l = c * REGS * LANES + r * LANES;
-                v = _mm256_fmadd_ps(_mm256_loadu_ps(qv + l), _mm256_loadu_ps(kv + l), v);
+        for (int r = 0; r < REGS; r++) reg[r] = _mm256_setzero_ps();
+        for (int c = 0; c < chunks; c++)
+            for (int r = 0; r < REGS; r++) {
+                const float *at_q = qv + (c * REGS + r) * LANES, *at_k = kv + (c * REGS + r) * LANES;
+                reg[r] = _mm256_fmadd_ps(_mm256_loadu_ps(at_q), _mm256_loadu_ps(at_k), reg[r]);
             }
-            reg[r] = v;
-        }
         for (int half = REGS / 2; half >= 1; half /= 2)
             for (int r = 0; r < half; r++) reg[r] = _mm256_add_ps(reg[r], reg[r + half]);
         s = reg[0];
