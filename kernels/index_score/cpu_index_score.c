@@ -19,7 +19,8 @@
  * keys at once. Each key's sums are still exactly the order above: vectorizing across keys never
  * reassociates within one key. Where a key serves only a few (row, head) products (a decode row: one row,
  * two heads), the transposition costs more than they do, and each key's sums run on it directly,
- * vectorized across the dimension with each lane holding what that lane holds above (`dot_direct`). Built without fast-math and with -ffp-contract=off (kernels/native), so
+ * vectorized across the dimension with each lane holding what that lane holds above (`dot_direct`).
+ * Built without fast-math and with -ffp-contract=off (kernels/native), so
  * the only fused operations are the explicit _mm256_fmadd_ps, where ATen fuses too (measured: products
  * whose fp32 rounding is visible, subnormal ones, match only fused). Needs AVX2 and FMA, which the
  * portable profile needs anyway; on other CPUs the build fails and callers keep the reference.
@@ -111,8 +112,9 @@ static inline float round_bf16_f32(float x) { return bf16_to_f32(f32_to_bf16(x))
 /* Few (row, head) products a key (a decode step's one row): each key is converted once and its products
  * run on it directly (`dot_direct`), where transposing a block of 8 keys would cost more than the products
  * it serves. The same scores as the blocked loop below, element for element. */
-static void scores_direct(const float *qf, const float *wf, const uint16_t *k, int64_t rows, int heads, int d,
-                          int64_t computed, int64_t n_keys, const int64_t *visible, float *kf, uint16_t *out) {
+static void scores_direct(const float *qf, const float *wf, const uint16_t *k, int64_t rows, int heads,
+                          int d, int64_t computed, int64_t n_keys, const int64_t *visible, float *kf,
+                          uint16_t *out) {
     for (int64_t n = 0; n < computed; n++) {
         for (int l = 0; l < d; l += LANES) { /* bf16 -> fp32 is exact: the bits shifted up */
             const __m128i b = _mm_loadu_si128((const __m128i *)(k + n * d + l));
