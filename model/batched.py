@@ -23,6 +23,7 @@ from model.attention import AttnIO, ProjectedRows
 from model.batched_attention import Selection, attend_rows, batchable
 from model.invariant import rowwise_linear
 from model.mhc import collapse, expand, identity_pre
+from model.owned_rows import mark_owned, owns, write_rows
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
 
@@ -71,6 +72,8 @@ class _Step:
 
     starts: list[int]
     positions: torch.Tensor  # [N] int64
+    # write new rows into the rings each state alone holds (model/owned_rows.py)
+    in_place: bool = False
     freqs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def rotations(self, model: Transformer, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +114,13 @@ def _attend_layer(
     table, freqs = step.rotations(model, layer)  # freqs [N, 1, rope/2]: each sequence at its own position
     rows = attn.project(x, freqs, backend=model.kernel_backend)
     if len(batched) == n:
-        o = attend_rows(model, layer, x, rows, freqs, states, starts, half.selection)
+        o = attend_rows(model, layer, x, rows, freqs, states, starts, half.selection, in_place=step.in_place)
         return attn.project_out(o, freqs)
     o = x.new_empty(n, 1, attn.n_heads, attn.head_dim)
     if batched:
         g = torch.tensor(batched, device=x.device)
         o[g] = attend_rows(model, layer, x[g], _rows(rows, g), freqs[g], [states[i] for i in batched],
-                           [starts[i] for i in batched], half.selection)  # fmt: skip
+                           [starts[i] for i in batched], half.selection, in_place=step.in_place)  # fmt: skip
     for i in sorted(set(range(n)) - set(batched)):
         one = slice(i, i + 1)
         shared = half.shared.setdefault(i, {})
@@ -152,19 +155,34 @@ def _layer(
 def _save_encoder_rows(model: Transformer, states: Sequence[ModelState], h: torch.Tensor, pre: torch.Tensor,
                        step: _Step) -> None:  # fmt: skip
     """`Transformer._save_encoder_rows` for one new row per sequence (h [N, 1, hc, d] bf16, pre [N, 1, hc]
-    fp32): each state's encoder-output rings with its row at slot start % W, written in one call, then
+    fp32): each state's encoder-output rings with its row at slot start % W. Written into the rings a state
+    alone holds when the step writes in place (model/owned_rows.py); for the others in one stacked call, then
     cut apart so that each state holds rings of its own (never a view pinning the whole step's)."""
     w = model.cfg.window_size
-    every = torch.arange(len(states), device=h.device)
-    slots = step.positions % w
-    lanes = torch.cat([s.enc_lanes for s in states])  # [N, W, hc, d] (fresh: cat copies)
-    pres = torch.cat([s.enc_pre for s in states])  # [N, W, hc]
-    lanes[every, slots] = h[:, 0].detach()
-    pres[every, slots] = pre[:, 0].detach()
-    # split_copy: N tensors [1, ...] with storage of their own, made in one call
-    for s, start, lane, p in zip(states, step.starts, torch.split_copy(lanes, 1), torch.split_copy(pres, 1),
-                                 strict=True):  # fmt: skip
-        s.enc_lanes, s.enc_pre = lane, p
+    n = len(states)
+    slots = [p % w for p in step.starts]
+    mine = [i for i, s in enumerate(states)
+            if step.in_place and owns(s.owner, s.enc_lanes) and owns(s.owner, s.enc_pre)]  # fmt: skip
+    if mine:
+        at = slice(None) if len(mine) == n else torch.tensor(mine, device=h.device)
+        where = [slots[i] for i in mine]
+        write_rows([states[i].enc_lanes for i in mine], where, h[at, 0].detach())  # type: ignore[misc]
+        write_rows([states[i].enc_pre for i in mine], where, pre[at, 0].detach())  # type: ignore[misc]
+    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
+    if rest:
+        g = torch.tensor(rest, device=h.device) if mine else slice(None)
+        every = torch.arange(len(rest), device=h.device)
+        where_t = torch.tensor([slots[i] for i in rest], device=h.device)
+        lanes = torch.cat([states[i].enc_lanes for i in rest])  # [R, W, hc, d] (fresh: cat copies)
+        pres = torch.cat([states[i].enc_pre for i in rest])  # [R, W, hc]
+        lanes[every, where_t] = h[g, 0].detach()
+        pres[every, where_t] = pre[g, 0].detach()
+        # split_copy: R tensors [1, ...] with storage of their own, made in one call
+        for i, lane, p in zip(rest, torch.split_copy(lanes, 1), torch.split_copy(pres, 1), strict=True):
+            states[i].enc_lanes, states[i].enc_pre = lane, p
+            if step.in_place:
+                mark_owned(states[i].owner, (lane, p))
+    for s, start in zip(states, step.starts, strict=True):
         s.enc_from = min(s.enc_from, start)
 
 
@@ -174,6 +192,7 @@ def decode_many(
     states: Sequence[ModelState],
     *,
     batched_attention: bool = True,
+    in_place: bool = True,
 ) -> list[PassOutput]:
     """One decode step of N sequences: `tokens[i]` at position `states[i].n_tokens` of each.
 
@@ -185,6 +204,9 @@ def decode_many(
         states: batch-1 states, distinct objects (each is updated in place and returned in its output).
         batched_attention: False runs every sequence's attention stage alone (the slow twin of the
             batched stage; the row-wise ops stay batched).
+        in_place: write each new row into the ring tensors (window rings, encoder-output rings, carries)
+            that a state alone holds, as an earlier step made them for it (model/owned_rows.py); False:
+            fresh tensors for every state each step (the slow twin). The same values either way.
 
     Returns:
         One PassOutput per sequence, logits [1, vocab] fp32.
@@ -216,7 +238,10 @@ def decode_many(
     split = model.split if model.split is not None else cfg.n_layers
     # decided before any state changes: a state's layout is what it was when the step began
     batched = [i for i, s in enumerate(states) if batched_attention and batchable(model, s)]
-    step = _Step(starts=starts, positions=torch.tensor(starts, device=device))
+    # in place only in inference mode (the serving passes'): nothing there records autograd history, and
+    # the tensors it marks are inference tensors, written only in that mode again
+    write = in_place and torch.is_inference_mode_enabled()
+    step = _Step(starts=starts, positions=torch.tensor(starts, device=device), in_place=write)
     half = _Half()
     for layer in range(split):
         h, pre = _layer(model, layer, h, pre, states, half, step, batched)

@@ -39,8 +39,9 @@ from kernels import (
 from model.append_buffer import append_rows_many
 from model.attention import Attention, ProjectedRows
 from model.invariant import rowwise_linear
+from model.owned_rows import mark_owned, owns, write_rows
 from model.rope import apply_rope
-from model.state import ModelState
+from model.state import ModelState, SourceCache
 
 __all__ = ["Selection", "attend_rows", "batchable"]
 
@@ -97,23 +98,72 @@ def _apart(t: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split_copy(t, 1))
 
 
+def _owns_all(state: ModelState, tensors: Sequence[torch.Tensor | None]) -> bool:
+    return all(t is not None and owns(state.owner, t) for t in tensors)
+
+
 def _write_ring(layer: int, old: torch.Tensor, rows: ProjectedRows, states: Sequence[ModelState],
-                slots: torch.Tensor) -> None:  # fmt: skip
-    """Each state's ring of `layer` with its new row at slot start % W (as `Attention.attend`)."""
+                slots: list[int], in_place: bool) -> None:  # fmt: skip
+    """Each state's ring of `layer` with its new row at slot start % W (as `Attention.attend`): written into
+    the ring tensors a state alone holds when `in_place` (model/owned_rows.py), else (and for the states
+    that hold none) fresh tensors, which become theirs."""
     n = len(states)
-    every = torch.arange(n, device=old.device)
-    ring = old.clone()
-    ring[every, slots] = rows.kv[:, 0]
-    codes = torch.cat([s.window_codes[layer] for s in states])
-    codes[every, slots] = rows.codes[:, 0]
-    scales = torch.cat([s.window_scales[layer] for s in states])
-    scales[every, slots] = rows.scales[:, 0]
-    for s, r, c, sc in zip(states, _apart(ring), _apart(codes), _apart(scales), strict=True):
+    mine = [i for i, s in enumerate(states) if in_place and _owns_all(
+        s, (s.windows[layer], s.window_codes[layer], s.window_scales[layer]))]  # fmt: skip
+    if mine:
+        at = slice(None) if len(mine) == n else torch.tensor(mine, device=old.device)
+        for name, new in (("windows", rows.kv), ("window_codes", rows.codes), ("window_scales", rows.scales)):
+            write_rows([getattr(states[i], name)[layer] for i in mine], [slots[i] for i in mine], new[at, 0])
+        if len(mine) == n:
+            return
+    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
+    g = torch.tensor(rest, device=old.device) if mine else slice(None)
+    every = torch.arange(len(rest), device=old.device)
+    where = torch.tensor([slots[i] for i in rest], device=old.device)
+    ring = old[g] if mine else old.clone()  # (indexing with a tensor copies)
+    ring[every, where] = rows.kv[g, 0]
+    codes = torch.cat([states[i].window_codes[layer] for i in rest])
+    codes[every, where] = rows.codes[g, 0]
+    scales = torch.cat([states[i].window_scales[layer] for i in rest])
+    scales[every, where] = rows.scales[g, 0]
+    for i, r, c, sc in zip(rest, _apart(ring), _apart(codes), _apart(scales), strict=True):
+        s = states[i]
         s.windows[layer], s.window_codes[layer], s.window_scales[layer] = r, c, sc
+        if in_place:
+            mark_owned(s.owner, (r, c, sc))
+
+
+def _write_carries(srcs: Sequence[SourceCache], states: Sequence[ModelState], kv: torch.Tensor,
+                   score: torch.Tensor, slots: list[int], in_place: bool) -> None:
+    """Each source's open-group carries with this row's compressor outputs (kv, score [N, 1, D] fp32) at
+    slot start % m: in place into the carries a state alone holds when `in_place`, else fresh ones."""
+    n = len(srcs)
+    mine = [i for i, (src, s) in enumerate(zip(srcs, states, strict=True))
+            if in_place and _owns_all(s, (src.carry_kv, src.carry_score))]  # fmt: skip
+    if mine:
+        at = slice(None) if len(mine) == n else torch.tensor(mine, device=kv.device)
+        where = [slots[i] for i in mine]
+        write_rows([srcs[i].carry_kv for i in mine], where, kv[at, 0])  # type: ignore[misc]
+        write_rows([srcs[i].carry_score for i in mine], where, score[at, 0])  # type: ignore[misc]
+        if len(mine) == n:
+            return
+    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
+    g = torch.tensor(rest, device=kv.device) if mine else slice(None)
+    every = torch.arange(len(rest), device=kv.device)
+    where_t = torch.tensor([slots[i] for i in rest], device=kv.device)
+    carry_kv = torch.cat([srcs[i].carry_kv for i in rest])  # [R, m, D] (fresh: cat copies)
+    carry_score = torch.cat([srcs[i].carry_score for i in rest])
+    carry_kv[every, where_t] = kv[g, 0]
+    carry_score[every, where_t] = score[g, 0]
+    for i, ck, cs in zip(rest, _apart(carry_kv), _apart(carry_score), strict=True):
+        srcs[i].carry_kv, srcs[i].carry_score = ck, cs
+        if in_place:
+            mark_owned(states[i].owner, (ck, cs))
 
 
 def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence[ModelState],
-                  starts: torch.Tensor, table: torch.Tensor, backend: str) -> None:  # fmt: skip
+                  starts: torch.Tensor, table: torch.Tensor, backend: str,
+                  in_place: bool) -> None:  # fmt: skip
     """`Attention._write_global` for one row per sequence: compress, and for the sequences whose group
     closes at this row, rotate, quantize and append the new entry (and its index key) to their source."""
     comp = attn.compressor
@@ -124,22 +174,16 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence
     if m == 1:
         latent = comp.norm(comp.wkv(x))  # [N, 1, D] bf16: every row closes its group
         closing = list(range(n))
-        carries: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * n
     else:
         xf = x.float()
         kv = rowwise_linear(xf, comp.wkv.weight)  # [N, 1, D] fp32, each row as a one-row product
         score = rowwise_linear(xf, comp.wgate.weight)
-        every = torch.arange(n, device=x.device)
-        slots = starts % m
-        carry_kv = torch.cat([s.carry_kv for s in srcs])  # [N, m, D] (fresh: cat copies)
-        carry_score = torch.cat([s.carry_score for s in srcs])
-        carry_kv[every, slots] = kv[:, 0]
-        carry_score[every, slots] = score[:, 0]
-        carries = list(zip(_apart(carry_kv), _apart(carry_score), strict=True))
-        closing = [i for i, p in enumerate(starts.tolist()) if (p + 1) % m == 0]
+        positions = starts.tolist()
+        _write_carries(srcs, states, kv, score, [p % m for p in positions], in_place)
+        closing = [i for i, p in enumerate(positions) if (p + 1) % m == 0]
         if closing:
-            pick = torch.tensor(closing, device=x.device)
-            ck, cs = carry_kv[pick], carry_score[pick]
+            ck = torch.cat([srcs[i].carry_kv for i in closing])  # [G, m, D] # type: ignore[misc]
+            cs = torch.cat([srcs[i].carry_score for i in closing])  # type: ignore[misc]
             pooled = (ck * cs.softmax(dim=1)).sum(dim=1, keepdim=True)  # [G, 1, D]
             latent = comp.norm(pooled.to(x.dtype))
     extra: dict[str, torch.Tensor] = {}
@@ -156,8 +200,6 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence
         grown = append_rows_many([getattr(srcs[i], name) for i in closing], t)  # t [G, 1, ...]
         for i, g in zip(closing, grown, strict=True):
             setattr(srcs[i], name, g)
-    for src, (carry_kv_i, carry_score_i) in zip(srcs, carries, strict=True):
-        src.carry_kv, src.carry_score = carry_kv_i, carry_score_i
     if "index_k" in extra:
         for i in closing:
             states[i].extra["index_k_slot"] = layer
@@ -215,7 +257,8 @@ def _select(attn: Attention, x: torch.Tensor, rows: ProjectedRows, freqs: torch.
 
 
 def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: torch.Tensor,
-                states: Sequence[ModelState], starts: list[int], sel: Selection) -> torch.Tensor:  # fmt: skip
+                states: Sequence[ModelState], starts: list[int], sel: Selection, *,
+                in_place: bool = False) -> torch.Tensor:  # fmt: skip
     """Layer `layer`'s `Attention.attend` for one new row of each of N batchable sequences, and its state
     writes (`Transformer.keep_layer_io`): ring, global KV, published index-key slot.
 
@@ -225,6 +268,8 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
         freqs: [N, 1, rope/2] complex64 rotations at each sequence's position.
         states: batch-1 states at positions `starts` (all `batchable`), updated in place.
         sel: the half's published selections (read by every compressed layer, written by index sources).
+        in_place: write the new rows into the rings and carries each state alone holds
+            (model/owned_rows.py); False: fresh tensors for every state (the slow twin).
 
     Returns:
         o [N, 1, H, D] bf16 attention values before `project_out`.
@@ -239,12 +284,13 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
     keys = torch.maximum(col - w + 1, lowest.view(n, 1)) + torch.arange(w, device=dev)  # [N, W] positions
     win_ids = torch.where(keys > col, -1, torch.where(keys == col, w, keys % w))
     old = torch.cat([s.windows[layer] for s in states])  # [N, W, D] the rings before this row
-    _write_ring(layer, old, rows, states, pos % w)
+    _write_ring(layer, old, rows, states, [p % w for p in starts], in_place)
     widths, entries, picked = [0] * n, None, None
     if attn.ratio:
         src_layer = model.cfg.kv_source_of(layer)
         if attn.is_kv_source:
-            _write_global(attn, layer, x, states, pos, model.rope_for(layer, max(starts) + 1, dev), backend)
+            _write_global(attn, layer, x, states, pos, model.rope_for(layer, max(starts) + 1, dev), backend,
+                          in_place)
         if attn.is_index_source:
             _select(attn, x, rows, freqs, states, src_layer, starts, sel, backend)
         assert sel.ids is not None and sel.widths is not None

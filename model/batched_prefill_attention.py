@@ -47,6 +47,7 @@ from kernels import (
 from model.append_buffer import append_rows_ragged
 from model.attention import Attention, ProjectedRows
 from model.invariant import stacked_fp32_linear
+from model.owned_rows import mark_owned
 from model.ragged_attention import ragged_sparse_attn
 from model.rope import apply_rope
 from model.state import ModelState, SourceCache
@@ -156,9 +157,14 @@ def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], 
     scales = torch.cat([s.window_scales[layer] for s in states])
     scales[si, sl] = rows.scales[0, ri]
     after = zip(states, eff, seqs, _apart(ring), _apart(codes), _apart(scales), strict=True)
+    # fresh rings each state alone holds: a later batched decode step writes its row into them (in
+    # inference mode, where that step writes in place: model/owned_rows.py)
+    own = torch.is_inference_mode_enabled()
     for s, f, r, rg, c, sc in after:
         s.windows[layer], s.window_codes[layer], s.window_scales[layer] = rg, c, sc
         s.window_from[layer] = min(f, r.start)
+        if own:
+            mark_owned(s.owner, (rg, c, sc))
     return ids, old
 
 
@@ -254,7 +260,10 @@ def _write_global(attn: Attention, layer: int, x: torch.Tensor, seqs: Sequence[C
         grown = append_rows_ragged([getattr(srcs[i], name) for i in members], t, counts)
         for i, grew in zip(members, grown, strict=True):
             setattr(srcs[i], name, grew)
+    own = torch.is_inference_mode_enabled()
     for r, src, (carry_kv, carry_score), span in zip(seqs, srcs, carries, spans, strict=True):
+        if own and carry_kv is not src.carry_kv and carry_kv is not None and carry_score is not None:
+            mark_owned(r.state.owner, (carry_kv, carry_score))  # clones made above for this state alone
         src.carry_kv, src.carry_score = carry_kv, carry_score
         if span and "index_k" in extra:
             r.state.extra["index_k_slot"] = layer

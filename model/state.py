@@ -1,7 +1,10 @@
 """The explicit cache state of one batch of sequences: everything an exact continuation needs.
 
 Knows nothing of bytes or storage (serialisation lives beside it); the forward pass reads and replaces
-its tensors, never mutating a tensor in place, so a state snapshot (`clone`) stays valid.
+its tensors, never mutating a tensor another state or a snapshot (`clone`) shows, so a snapshot stays
+valid. The one exception keeps that promise: a batched decode step writes its new row into ring tensors
+that this state alone holds (model/owned_rows.py: marked with its `owner` token when made; `clone` gives
+both states new tokens, so neither writes into the tensors they share).
 Positions are absolute token positions; rings are indexed by slot = position % W.
 """
 
@@ -61,6 +64,8 @@ class ModelState:
             output), slot = position % W; lets `ced` mode rerun the decoder over the last W positions.
         enc_pre: [B, W, hc] fp32 ring of the pending pre-mix entering the first decoder layer.
         enc_from: lowest position whose enc_lanes/enc_pre entry is valid.
+        owner: this state's token for the ring tensors it alone holds (model/owned_rows.py); replaced
+            by `clone`, on both sides.
     """
 
     tokens: torch.Tensor
@@ -73,6 +78,7 @@ class ModelState:
     enc_pre: torch.Tensor | None = None
     enc_from: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    owner: object = field(default_factory=object, repr=False, compare=False)
 
     @property
     def batch(self) -> int:
@@ -108,9 +114,12 @@ class ModelState:
             self.enc_pre = torch.zeros_like(self.enc_pre)
 
     def clone(self) -> ModelState:
-        """A snapshot that later forwards cannot affect (tensors are never mutated in place)."""
+        """A snapshot that later forwards cannot affect: the two share every tensor, and both get new
+        owner tokens, so that no later step of either writes into a ring the other shows."""
+        self.owner = object()
         return dataclasses.replace(
             self,
+            owner=object(),
             sources={k: dataclasses.replace(v) for k, v in self.sources.items()},
             windows=list(self.windows),
             window_codes=list(self.window_codes),

@@ -23,6 +23,7 @@ from model.errors import UnsupportedConfigError
 from model.invariant import fp32_linear
 from model.mhc import collapse, identity_pre
 from model.norm import RMSNorm
+from model.owned_rows import mark_owned
 from model.rope import rope_table
 from model.state import ModelState, SourceCache
 
@@ -389,4 +390,7 @@ class Transformer(nn.Module):
         lanes[:, slots] = h[:, t - keep :].detach()
         pres[:, slots] = pre[:, t - keep :].detach()
         state.enc_lanes, state.enc_pre = lanes, pres
+        if torch.is_inference_mode_enabled() and state.batch == 1:
+            # fresh rings this state alone holds: a batched decode step writes into them (owned_rows.py)
+            mark_owned(state.owner, (lanes, pres))
         state.enc_from = min(state.enc_from, start)
