@@ -10,8 +10,10 @@ decodes' bit for bit, and refuses to report otherwise.
 
 Reported: median wall time of a step (ms) and tokens/s, batched and one by one, and their ratio; also the
 step with only the row-wise ops batched (`decode_many(batched_attention=False)`: each sequence's attention
-stage alone, what decode_many did before the batched attention stage). FLOP
-model: none (the step of a small model is dominated by per-op overhead, which is what batching removes).
+stage alone, what decode_many did before the batched attention stage), and the step that gives every
+state fresh ring tensors (`decode_many(in_place=False)`, what it did before session 33: model/owned_rows.py).
+FLOP model: none (the step of a small model is dominated by per-op overhead, which is what batching
+removes).
 
 `--prefill T` times a step's prefill chunks instead: every sequence extends its state by a chunk of T new
 tokens (the turn's whole prompt), `prefill_many` over all of them vs each `prefill` alone, after the same
@@ -69,12 +71,16 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
                 if not torch.equal(decode(model, torch.tensor([t]), s).logits, got[j].logits):
                     raise SystemExit(f"decode_many differs from decode at sequence {j}: not timing")
         batched, twin, alone = [s.clone() for s in base], [s.clone() for s in base], [s.clone() for s in base]
-        t_batched, t_twin, t_alone = [], [], []
+        fresh = [s.clone() for s in base]
+        t_batched, t_twin, t_alone, t_fresh = [], [], [], []
         # interleaved, so load changes hit all sides alike
         for step in tokens:
             t0 = time.perf_counter()
             decode_many(model, step, batched)
             t_batched.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            decode_many(model, step, fresh, in_place=False)
+            t_fresh.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             decode_many(model, step, twin, batched_attention=False)
             t_twin.append(time.perf_counter() - t0)
@@ -82,7 +88,10 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
             for t, s in zip(step, alone, strict=True):
                 decode(model, torch.tensor([t]), s)
             t_alone.append(time.perf_counter() - t0)
-    mb, mt, ma = statistics.median(t_batched), statistics.median(t_twin), statistics.median(t_alone)
+    # (the first step of the in-place side makes the rings it then writes into: its later steps are the
+    # serving case, a state's decodes after its prompt)
+    mb, mt, ma = statistics.median(t_batched[1:]), statistics.median(t_twin), statistics.median(t_alone)
+    mf = statistics.median(t_fresh[1:])
     lengths = [s.n_tokens for s in base]
     return {
         "checkpoint": str(checkpoint),
@@ -94,10 +103,12 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
         "step_ms_batched": mb * 1e3,
         "step_ms_attention_alone": mt * 1e3,
         "step_ms_alone": ma * 1e3,
+        "step_ms_fresh_rings": mf * 1e3,
         "tokens_per_s_batched": sequences / mb,
         "tokens_per_s_alone": sequences / ma,
         "batched_vs_alone": ma / mb,
         "batched_vs_attention_alone": mt / mb,
+        "batched_vs_fresh_rings": mf / mb,
         "cpu": cpu_model(),
         "numerics": numerics_record(),
     }
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  batched {doc['step_ms_batched']:.1f} ms/step ({doc['tokens_per_s_batched']:.0f} tok/s), "
           f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
           f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
-          f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
+          f"({doc['batched_vs_attention_alone']:.2f}x); fresh rings every step (in_place=False) "
+          f"{doc['step_ms_fresh_rings']:.1f} ms/step ({doc['batched_vs_fresh_rings']:.2f}x)", file=out)
     print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}), file=sys.stderr if args.json == "-"
           else out)
     write_json(doc, args.json)
