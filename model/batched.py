@@ -23,7 +23,7 @@ from model.attention import AttnIO, ProjectedRows
 from model.batched_attention import Selection, attend_rows, batchable
 from model.invariant import rowwise_linear
 from model.mhc import collapse, expand, identity_pre
-from model.owned_rows import mark_owned, owns, write_rows
+from model.owned_rows import write_ring_rows
 from model.state import ModelState
 from model.transformer import PassOutput, PassStats, Transformer
 
@@ -159,29 +159,13 @@ def _save_encoder_rows(model: Transformer, states: Sequence[ModelState], h: torc
     alone holds when the step writes in place (model/owned_rows.py); for the others in one stacked call, then
     cut apart so that each state holds rings of its own (never a view pinning the whole step's)."""
     w = model.cfg.window_size
-    n = len(states)
-    slots = [p % w for p in step.starts]
-    mine = [i for i, s in enumerate(states)
-            if step.in_place and owns(s.owner, s.enc_lanes) and owns(s.owner, s.enc_pre)]  # fmt: skip
-    if mine:
-        at = slice(None) if len(mine) == n else torch.tensor(mine, device=h.device)
-        where = [slots[i] for i in mine]
-        write_rows([states[i].enc_lanes for i in mine], where, h[at, 0].detach())  # type: ignore[misc]
-        write_rows([states[i].enc_pre for i in mine], where, pre[at, 0].detach())  # type: ignore[misc]
-    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
-    if rest:
-        g = torch.tensor(rest, device=h.device) if mine else slice(None)
-        every = torch.arange(len(rest), device=h.device)
-        where_t = torch.tensor([slots[i] for i in rest], device=h.device)
-        lanes = torch.cat([states[i].enc_lanes for i in rest])  # [R, W, hc, d] (fresh: cat copies)
-        pres = torch.cat([states[i].enc_pre for i in rest])  # [R, W, hc]
-        lanes[every, where_t] = h[g, 0].detach()
-        pres[every, where_t] = pre[g, 0].detach()
-        # split_copy: R tensors [1, ...] with storage of their own, made in one call
-        for i, lane, p in zip(rest, torch.split_copy(lanes, 1), torch.split_copy(pres, 1), strict=True):
-            states[i].enc_lanes, states[i].enc_pre = lane, p
-            if step.in_place:
-                mark_owned(states[i].owner, (lane, p))
+    rings = [[s.enc_lanes for s in states], [s.enc_pre for s in states]]
+    renewed, (lanes, pres) = write_ring_rows(
+        rings, [h[:, 0].detach(), pre[:, 0].detach()], [p % w for p in step.starts],  # type: ignore[arg-type]
+        [s.owner for s in states], in_place=step.in_place,
+    )  # fmt: skip
+    for i, lane, p in zip(renewed, lanes, pres, strict=True):
+        states[i].enc_lanes, states[i].enc_pre = lane, p
     for s, start in zip(states, step.starts, strict=True):
         s.enc_from = min(s.enc_from, start)
 

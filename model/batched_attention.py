@@ -39,7 +39,7 @@ from kernels import (
 from model.append_buffer import append_rows_many
 from model.attention import Attention, ProjectedRows
 from model.invariant import rowwise_linear
-from model.owned_rows import mark_owned, owns, write_rows
+from model.owned_rows import write_ring_rows
 from model.rope import apply_rope
 from model.state import ModelState, SourceCache
 
@@ -98,67 +98,31 @@ def _apart(t: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split_copy(t, 1))
 
 
-def _owns_all(state: ModelState, tensors: Sequence[torch.Tensor | None]) -> bool:
-    return all(t is not None and owns(state.owner, t) for t in tensors)
-
-
-def _write_ring(layer: int, old: torch.Tensor, rows: ProjectedRows, states: Sequence[ModelState],
-                slots: list[int], in_place: bool) -> None:  # fmt: skip
+def _write_ring(layer: int, rows: ProjectedRows, states: Sequence[ModelState], slots: list[int],
+                in_place: bool) -> None:  # fmt: skip
     """Each state's ring of `layer` with its new row at slot start % W (as `Attention.attend`): written into
-    the ring tensors a state alone holds when `in_place` (model/owned_rows.py), else (and for the states
-    that hold none) fresh tensors, which become theirs."""
-    n = len(states)
-    mine = [i for i, s in enumerate(states) if in_place and _owns_all(
-        s, (s.windows[layer], s.window_codes[layer], s.window_scales[layer]))]  # fmt: skip
-    if mine:
-        at = slice(None) if len(mine) == n else torch.tensor(mine, device=old.device)
-        for name, new in (("windows", rows.kv), ("window_codes", rows.codes), ("window_scales", rows.scales)):
-            write_rows([getattr(states[i], name)[layer] for i in mine], [slots[i] for i in mine], new[at, 0])
-        if len(mine) == n:
-            return
-    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
-    g = torch.tensor(rest, device=old.device) if mine else slice(None)
-    every = torch.arange(len(rest), device=old.device)
-    where = torch.tensor([slots[i] for i in rest], device=old.device)
-    ring = old[g] if mine else old.clone()  # (indexing with a tensor copies)
-    ring[every, where] = rows.kv[g, 0]
-    codes = torch.cat([states[i].window_codes[layer] for i in rest])
-    codes[every, where] = rows.codes[g, 0]
-    scales = torch.cat([states[i].window_scales[layer] for i in rest])
-    scales[every, where] = rows.scales[g, 0]
-    for i, r, c, sc in zip(rest, _apart(ring), _apart(codes), _apart(scales), strict=True):
+    the ring tensors a state alone holds when `in_place`, else (and for the states that hold none) fresh
+    tensors, which become theirs (model/owned_rows.py)."""
+    rings = [[s.windows[layer] for s in states], [s.window_codes[layer] for s in states],
+             [s.window_scales[layer] for s in states]]  # fmt: skip
+    new = [rows.kv[:, 0], rows.codes[:, 0], rows.scales[:, 0]]
+    renewed, (ring, codes, scales) = write_ring_rows(rings, new, slots, [s.owner for s in states],
+                                                     in_place=in_place)  # fmt: skip
+    for i, r, c, sc in zip(renewed, ring, codes, scales, strict=True):
         s = states[i]
         s.windows[layer], s.window_codes[layer], s.window_scales[layer] = r, c, sc
-        if in_place:
-            mark_owned(s.owner, (r, c, sc))
 
 
 def _write_carries(srcs: Sequence[SourceCache], states: Sequence[ModelState], kv: torch.Tensor,
                    score: torch.Tensor, slots: list[int], in_place: bool) -> None:
     """Each source's open-group carries with this row's compressor outputs (kv, score [N, 1, D] fp32) at
     slot start % m: in place into the carries a state alone holds when `in_place`, else fresh ones."""
-    n = len(srcs)
-    mine = [i for i, (src, s) in enumerate(zip(srcs, states, strict=True))
-            if in_place and _owns_all(s, (src.carry_kv, src.carry_score))]  # fmt: skip
-    if mine:
-        at = slice(None) if len(mine) == n else torch.tensor(mine, device=kv.device)
-        where = [slots[i] for i in mine]
-        write_rows([srcs[i].carry_kv for i in mine], where, kv[at, 0])  # type: ignore[misc]
-        write_rows([srcs[i].carry_score for i in mine], where, score[at, 0])  # type: ignore[misc]
-        if len(mine) == n:
-            return
-    rest = [i for i in range(n) if i not in set(mine)] if mine else list(range(n))
-    g = torch.tensor(rest, device=kv.device) if mine else slice(None)
-    every = torch.arange(len(rest), device=kv.device)
-    where_t = torch.tensor([slots[i] for i in rest], device=kv.device)
-    carry_kv = torch.cat([srcs[i].carry_kv for i in rest])  # [R, m, D] (fresh: cat copies)
-    carry_score = torch.cat([srcs[i].carry_score for i in rest])
-    carry_kv[every, where_t] = kv[g, 0]
-    carry_score[every, where_t] = score[g, 0]
-    for i, ck, cs in zip(rest, _apart(carry_kv), _apart(carry_score), strict=True):
+    rings = [[src.carry_kv for src in srcs], [src.carry_score for src in srcs]]
+    renewed, (carry_kv, carry_score) = write_ring_rows(
+        rings, [kv[:, 0], score[:, 0]], slots, [s.owner for s in states], in_place=in_place  # type: ignore[arg-type]
+    )
+    for i, ck, cs in zip(renewed, carry_kv, carry_score, strict=True):
         srcs[i].carry_kv, srcs[i].carry_score = ck, cs
-        if in_place:
-            mark_owned(states[i].owner, (ck, cs))
 
 
 def _write_global(attn: Attention, layer: int, x: torch.Tensor, states: Sequence[ModelState],
@@ -284,7 +248,7 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
     keys = torch.maximum(col - w + 1, lowest.view(n, 1)) + torch.arange(w, device=dev)  # [N, W] positions
     win_ids = torch.where(keys > col, -1, torch.where(keys == col, w, keys % w))
     old = torch.cat([s.windows[layer] for s in states])  # [N, W, D] the rings before this row
-    _write_ring(layer, old, rows, states, [p % w for p in starts], in_place)
+    _write_ring(layer, rows, states, [p % w for p in starts], in_place)
     widths, entries, picked = [0] * n, None, None
     if attn.ratio:
         src_layer = model.cfg.kv_source_of(layer)

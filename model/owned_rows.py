@@ -15,7 +15,7 @@ tensors again (and marks them). Any other way a tensor gets into a state (an imp
 another state's) leaves it unmarked, and unmarked tensors are never written.
 
 Knows nothing of layers or attention: `model/batched.py` and `model/batched_attention.py` say which tensors
-and slots; `write_rows` writes them.
+and slots; `write_ring_rows` writes them (or makes the fresh tensors), `write_rows` is its copy by address.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from kernels import copy_blocks, copy_blocks_available
 
-__all__ = ["mark_owned", "owns", "write_rows"]
+__all__ = ["mark_owned", "owns", "write_ring_rows", "write_rows"]
 
 # The attribute an owned tensor carries: the `owner` token of the one state it belongs to.
 _OWNER = "_kvresume_owner"
@@ -84,3 +84,54 @@ def write_rows(dsts: Sequence[torch.Tensor], slots: Sequence[int], rows: torch.T
         copy_blocks(dst_at, array("q", range(base, base + n * row_bytes, row_bytes)), row_bytes)
     else:
         torch._foreach_copy_([d[0, s] for d, s in zip(dsts, slots, strict=True)], list(rows.unbind(0)))
+
+
+def write_ring_rows(
+    rings: Sequence[Sequence[torch.Tensor]],
+    new: Sequence[torch.Tensor],
+    slots: Sequence[int],
+    owners: Sequence[object],
+    *,
+    in_place: bool,
+) -> tuple[list[int], list[list[torch.Tensor]]]:
+    """One new row into each of N states' rings, for F fields at once.
+
+    Args:
+        rings: per field, the [1, R, ...] tensor each state holds (`rings[f][i]`: field f of state i).
+        new: per field, the new rows [N, ...], row i for state i.
+        slots: the row of each state's rings to write.
+        owners: each state's `owner` token.
+        in_place: write into the rings of the states that own every field's tensor (`owns`); False:
+            fresh tensors for every state (the slow twin).
+
+    Returns:
+        The states that got fresh tensors instead (in order) and, per field, those tensors: the rings with
+        the row written, made in one stacked write per field and cut apart (`split_copy`: each its own
+        storage), and marked as each state's own when `in_place`. The caller puts them into the states;
+        the rings written in place are the tensors the states hold already.
+    """
+    n = len(owners)
+    mine = [i for i in range(n) if in_place and all(owns(owners[i], r[i]) for r in rings)]
+    if mine:
+        at = slice(None) if len(mine) == n else torch.tensor(mine, device=new[0].device)
+        where = [slots[i] for i in mine]
+        for r, rows in zip(rings, new, strict=True):
+            write_rows([r[i] for i in mine], where, rows[at])
+    if len(mine) == n:
+        return [], [[] for _ in rings]
+    taken = set(mine)
+    rest = [i for i in range(n) if i not in taken]
+    dev = new[0].device
+    g = torch.tensor(rest, device=dev) if mine else slice(None)
+    every = torch.arange(len(rest), device=dev)
+    where_t = torch.tensor([slots[i] for i in rest], device=dev)
+    fresh: list[list[torch.Tensor]] = []
+    for r, rows in zip(rings, new, strict=True):
+        stacked = torch.cat([r[i] for i in rest])  # [len(rest), R, ...] (fresh: cat copies)
+        stacked[every, where_t] = rows[g]
+        cut = list(torch.split_copy(stacked, 1))
+        if in_place:
+            for i, t in zip(rest, cut, strict=True):
+                mark_owned(owners[i], (t,))
+        fresh.append(cut)
+    return rest, fresh

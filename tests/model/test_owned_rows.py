@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import Transformer, decode_many, init_random, load_preset, prefill, prefill_many
-from model.owned_rows import mark_owned, owns, write_rows
+from model.owned_rows import mark_owned, owns, write_ring_rows, write_rows
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,38 @@ def test_write_rows_refuses_what_does_not_fit() -> None:
         write_rows([torch.zeros(1, 3, 4).transpose(1, 2), dsts[1]], [0, 1], torch.ones(2, 3))
     assert all(torch.equal(d, torch.zeros(1, 4, 3)) for d in dsts)
     write_rows([], [], torch.ones(0, 3))  # nothing to write
+
+
+@torch.inference_mode()
+def test_write_ring_rows_writes_what_a_state_owns_and_renews_the_rest() -> None:
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    n, slots_per = 7, 5
+    owners = [object() for _ in range(n)]
+    rings = [[torch.randn(1, slots_per, 3, generator=gen) for _ in range(n)],
+             [torch.randn(1, slots_per, generator=gen).bfloat16() for _ in range(n)]]  # fmt: skip
+    own = [0, 2, 3, 6]
+    for i in own:
+        mark_owned(owners[i], (rings[0][i], rings[1][i]))
+    mark_owned(owners[5], (rings[0][5],))  # one field only: not written in place
+    before = [[t.clone() for t in field] for field in rings]
+    new = [torch.randn(n, 3, generator=gen), torch.randn(n, generator=gen).bfloat16()]
+    slots = [int(x) for x in torch.randint(0, slots_per, (n,), generator=gen)]
+    renewed, fresh = write_ring_rows(rings, new, slots, owners, in_place=True)
+    assert renewed == [1, 4, 5]
+    after = [list(field) for field in rings]
+    for f in range(2):
+        for j, i in enumerate(renewed):
+            after[f][i] = fresh[f][j]
+            assert before[f][i].data_ptr() != fresh[f][j].data_ptr() and owns(owners[i], fresh[f][j])
+            assert torch.equal(rings[f][i], before[f][i])  # a tensor not owned is never written
+        for i in range(n):
+            want = before[f][i].clone()
+            want[0, slots[i]] = new[f][i]
+            assert torch.equal(after[f][i], want), f"field {f} state {i}"
+    # the twin renews every state and marks nothing
+    renewed, fresh = write_ring_rows(rings, new, slots, owners, in_place=False)
+    assert renewed == list(range(n))
+    assert not any(owns(owners[i], t) for field in fresh for i, t in enumerate(field))
 
 
 def _states(model: Transformer, rng: random.Random, n: int) -> list:
