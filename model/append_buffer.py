@@ -5,11 +5,11 @@ cost O(N) in copies (at 64K tokens on v41-sib-l, 41% of a decode step's CPU time
 `append_rows` instead writes the new rows into spare capacity behind the old rows and returns a longer
 view of the same buffer, as a Python list grows.
 
-Why this keeps the state contract (model/state.py: a forward never mutates a tensor in place, so a
-snapshot stays valid): the rows written lie past the end of every view handed out so far, so no existing
-tensor's values change. Only the newest view (the buffer's *tip*, recognised by identity) may append in
-place. A snapshot that shares that view and appends second finds the buffer already longer than its view
-and copies into a buffer of its own, so two continuations of one state never write the same rows.
+Why this keeps the state contract (model/state.py: a forward never changes a tensor that a snapshot
+shows, so a snapshot stays valid): the rows written lie past the end of every view handed out so far, so
+no existing tensor's values change. Only the newest view (the buffer's *tip*, recognised by identity) may
+append in place. A snapshot that shares that view and appends second finds the buffer already longer than
+its view and copies into a buffer of its own, so two continuations of one state never write the same rows.
 
 Used only when nothing needs autograd (an in-place write into a graph tensor would break backward) and
 for batch 1 (a slice along dim 1 of a [1, C, D] buffer stays contiguous; batch > 1 keeps `torch.cat`).

@@ -92,12 +92,6 @@ def batchable(model, state: ModelState) -> bool:
     return True
 
 
-def _apart(t: torch.Tensor) -> list[torch.Tensor]:
-    """Rows of a stacked [N, ...] result as N tensors [1, ...] with storage of their own, so that a state
-    never pins the memory of the other sequences of a step (`split_copy`: one call, not a clone per row)."""
-    return list(torch.split_copy(t, 1))
-
-
 def _write_ring(layer: int, rows: ProjectedRows, states: Sequence[ModelState], slots: list[int],
                 in_place: bool) -> None:  # fmt: skip
     """Each state's ring of `layer` with its new row at slot start % W (as `Attention.attend`): written into
