@@ -34,7 +34,7 @@ from kernels.formats import (
     quantize_fp8_ue8m0,
     quantize_mxfp4,
 )
-from kernels.fp32_rows import one_row_products, one_row_products_reference, wide_fp32
+from kernels.fp32_rows import gemv_order_takes, one_row_products, one_row_products_reference, wide_fp32
 from kernels.index_score import index_score, index_score_at
 from kernels.mhc import collapse as mhc_collapse
 from kernels.mhc import expand as mhc_expand
@@ -71,6 +71,7 @@ __all__ = [
     "dequantize_mxfp4",
     "fp4_linear",
     "fp8_linear",
+    "gemv_order_takes",
     "one_row_products",
     "one_row_products_reference",
     "pack_bf16_weight",

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import one_row_products, one_row_products_reference, wide_fp32
+from kernels import gemv_order_takes, one_row_products, one_row_products_reference, wide_fp32
 from kernels.fp32_rows import cpu
 
 compiled = pytest.mark.skipif(not cpu.available(), reason="no C compiler, or torch exports no sgemm_")
@@ -72,3 +72,65 @@ def test_bad_shapes_and_dtypes_name_the_values() -> None:
         one_row_products(torch.zeros(3, 8, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match=r"\(8,\)"):
         one_row_products(torch.zeros(8), w)
+
+
+# The model's shapes (v41-sib-s: the head, the mHC mixes, the compressor) and others the order covers.
+_GEMV_SHAPES = [(96, 4096), (384, 24), (96, 64), (8, 4), (100, 36), (1024, 8)]
+
+
+@compiled
+@pytest.mark.parametrize("k,n", _GEMV_SHAPES)
+def test_the_gemv_order_gives_every_row_its_one_row_product(k: int, n: int) -> None:
+    seed = random.SystemRandom().randrange(2**31)  # fresh inputs every run; the seed is in the message
+    g = torch.Generator().manual_seed(seed)
+    w = wide_fp32(g, n, k)
+    assert gemv_order_takes(k, n), (k, n)
+    packed = cpu.pack_gemv_weight(w)
+    for m in (1, 2, 3, 5, 46, 64):  # odd counts: the rows the C file's blocks of two leave over
+        x = wide_fp32(g, m, k)
+        want = torch.cat([F.linear(x[i : i + 1], w) for i in range(m)])
+        assert torch.equal(cpu.gemv_order_linear(x, packed, n), want), (seed, k, n, m)
+        assert torch.equal(one_row_products(x, w), want), (seed, k, n, m)
+    # zeros, infinities and NaNs go through the same IEEE operations
+    x = wide_fp32(g, 4, k)
+    x[0] = 0.0
+    x[1, 3] = float("inf")
+    x[2, 5] = float("nan")
+    x[3, :] = -0.0
+    want = torch.cat([F.linear(x[i : i + 1], w) for i in range(4)])
+    got = one_row_products(x, w)
+    assert torch.equal(got.isnan(), want.isnan()), (seed, k, n)
+    kept = ~want.isnan()  # every other output bit for bit, the sign of a zero included
+    assert torch.equal(got[kept].view(torch.int32), want[kept].view(torch.int32)), (seed, k, n)
+
+
+@compiled
+def test_the_gemv_order_path_runs_and_keeps_the_packed_weight_while_it_holds(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    w, x = wide_fp32(g, 24, 384), wide_fp32(g, 7, 384)
+    packs = []
+    real = cpu.pack_gemv_weight
+
+    def counted(weight):
+        packs.append(weight)
+        return real(weight)
+
+    monkeypatch.setattr(cpu, "pack_gemv_weight", counted)
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(one_row_products(x, w), one_row_products_reference(x, w))
+    assert len(packs) == 1
+    # the weight changed in place: packed again, and the products follow it
+    w.mul_(2)
+    assert torch.equal(one_row_products(x, w), one_row_products_reference(x, w))
+    assert len(packs) == 2
+
+
+@compiled
+@pytest.mark.parametrize("k,n", [(96, 30), (96, 2), (98, 24)])
+def test_shapes_the_gemv_order_does_not_take_keep_another_path(k: int, n: int) -> None:
+    # N not a multiple of 4 (MKL sums its last outputs otherwise), N = 2, K not a multiple of 4
+    assert not gemv_order_takes(k, n)
+    g = torch.Generator().manual_seed(6)
+    w, x = wide_fp32(g, n, k), wide_fp32(g, 9, k)
+    assert torch.equal(one_row_products(x, w), one_row_products_reference(x, w))
