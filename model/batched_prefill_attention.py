@@ -100,6 +100,21 @@ class ChunkSelection:
     widths: list[int] | None = None
     candidates: torch.Tensor | None = None
     has_pool: list[bool] = field(default_factory=list)
+    # Integer index tensors that depend on the half's rows and windows, not on the layer: each sequence's
+    # stack rows, its window ids, where its last rows go in its ring, and the ragged attention's window
+    # ids into its buffer; made at the half's first layer and read by the others (`_layout`). Keyed by
+    # what each depends on: the sequences (their ChunkRows, the same objects at every layer of a half) and
+    # their windows' effective floors. Measured (session 34): the same tensors remade at every layer were
+    # about 100 of a 1-chunk batched prefill's 3,571 dispatched ops a layer.
+    layout: dict[tuple, object] = field(default_factory=dict)
+
+
+def _layout(sel: ChunkSelection, key: tuple, make):  # type: ignore[no-untyped-def]
+    """`sel.layout[key]`, made by `make()` the first time (integer index tensors, never written after)."""
+    got = sel.layout.get(key)
+    if got is None:
+        got = sel.layout[key] = make()
+    return got
 
 
 def _uses_ring(state: ModelState, layer: int, r: ChunkRows) -> bool:
@@ -125,31 +140,47 @@ def _apart(t: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split_copy(t, 1))
 
 
-def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], t_max: int,
-            dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Canonical window ids [N, T_max, W] into each sequence's [ring (W rows) ; new rows], the rings
-    before this pass [N, W, D]; and each state's ring, codes, scales and valid-from after it."""
+def _window_ids(seqs: Sequence[ChunkRows], eff: Sequence[int], w: int, t_max: int,
+                dev: torch.device) -> torch.Tensor:  # fmt: skip
+    """Canonical window ids [N, T_max, W] into each sequence's [ring (W rows) ; new rows], for windows
+    valid from `eff` (`window_ids(canonical=True)`: the ring from the effective floor, or only this
+    pass's rows)."""
     n = len(seqs)
-    states = [r.state for r in seqs]
     starts = torch.tensor([r.start for r in seqs], device=dev).view(n, 1, 1)
-    eff = [max(r.floor, r.state.window_from[layer]) for r in seqs]
-    # `window_ids(canonical=True)`: the ring from the effective floor, or only this pass's rows
     lowest = torch.tensor([max(f, 0) if f < r.start else r.start for f, r in zip(eff, seqs, strict=True)],
                           device=dev).view(n, 1, 1)  # fmt: skip
     pos = starts + torch.arange(t_max, device=dev).view(1, t_max, 1)  # [N, T, 1]
     keys = torch.maximum(pos - w + 1, lowest) + torch.arange(w, device=dev)  # [N, T, W] positions
     ids = torch.where(keys >= starts, keys - starts + w, keys % w)
-    ids = torch.where(keys > pos, -1, ids)
-    old = torch.cat([s.windows[layer] for s in states])  # [N, W, D]
-    # each sequence's last min(t, W) rows go into the ring, at slot position % W (distinct slots)
+    return torch.where(keys > pos, -1, ids)
+
+
+def _ring_rows(seqs: Sequence[ChunkRows], w: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """Where each sequence's last min(t, W) rows go into its ring, at slot position % W (distinct slots):
+    (sequence, slot, stack row) of each, flat."""
+    n = len(seqs)
+    starts = torch.tensor([r.start for r in seqs], device=dev).view(n, 1)
     ts = torch.tensor([r.t for r in seqs], device=dev).view(n, 1)
     keep = ts.clamp_max(w)
     rank = torch.arange(w, device=dev).view(1, w)
     kept = rank < keep  # [N, W]
     first = ts - keep + rank  # [N, W] each kept row's place in its chunk
     si = torch.arange(n, device=dev).view(n, 1).expand(n, w)[kept]
-    sl = ((starts.view(n, 1) + first) % w)[kept]
+    sl = ((starts + first) % w)[kept]
     ri = (torch.tensor([r.at for r in seqs], device=dev).view(n, 1) + first)[kept]
+    return si, sl, ri
+
+
+def _window(layer: int, w: int, rows: ProjectedRows, seqs: Sequence[ChunkRows], t_max: int,
+            dev: torch.device, sel: ChunkSelection, key: tuple,
+            eff: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Canonical window ids [N, T_max, W] into each sequence's [ring (W rows) ; new rows], the rings
+    before this pass [N, W, D]; and each state's ring, codes, scales and valid-from after it. `key`: the
+    sequences' layout key; `eff`: each window's effective floor at this layer."""
+    states = [r.state for r in seqs]
+    ids = _layout(sel, ("window_ids", key, eff), lambda: _window_ids(seqs, eff, w, t_max, dev))
+    si, sl, ri = _layout(sel, ("ring_rows", key), lambda: _ring_rows(seqs, w, dev))
+    old = torch.cat([s.windows[layer] for s in states])  # [N, W, D]
     ring = old.clone()
     ring[si, sl] = rows.kv[0, ri]
     codes = torch.cat([s.window_codes[layer] for s in states])
@@ -369,8 +400,10 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
     backend = model.kernel_backend
     n, w, dev = len(seqs), attn.window_size, x.device
     t_max = max(r.t for r in seqs)
-    win_ids, old = _window(layer, w, rows, seqs, t_max, dev)
-    index = _row_index(seqs, t_max, dev)
+    key = tuple(id(r) for r in seqs)  # the half's ChunkRows: the same objects at each of its layers
+    eff = tuple(max(r.floor, r.state.window_from[layer]) for r in seqs)
+    win_ids, old = _window(layer, w, rows, seqs, t_max, dev, sel, key, eff)
+    index = _layout(sel, ("row_index", key), lambda: _row_index(seqs, t_max, dev))
     widths = [0] * n
     srcs: list[SourceCache] = []
     if attn.ratio:
@@ -385,9 +418,13 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
         srcs = [r.state.sources[src_layer] for r in seqs]
     if backend == "torch":
         for k, members in _by_key(widths).items():
-            _attend_ragged(attn, rows, [seqs[i] for i in members], win_ids[members], index[members],
-                           old[members], sel.entries[members] if k else None, k,
-                           [srcs[i] for i in members] if k else [], out)  # fmt: skip
+            window = _layout(
+                sel, ("ragged_window", key, eff, tuple(members)),
+                lambda m=members: _ragged_window(w, win_ids[m], index[m], [seqs[i].t for i in m]),
+            )  # fmt: skip
+            _attend_ragged(attn, rows, [seqs[i] for i in members], window, old[members],
+                           sel.entries[members] if k else None, k, [srcs[i] for i in members] if k else [],
+                           out)  # fmt: skip
         return
     # the Triton kernel is row-wise by construction; the groups keep the reference's shapes all the same
     for (t, k), members in _by_key([(r.t, k) for r, k in zip(seqs, widths, strict=True)]).items():
@@ -416,9 +453,39 @@ def attend_chunks(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs
         out[0, idx] = o
 
 
-def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRows], win_ids: torch.Tensor,
-                   index: torch.Tensor, old: torch.Tensor, entries: torch.Tensor | None, k: int,
-                   srcs: Sequence[SourceCache], out: torch.Tensor) -> None:  # fmt: skip
+@dataclass(frozen=True)
+class _RaggedWindow:
+    """The window half of a ragged attention call's ids, for the rows of G sequences (`_ragged_window`)."""
+
+    ts: list[int]  # each sequence's rows
+    live: torch.Tensor  # [G, T_max] each sequence's own rows, in stack order once flattened
+    seq: torch.Tensor  # [S_g] the sequence of each row
+    row: torch.Tensor  # [S_g] each row's place in its chunk
+    idx: torch.Tensor  # [S_g] each row's stack row
+    ids: torch.Tensor  # [S_g, W] window ids into the call's buffer (-1 none)
+
+
+def _ragged_window(w: int, win_ids: torch.Tensor, index: torch.Tensor, ts: list[int]) -> _RaggedWindow:
+    """The rows of G sequences (win_ids [G, T_max, W] into each one's [ring ; rows], index [G, T_max]
+    their stack rows) laid out as one ragged call reads them: ring slot s of sequence j is buffer row
+    j * W + s, its new row W + r is the whole stack's row at_j + r."""
+    g, t_max = win_ids.size(0), win_ids.size(1)
+    dev = win_ids.device
+    rank = torch.arange(t_max, device=dev).view(1, t_max)
+    live = rank < torch.tensor(ts, device=dev).view(g, 1)
+    seq = torch.arange(g, device=dev).view(g, 1).expand(g, t_max)[live]
+    row = rank.expand(g, t_max)[live]
+    idx = index[live]
+    wi = win_ids[live]  # [S_g, W] into each sequence's [ring ; rows]
+    into_ring = seq.view(-1, 1) * w + wi
+    into_rows = g * w + (idx - row).view(-1, 1) + (wi - w)
+    ids = torch.where(wi < 0, -1, torch.where(wi < w, into_ring, into_rows))
+    return _RaggedWindow(ts=ts, live=live, seq=seq, row=row, idx=idx, ids=ids)
+
+
+def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRows], window: _RaggedWindow,
+                   old: torch.Tensor, entries: torch.Tensor | None, k: int, srcs: Sequence[SourceCache],
+                   out: torch.Tensor) -> None:  # fmt: skip
     """The sparse attention of sequences of one selection width k in one `ragged_sparse_attn` call, every
     index row pointing at the vector its lone pass reads, in the same column.
 
@@ -429,18 +496,8 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
     are fewer than the entries visible, else the visible entries as they lie (a view).
     """
     w, dev = attn.window_size, rows.kv.device
-    g, t_max = len(seqs), win_ids.size(1)
-    ts = torch.tensor([r.t for r in seqs], device=dev)
-    rank = torch.arange(t_max, device=dev).view(1, t_max)
-    live = rank < ts.view(g, 1)  # [G, T_max]: each sequence's own rows, in stack order once flattened
-    seq = torch.arange(g, device=dev).view(g, 1).expand(g, t_max)[live]  # [S_g] the sequence of each row
-    row = rank.expand(g, t_max)[live]  # [S_g] each row's place in its chunk
-    idx = index[live]  # [S_g] each row's stack row (`_row_index`), in order
-    wi = win_ids[live]  # [S_g, W] into each sequence's [ring ; rows]
-    # ring slot s of sequence j: buffer row j * W + s; its new row W + r: stack row at_j + r
-    into_ring = seq.view(-1, 1) * w + wi
-    into_rows = g * w + (idx - row).view(-1, 1) + (wi - w)
-    ids = torch.where(wi < 0, -1, torch.where(wi < w, into_ring, into_rows))
+    g, t_max = len(seqs), window.live.size(1)
+    live, seq, row, idx, ids = window.live, window.seq, window.row, window.idx, window.ids
     parts = [old.reshape(g * w, -1), rows.kv[0]]
     if k:
         assert entries is not None
@@ -466,5 +523,5 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
         ids = torch.cat([ids, torch.where(e >= 0, at_sel + torch.where(by_slot, slots, e), -1)], dim=-1)
     kv_all = torch.cat(parts).unsqueeze(0)  # [1, buffer rows, D]
     o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink, ids.unsqueeze(0).int(),
-                           attn.softmax_scale, ts.tolist())  # fmt: skip
+                           attn.softmax_scale, window.ts)  # fmt: skip
     out[0, idx] = o[0]

@@ -7,11 +7,15 @@ Knows nothing of attention or states. Three kinds of op are in the mixes:
 - the fp32 product of the raw mixes reduces differently for different numbers of rows M below
   GEMM_MIN_ROWS: each sequence gets its own product's sums (`invariant.stacked_fp32_linear`: one product
   over the stack where checked exact, one-row sequences apart);
-- the transcendental ops (sigmoid, exp; rsqrt too, for safety) run in torch's CPU elementwise loop, which
-  computes whole SIMD steps of a contiguous run vectorized and the rest of the run with the scalar
-  function, and the two differ in the last bit (measured: sigmoid on this project's VMs). `lone_runs`
-  computes each element as its sequence's lone run has it: vectorized when it lies in a whole step of
-  that run, else scalar.
+- the transcendental ops (sigmoid, exp) run in torch's CPU elementwise loop, which computes whole SIMD
+  steps of a contiguous run vectorized and the rest of the run with the scalar function, and the two
+  differ in the last bit (measured: sigmoid on this project's VMs). `lone_runs` computes each element as
+  its sequence's lone run has it: vectorized when it lies in a whole step of that run, else scalar.
+  rsqrt is not among them: both of its paths are a correctly rounded square root and then a correctly
+  rounded division (ATen's `Vectorized::rsqrt` and its scalar `1 / std::sqrt`), so the same bits
+  wherever an element lies; `decode_many`'s mixes and every RMSNorm already run it over stacked rows, and
+  tests/model/test_batched_prefill.py checks the two paths on wide-range values (until session 34 it went
+  through `lone_runs` too, "for safety": about 10 dispatched ops a mix, two mixes a layer).
 tests/model/test_batched_prefill.py compares them with each sequence's lone ops on fresh random ragged
 rows, at 1 and 2 threads.
 """
@@ -104,7 +108,7 @@ def ragged_mixes(block, h: torch.Tensor, runs: Sequence[int], which: str) -> tup
     fn, scale, base = (getattr(block, f"hc_{which}_{k}") for k in ("fn", "scale", "base"))
     hc, eps, iters = block.hc, block.hc_eps, block.sinkhorn_iters
     flat = h[0].flatten(1).float()  # [S, hc*d]
-    rsqrt = lone_runs(torch.rsqrt, flat.square().mean(-1, keepdim=True) + block.norm_eps, runs)
+    rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + block.norm_eps)  # row-wise exact (above)
     # each sequence's rows as its own T_i-row product, in one product over the stack where that is exact;
     # never as [G, T] blocks of equal-length sequences in one batched product: that equals the lone
     # products under MKL_CBWR=AVX2 at one thread, but not at two (MKL splits a lone product of 24 rows,

@@ -230,6 +230,23 @@ def test_ragged_mixes_equal_each_sequence_alone(model: Transformer, threads: int
         torch.set_num_threads(before)
 
 
+def test_rsqrt_gives_the_same_bits_vectorized_and_scalar() -> None:
+    """What lets `ragged_mixes` (and `decode_many`'s mixes, and RMSNorm) run rsqrt over stacked rows:
+    torch's SIMD body and scalar tail agree on every element, on fresh wide-range positive floats
+    (normal and subnormal, every exponent). Each element alone (a run of one, as `rows_apart` lays them
+    out) is its scalar path; the contiguous stack puts most of them in whole SIMD steps."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    bits = torch.randint(1, 0x7F800000, (1 << 20,), dtype=torch.int32, generator=gen)
+    x = bits.view(torch.float32)
+    stacked = torch.rsqrt(x)
+    alone = torch.rsqrt(x.repeat_interleave(2).view(-1, 2)[:, :1]).view(-1)
+    assert torch.equal(stacked.view(torch.int32), alone.view(torch.int32))
+    # the same comparison has teeth where the two paths differ (sigmoid: the reason for `lone_runs`)
+    y = torch.randn(1 << 20, generator=gen) * 8
+    y_alone = y.repeat_interleave(2).view(-1, 2)[:, :1]
+    assert not torch.equal(torch.sigmoid(y), torch.sigmoid(y_alone).view(-1))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ragged_sparse_attn_equals_each_sequence_alone(threads: int) -> None:
     """`ragged_sparse_attn` over sequences of unequal lengths stacked along T against each sequence's lone
