@@ -17,6 +17,7 @@ windows payload: for each encoder layer: window_from u64 | FP8 codes (W*D B) | U
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -81,7 +82,19 @@ def _unpack(blob: bytes, magic: bytes, fingerprint: bytes) -> tuple[int, int, me
 
 
 def _bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements as raw bytes, in row-major order."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        # one copy straight from its memory (data_ptr: where its first element lies): the same bytes as
+        # the chain below, without its five dispatched ops, each of which lets go of the GIL (a model
+        # process's turn-end export, which runs beside a forward pass, made about 12 such calls a turn)
+        n = t.numel() * t.element_size()
+        return ctypes.string_at(t.data_ptr(), n) if n else b""
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _row_bytes(t: torch.Tensor, row: int) -> bytes:
+    """`_bytes(t[row])`: of a batch-1 tensor, its own bytes (row 0 is all of it), without the view."""
+    return _bytes(t) if row == 0 and t.size(0) == 1 else _bytes(t[row])
 
 
 def _take(payload: memoryview, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]):
@@ -337,16 +350,17 @@ def export_windows(model: Transformer, state: ModelState, *, fingerprint: bytes,
     """The encoder pool entry of batch row `row`: encoder window rings (FP8 codes and scales as stored),
     open-group carries of encoder kv sources, and the encoder-output rows of the last W positions."""
     parts = []
-    for i in _encoder_layers(model):
+    encoder = _encoder_layers(model)
+    for i in encoder:
         parts.append(struct.pack("<Q", state.window_from[i]))
-        parts.append(_bytes(state.window_codes[i][row]) + _bytes(state.window_scales[i][row]))
+        parts.append(_row_bytes(state.window_codes[i], row) + _row_bytes(state.window_scales[i], row))
     for layer in sorted(state.sources):
         src = state.sources[layer]
-        if layer in _encoder_layers(model) and src.carry_kv is not None and src.carry_score is not None:
-            parts.append(_bytes(src.carry_kv[row]) + _bytes(src.carry_score[row]))
+        if layer in encoder and src.carry_kv is not None and src.carry_score is not None:
+            parts.append(_row_bytes(src.carry_kv, row) + _row_bytes(src.carry_score, row))
     assert state.enc_lanes is not None and state.enc_pre is not None
     parts.append(struct.pack("<Q", state.enc_from))
-    parts.append(_bytes(state.enc_lanes[row]) + _bytes(state.enc_pre[row]))
+    parts.append(_row_bytes(state.enc_lanes, row) + _row_bytes(state.enc_pre, row))
     return _pack(WINDOWS_MAGIC, fingerprint, state.n_tokens, 0, b"".join(parts))
 
 
