@@ -6,11 +6,35 @@ Knows nothing of the model or the session.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from orchestrator.api import GenerationSpec
 
-__all__ = ["Sampler"]
+__all__ = ["ChosenToken", "Sampler", "greedy_token"]
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The greedy choice of [1, vocab] (or [vocab]) fp32 CPU logits: the first maximal index, NaN counting
+    as the maximum. The one function both processes use, so that a choice the model process makes
+    (`ChosenToken`) is the one this process would make."""
+    # numpy's argmax is vectorised where torch's CPU argmax is not: 3 us against 42 us over a 32K
+    # vocabulary (measured, Intel Xeon, torch 2.13), and it keeps the GIL, where torch's op lets go of it
+    # and the turn's thread then waits for the service's other threads to get it back (about 34 us a call
+    # at 512 ids under cProfile, one no-op session). Both give the first maximal index and count NaN as
+    # the maximum (test_sampler.py compares them). The flattening too is numpy's: torch's reshape is a
+    # dispatched op, which lets go of the GIL.
+    return int(logits.numpy().reshape(-1).argmax())
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenToken:
+    """A pass's logits as the model process hands them over for a turn that samples greedily: only their
+    greedy choice (`greedy_token`, computed there on the very logits), not the vocabulary-wide row (16 KB
+    at 4K ids: a 46-sequence decode pass's reply was 816 KB, session 34). Only a greedy Sampler reads it."""
+
+    token: int
 
 
 class Sampler:
@@ -26,18 +50,30 @@ class Sampler:
             else:
                 self._gen.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [1, vocab] (or [vocab]) fp32, any device -> the chosen token id."""
+    @property
+    def greedy(self) -> bool:
+        """Whether a token is the logits' greedy choice (temperature 0): then a `ChosenToken` will do."""
+        return self._gen is None
+
+    def __call__(self, logits: torch.Tensor | ChosenToken) -> int:
+        """logits: [1, vocab] (or [vocab]) fp32, any device, or their greedy choice made where they were
+        computed (`ChosenToken`, for a greedy sampler only) -> the chosen token id.
+
+        Raises:
+            ValueError: a ChosenToken given to a sampler that draws at a temperature (a wiring bug: the
+                scheduler asks for a choice only for greedy chains).
+        """
         spec = self._spec
+        if isinstance(logits, ChosenToken):
+            if self._gen is not None:
+                raise ValueError(
+                    f"a sampler at temperature {spec.temperature} needs the logits, got only their greedy "
+                    f"choice {logits.token}"
+                )
+            return logits.token
         if self._gen is None:
             if logits.device.type == "cpu" and logits.dtype == torch.float32:
-                # numpy's argmax is vectorised where torch's CPU argmax is not: 3 us against 42 us over a
-                # 32K vocabulary (measured, Intel Xeon, torch 2.13), and it keeps the GIL, where torch's
-                # op lets go of it and the turn's thread then waits for the service's other threads to get
-                # it back (about 34 us a call at 512 ids under cProfile, one no-op session). Both give the
-                # first maximal index and count NaN as the maximum (test_sampler.py compares them). The
-                # flattening too is numpy's: torch's reshape is a dispatched op, which lets go of the GIL.
-                return int(logits.numpy().reshape(-1).argmax())
+                return greedy_token(logits)
             # argmax of the logits where they are: the same index as of their flat fp32 CPU copy (the
             # cast to fp32 is exact and the flat order is the logical order), one dispatch instead of four
             return int(logits.argmax())

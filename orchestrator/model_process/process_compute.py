@@ -34,6 +34,7 @@ from model import PassOutput
 from orchestrator.api.errors import UnavailableError
 from orchestrator.child_process import ChildProcess
 from orchestrator.engine.model_compute import TurnEndExport
+from orchestrator.engine.sampler import ChosenToken
 from orchestrator.model_process.wire import Reply, WireOutput, dumps, loads, unpack_logits
 from orchestrator.model_process.worker import WorkerConfig
 
@@ -352,7 +353,9 @@ class ProcessCompute:
             handle = state
         else:
             handle = self._handle(wire.state_id, wire.n_tokens, generation)
-        return PassOutput(logits=unpack_logits(wire.logits), state=handle, stats=wire.stats)  # type: ignore[arg-type]
+        # a greedy chain's pass carries only the logits' greedy choice (`start_decode_many`'s `logits`)
+        logits = ChosenToken(wire.choice) if wire.choice is not None else unpack_logits(wire.logits)
+        return PassOutput(logits=logits, state=handle, stats=wire.stats)  # type: ignore[arg-type]
 
     def clone(self, state: RemoteState) -> RemoteState:
         (sid, n), generation = self._call_at("clone", self._sid(state), states=(state,))
@@ -435,13 +438,17 @@ class ProcessCompute:
         return self.start_decode_many(served, tokens, states)()
 
     def start_decode_many(
-        self, served: Any, tokens: Sequence[int], states: Sequence[RemoteState]
+        self, served: Any, tokens: Sequence[int], states: Sequence[RemoteState],
+        logits: Sequence[str] | None = None,
     ) -> Callable[[], list[PassOutput]]:
         """`decode_many` in two halves, as `start_prefill_many`: the batching loop hands the last step's
-        prompts their first tokens while the model computes this pass."""
+        prompts their first tokens while the model computes this pass. `logits`: what of each output's
+        logits to bring back (`scheduler.work.LOGITS_WANTED`: the rows, only their greedy choice, which
+        the output then holds as an `engine.sampler.ChosenToken`, or nothing; None: all the rows)."""
         sids = [self._sid(s) for s in states]
+        wanted = None if logits is None else list(logits)
         finish = self._start_at(
-            "decode_many", served.name, [int(t) for t in tokens], sids, served=served, states=states
+            "decode_many", served.name, [int(t) for t in tokens], sids, wanted, served=served, states=states
         )
 
         def outputs() -> list[PassOutput]:
@@ -465,12 +472,15 @@ class ProcessCompute:
         chunks: Sequence[Sequence[int]],
         states: Sequence[RemoteState | None],
         prompt_ends: Sequence[int],
+        logits: Sequence[str] | None = None,
     ) -> Callable[[], list[PassOutput]]:
         """`prefill_many` in two halves: this one sends the pass; the function it returns waits for its
-        outputs (and must be called). The batching loop samples the step's decode chains meanwhile."""
+        outputs (and must be called). The batching loop samples the step's decode chains meanwhile.
+        `logits` as `start_decode_many`."""
         sids = [self._sid(s) for s in states]
+        wanted = None if logits is None else list(logits)
         finish = self._start_at(
-            "prefill_many", served.name, [list(c) for c in chunks], sids, list(prompt_ends),
+            "prefill_many", served.name, [list(c) for c in chunks], sids, list(prompt_ends), wanted,
             served=served, states=states,
         )  # fmt: skip
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from orchestrator.child_process import serve_calls, serve_connections
 from orchestrator.model_process.wire import WireOutput, WireOutputs, pack_logits
+from orchestrator.scheduler.work import LOGITS_WANTED
 
 __all__ = ["WorkerConfig", "serve_forever"]
 
@@ -136,8 +137,11 @@ class _Worker:
             sid = self._keep(out.state)
         return sid
 
-    def _outputs(self, outs: Sequence[Any], sids: Sequence[int | None]) -> WireOutputs:
-        return WireOutputs.pack(list(outs), [self._output_id(o, s) for o, s in zip(outs, sids, strict=True)])
+    def _outputs(
+        self, outs: Sequence[Any], sids: Sequence[int | None], logits: Sequence[str] | None = None
+    ) -> WireOutputs:
+        ids = [self._output_id(o, s) for o, s in zip(outs, sids, strict=True)]
+        return WireOutputs.pack(list(outs), ids, logits)
 
     # -- operations (`op_<name>`), each one call ------------------------------------------------------
 
@@ -307,9 +311,13 @@ class _Worker:
     def op_decode(self, model: str, token: int, sid: int) -> WireOutput:
         return self._output(self.compute.decode(self._served(model), token, self._state(sid)), sid)
 
-    def op_decode_many(self, model: str, tokens: Sequence[int], sids: Sequence[int]) -> WireOutputs:
+    def op_decode_many(
+        self, model: str, tokens: Sequence[int], sids: Sequence[int], logits: Sequence[str] | None = None
+    ) -> WireOutputs:
+        """`logits`: what of each output's logits to send back (`WireOutputs.pack`; None: all)."""
+        _check_wanted(logits, len(sids))
         states = [self._state(s) for s in sids]
-        return self._outputs(self.compute.decode_many(self._served(model), tokens, states), sids)
+        return self._outputs(self.compute.decode_many(self._served(model), tokens, states), sids, logits)
 
     def op_prefill_many(
         self,
@@ -317,10 +325,12 @@ class _Worker:
         chunks: Sequence[Sequence[int]],
         sids: Sequence[int | None],
         prompt_ends: Sequence[int],
+        logits: Sequence[str] | None = None,
     ) -> WireOutputs:
+        _check_wanted(logits, len(sids))
         states = [self._state(s) for s in sids]
         outs = self.compute.prefill_many(self._served(model), chunks, states, prompt_ends)
-        return self._outputs(outs, sids)
+        return self._outputs(outs, sids, logits)
 
     def _account(self, op: str, cpu: float, wall: float) -> None:
         with self._lock:
@@ -349,6 +359,12 @@ class _Worker:
 
         with torch.inference_mode():
             serve_calls(conn, self.call, "model process")
+
+
+def _check_wanted(logits: Sequence[str] | None, n: int) -> None:
+    """Refuse a malformed `logits` before the pass runs (a pass that ran must not fail at packing)."""
+    if logits is not None and (len(logits) != n or any(w not in LOGITS_WANTED for w in logits)):
+        raise ValueError(f"logits must give one of {LOGITS_WANTED} per sequence ({n}), got {list(logits)!r}")
 
 
 def serve_forever(config: WorkerConfig) -> None:

@@ -285,7 +285,7 @@ class _ModelLoop:
             return lambda: self._prefill(prefills)
         args = ([r.tokens for r in prefills], [r.state for r in prefills], [r.prompt_end for r in prefills])
         try:
-            finish = start(prefills[0].served, *args)
+            finish = start(prefills[0].served, *args, logits=[r.logits_wanted for r in prefills])
         except BaseException as exc:  # noqa: BLE001 - isolate the failing chunk: `_prefill`'s fallback
             return lambda error=exc: self._prefill(prefills, batched_error=error)
         return lambda: self._prefill(prefills, outputs=finish)
@@ -337,7 +337,8 @@ class _ModelLoop:
         start = getattr(self._s.compute, "start_decode_many", None)
         try:
             if start is not None:
-                finish = start(served, tokens, states)
+                # (a compute that sends passes apart sends only the logits the chains read: work.py)
+                finish = start(served, tokens, states, logits=[r.logits_wanted for r in decodes])
                 self._publish_held()
                 outs = finish()
             else:

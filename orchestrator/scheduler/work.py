@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from orchestrator.scheduler.chains import DecodeChain
 
-__all__ = ["WorkOwner", "StepCompute", "PassRequest", "SchedulerObserver", "NullObserver"]
+__all__ = ["LOGITS_WANTED", "WorkOwner", "StepCompute", "PassRequest", "SchedulerObserver", "NullObserver"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +65,21 @@ class PassRequest:
     @property
     def rows(self) -> int:
         return 1 if self.token is not None else len(self.tokens or ())
+
+    @property
+    def logits_wanted(self) -> str:
+        """What of this pass's logits anyone reads (`LOGITS_WANTED`): a chain's sampler reads them (all of
+        them, or only their greedy choice); nothing else in the service does, so a pass without a chain
+        (a chunk before the prompt's last, a turn's last decode, which only persists its token) needs
+        none. A compute that sends its outputs across a process boundary sends only that."""
+        if self.chain is None:
+            return "none"
+        return "argmax" if self.chain.greedy else "full"
+
+
+# what a pass's output must carry of its logits (PassRequest.logits_wanted): the rows, only their greedy
+# choice (`engine.sampler.ChosenToken`), or nothing
+LOGITS_WANTED = ("full", "argmax", "none")
 
 
 class SchedulerObserver(Protocol):

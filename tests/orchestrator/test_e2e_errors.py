@@ -219,9 +219,9 @@ def _noting_decode_passes(compute) -> tuple[str, Callable[..., Any], list[int]]:
     kind = "start_decode_many" if hasattr(compute, "start_decode_many") else "decode_many"
     real, sizes = getattr(compute, kind), []
 
-    def noted(served, tokens, states):
+    def noted(served, tokens, states, **kwargs):
         sizes.append(len(states))
-        return real(served, tokens, states)
+        return real(served, tokens, states, **kwargs)
 
     return kind, noted, sizes
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from model import CacheFormatError, state_from_global
-from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.api import GenerationSpec
+from orchestrator.engine import ModelRegistry, Sampler, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import held_bytes, state_tensors
 from orchestrator.engine.global_kv import chunk_ranges
 from orchestrator.engine.model_compute import (
@@ -31,6 +32,7 @@ from orchestrator.engine.model_compute import (
     export_windows_keeping,
     restore_decoded,
 )
+from orchestrator.engine.sampler import ChosenToken, greedy_token
 from orchestrator.heap import YOUNG_THRESHOLD
 from orchestrator.model_process import ModelProcessError, ProcessCompute, RemoteState
 from tests.processes import process_alive
@@ -145,6 +147,51 @@ def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remo
         n = a.n_tokens - a.n_tokens % 32
         assert local.export_global(served, a, 0, n) == remote.export_global(served, b, 0, n)
         assert local.export_windows(served, a) == remote.export_windows(served, b)
+
+
+def test_a_pass_brings_back_only_the_logits_asked_for(models: ModelRegistry, remote: ProcessCompute) -> None:
+    """`start_decode_many` / `start_prefill_many` with `logits`: a row asked for whole equals in-process
+    compute's bit for bit, a greedy choice is `greedy_token` of in-process compute's row (what a greedy
+    Sampler picks from it), and a row asked for nothing comes back without logits; the states advance
+    the same either way. A malformed request is refused before the pass runs."""
+    torch.set_num_threads(1)
+    served = models.get("a")
+    local = TorchCompute()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompts = [_prompt(rng, rng.randrange(5, 70)) for _ in range(3)]
+    states_a = [local.prefill(served, p, None, prompt_end=len(p)).state for p in prompts]
+    states_b = [remote.prefill(served, p, None, prompt_end=len(p)).state for p in prompts]
+    wanted = ["argmax", "full", "none"]
+    greedy = Sampler(GenerationSpec(max_new_tokens=1))
+    for _ in range(3):
+        tokens = [rng.randrange(16, 512) for _ in states_a]
+        outs_a = local.decode_many(served, tokens, states_a)
+        outs_b = remote.start_decode_many(served, tokens, states_b, logits=wanted)()
+        for want, a, b in zip(wanted, outs_a, outs_b, strict=True):
+            if want == "argmax":
+                assert isinstance(b.logits, ChosenToken), f"seed {seed}"
+                assert b.logits.token == greedy_token(a.logits) == greedy(a.logits) == greedy(b.logits)
+            elif want == "full":
+                assert torch.equal(b.logits, a.logits), f"seed {seed}"
+            else:
+                assert b.logits is None
+        assert [s.n_tokens for s in states_b] == [s.n_tokens for s in states_a]
+        rng.shuffle(wanted)
+    chunks = [_prompt(rng, rng.randrange(1, 9)) for _ in states_a]
+    ends = [s.n_tokens + len(c) for s, c in zip(states_a, chunks, strict=True)]
+    outs_a = local.prefill_many(served, chunks, states_a, ends)
+    outs_b = remote.start_prefill_many(served, chunks, states_b, ends, logits=["none", "argmax", "full"])()
+    assert outs_b[0].logits is None
+    assert outs_b[1].logits == ChosenToken(greedy_token(outs_a[1].logits)), f"seed {seed}"
+    assert torch.equal(outs_b[2].logits, outs_a[2].logits), f"seed {seed}"
+    for a, b in zip(states_a, states_b, strict=True):
+        assert local.export_windows(served, a) == remote.export_windows(served, b)
+    before = [s.n_tokens for s in states_b]
+    for bad in (["full"], ["full", "some", "none"]):
+        with pytest.raises(ValueError, match="logits must give one of"):
+            remote.start_decode_many(served, [5, 6, 7], states_b, logits=bad)()
+    assert [s.n_tokens for s in states_b] == before  # refused before the pass ran
 
 
 def test_imports_clone_and_seal_equal_in_process_compute(

@@ -7,6 +7,7 @@ import torch
 
 from orchestrator.api import GenerationSpec
 from orchestrator.engine import Sampler
+from orchestrator.engine.sampler import ChosenToken, greedy_token
 
 
 def test_sampler_greedy_and_seeded() -> None:
@@ -67,3 +68,22 @@ def test_greedy_sampler_equals_argmax_of_the_flat_fp32_row_on_random_logits() ->
             for view in (logits[:1].to(dtype), logits[1].to(dtype), logits.to(dtype).t()[:, :1].t()):
                 want = int(view.reshape(-1).float().cpu().argmax())
                 assert sampler(view) == want, (trial, dtype, view.shape)
+
+
+def test_a_greedy_choice_made_elsewhere_is_taken_only_by_a_greedy_sampler() -> None:
+    """`ChosenToken` (the model process's greedy choice, `greedy_token`, made on the very logits): a greedy
+    sampler returns it; one that draws at a temperature refuses it, naming the temperature. And
+    `greedy_token` is the sampler's own greedy pick: first maximal index, NaN counted as the maximum."""
+    g = torch.Generator().manual_seed(7)
+    greedy = Sampler(GenerationSpec(max_new_tokens=1))
+    assert greedy.greedy and greedy(ChosenToken(41)) == 41
+    for x in [torch.randn(1, 97, generator=g) for _ in range(10)]:
+        assert greedy_token(x) == greedy(x) == int(x.argmax())
+    tie = torch.tensor([[1.0, 3.0, 3.0, 2.0]])
+    assert greedy_token(tie) == 1
+    nan = torch.tensor([[1.0, float("nan"), 5.0]])
+    assert greedy_token(nan) == greedy(nan) == 1
+    warm = Sampler(GenerationSpec(max_new_tokens=1, temperature=0.7, seed=1))
+    assert not warm.greedy
+    with pytest.raises(ValueError, match="temperature 0.7"):
+        warm(ChosenToken(3))

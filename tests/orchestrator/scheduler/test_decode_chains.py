@@ -258,7 +258,8 @@ class SentApart(IntCompute):
         self.events.append(f"decode {list(tokens)}")
         return super().decode_many(served, tokens, states)
 
-    def start_prefill_many(self, served, chunks, states, prompt_ends):
+    def start_prefill_many(self, served, chunks, states, prompt_ends, logits=None):
+        # (`logits`: what of each output's logits the chains read; these outputs are ints anyway)
         if self.fail == "send":
             raise ValueError("send failed")
         self.events.append(f"prefill sent {[list(c) for c in chunks]}")
@@ -317,7 +318,7 @@ def test_a_steps_prefill_pass_goes_out_before_its_decode_chains_are_sampled(fail
 class DecodesApart(SentApart):
     """SentApart that sends its decode passes apart too."""
 
-    def start_decode_many(self, served, tokens, states):
+    def start_decode_many(self, served, tokens, states, logits=None):
         self.events.append(f"decode sent {list(tokens)}")
 
         def outputs():
@@ -365,3 +366,46 @@ def test_held_prompt_results_go_out_when_no_step_follows() -> None:
         assert [p.result(timeout=5).logits for p in prompts] == [20, 30]
     finally:
         sched.close()
+
+
+class WantsNoted(DecodesApart):
+    """DecodesApart that notes what of each pass's logits the scheduler asks for (`logits`)."""
+
+    def start_prefill_many(self, served, chunks, states, prompt_ends, logits=None):
+        self.events.append(f"prefill wants {list(logits)}")
+        return super().start_prefill_many(served, chunks, states, prompt_ends, logits)
+
+    def start_decode_many(self, served, tokens, states, logits=None):
+        self.events.append(f"decode wants {list(logits)}")
+        return super().start_decode_many(served, tokens, states, logits)
+
+
+def test_a_pass_sent_apart_asks_only_for_the_logits_its_chains_read() -> None:
+    """A greedy chain's passes want only the greedy choice, a chain that draws at a temperature the whole
+    row, and a pass without a chain (a prompt without one, the persisted last token's decode) none."""
+    events: list[str] = []
+    compute = WantsNoted(events)
+    sched = BatchingScheduler(compute)
+
+    def chain(greedy: bool) -> DecodeChain:
+        return DecodeChain(lambda logits: logits + 1, stops=(), max_new_tokens=2, persist=True, greedy=greedy)
+
+    try:
+        blocker = _hold_loop(sched, compute)
+        greedy = sched.submit_prefill(Served(), [5], object(), prompt_end=1, owner=_owner("g"),
+                                      chain=chain(True))  # fmt: skip
+        drawn = sched.submit_prefill(Served(), [7], object(), prompt_end=1, owner=_owner("d"),
+                                     chain=chain(False))  # fmt: skip
+        plain = sched.submit_prefill(Served(), [20], object(), prompt_end=1, owner=_owner("p"))
+        compute.gate.set()
+        compute.prefill_gate.set()
+        blocker.join(timeout=10)
+        assert plain.result(timeout=10).logits == 20
+        assert _follow(sched, greedy, _owner("g"))[0] == [6, 7]
+        assert _follow(sched, drawn, _owner("d"))[0] == [8, 9]
+    finally:
+        sched.close()
+    assert "prefill wants ['argmax', 'full', 'none']" in events, events
+    # each chain's first decode samples again (its chain goes on); the decode of its last token only persists
+    assert "decode wants ['argmax', 'full']" in events, events
+    assert "decode wants ['none', 'none']" in events, events
