@@ -8,7 +8,10 @@ the same bytes, so what the sampler sees is bit for bit what the model computed.
 sequences sends all its logits rows as one array (`WireOutputs`): pickling costs about 13 us an array
 whatever its size, so a 46-sequence decode pass's reply took 0.65 ms to pickle and 0.19 ms to unpickle as
 46 arrays, and 0.03 ms each as one (AMD EPYC Zen 4, measured), time the model process idled between
-passes. Errors cross as the
+passes. A batched pass sends back only what the service reads of each row (session 34: `WireOutputs.pack`'s
+`wanted`): a greedy chain's sampler reads only the row's greedy choice, which crosses as an int made there
+with the sampler's own function (`engine.sampler.greedy_token`), and a pass without a chain has its logits
+read by nobody. Errors cross as the
 exception object when it pickles and unpickles, else as a RuntimeError naming its type and message.
 """
 
