@@ -35,18 +35,25 @@ def test_one_row_products_equal_one_f_linear_per_row(k: int, n: int) -> None:
         assert torch.equal(got, want), (seed, k, n, m, "shifted")
 
 
-@compiled
-def test_the_compiled_path_runs_where_it_agrees(monkeypatch) -> None:
-    g = torch.Generator().manual_seed(3)
-    x, w = wide_fp32(g, 9, 96), wide_fp32(g, 2, 96)
-    calls = []
-    real = cpu.rows_linear
+def _counted(monkeypatch, name: str) -> list:
+    """`cpu.<name>` replaced by a stand-in that notes each call's arguments and calls it; the notes."""
+    calls: list = []
+    real = getattr(cpu, name)
 
     def counted(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(cpu, "rows_linear", counted)
+    monkeypatch.setattr(cpu, name, counted)
+    return calls
+
+
+@compiled
+def test_the_compiled_path_runs_where_it_agrees(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = wide_fp32(g, 9, 96), wide_fp32(g, 2, 96)
+    assert cpu.agrees(96, 2, torch.get_num_threads())  # the first-use probe (it calls rows_linear) first
+    calls = _counted(monkeypatch, "rows_linear")
     with torch.inference_mode():
         assert torch.equal(one_row_products(x, w), one_row_products_reference(x, w))
     assert len(calls) == 1
@@ -108,14 +115,8 @@ def test_the_gemv_order_gives_every_row_its_one_row_product(k: int, n: int) -> N
 def test_the_gemv_order_path_runs_and_keeps_the_packed_weight_while_it_holds(monkeypatch) -> None:
     g = torch.Generator().manual_seed(5)
     w, x = wide_fp32(g, 24, 384), wide_fp32(g, 7, 384)
-    packs = []
-    real = cpu.pack_gemv_weight
-
-    def counted(weight):
-        packs.append(weight)
-        return real(weight)
-
-    monkeypatch.setattr(cpu, "pack_gemv_weight", counted)
+    assert gemv_order_takes(384, 24)  # the first-use probe (it packs a weight of its own) first
+    packs = _counted(monkeypatch, "pack_gemv_weight")
     with torch.inference_mode():
         for _ in range(3):
             assert torch.equal(one_row_products(x, w), one_row_products_reference(x, w))

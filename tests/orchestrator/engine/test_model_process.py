@@ -99,7 +99,9 @@ def _continued_alike(
     return out_a, out_b
 
 
-def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remote: ProcessCompute) -> None:
+def _prefilled_both_ways(models: ModelRegistry, remote: ProcessCompute):  # type: ignore[no-untyped-def]
+    """Three fresh prompts prefilled in this process and in the model process: (served model, the
+    in-process compute, the seed, its generator, the outputs here, the outputs there)."""
     torch.set_num_threads(1)
     served = models.get("a")
     local = TorchCompute()
@@ -108,6 +110,11 @@ def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remo
     prompts = [_prompt(rng, rng.randrange(5, 70)) for _ in range(3)]
     mine = [local.prefill(served, p, None, prompt_end=len(p)) for p in prompts]
     theirs = [remote.prefill(served, p, None, prompt_end=len(p)) for p in prompts]
+    return served, local, seed, rng, mine, theirs
+
+
+def test_passes_and_exports_equal_in_process_compute(models: ModelRegistry, remote: ProcessCompute) -> None:
+    served, local, seed, rng, mine, theirs = _prefilled_both_ways(models, remote)
     for a, b in zip(mine, theirs, strict=True):
         assert isinstance(b.state, RemoteState) and b.state.n_tokens == a.state.n_tokens
         assert torch.equal(a.logits, b.logits), f"seed {seed}"
@@ -154,14 +161,8 @@ def test_a_pass_brings_back_only_the_logits_asked_for(models: ModelRegistry, rem
     compute's bit for bit, a greedy choice is `greedy_token` of in-process compute's row (what a greedy
     Sampler picks from it), and a row asked for nothing comes back without logits; the states advance
     the same either way. A malformed request is refused before the pass runs."""
-    torch.set_num_threads(1)
-    served = models.get("a")
-    local = TorchCompute()
-    seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
-    prompts = [_prompt(rng, rng.randrange(5, 70)) for _ in range(3)]
-    states_a = [local.prefill(served, p, None, prompt_end=len(p)).state for p in prompts]
-    states_b = [remote.prefill(served, p, None, prompt_end=len(p)).state for p in prompts]
+    served, local, seed, rng, mine, theirs = _prefilled_both_ways(models, remote)
+    states_a, states_b = [o.state for o in mine], [o.state for o in theirs]
     wanted = ["argmax", "full", "none"]
     greedy = Sampler(GenerationSpec(max_new_tokens=1))
     for _ in range(3):
