@@ -393,9 +393,9 @@ class TurnEngine:
             # The scheduler samples each token as its pass ends and queues the next decode (chains.py);
             # this thread streams them, checks cancellation between them, and halts the chain early.
             gen = turn.generation
-            sampler = Sampler(gen)
-            chain = DecodeChain(sampler, stops=stops, max_new_tokens=gen.max_new_tokens, persist=plan.persist,
-                                greedy=sampler.greedy)  # fmt: skip
+            chain = DecodeChain(
+                Sampler(gen), stops=stops, max_new_tokens=gen.max_new_tokens, persist=plan.persist
+            )
             try:
                 got, passes = yield from self._prefill(served, prompt, state, turn, handle, owner, chain)
                 counts = actual_counts(plan.path, loaded=loaded, history_len=len(f.history),

@@ -32,6 +32,7 @@ __all__ = [
     "Reply",
     "WireOutput",
     "WireOutputs",
+    "check_wanted",
     "dumps",
     "loads",
     "pack_error",
@@ -45,6 +46,18 @@ def pack_logits(logits: torch.Tensor | None) -> np.ndarray | None:
         return None
     # contiguous so the array is one buffer; detach: inference tensors have no grad anyway
     return logits.detach().contiguous().numpy()
+
+
+def check_wanted(wanted: Sequence[str] | None, n: int) -> None:
+    """Refuse what of n outputs' logits to send (`WireOutputs.pack`'s `wanted`) unless it is None or one of
+    `scheduler.work.LOGITS_WANTED` per output (the model process asks before it runs the pass, so that a
+    pass that ran never fails at packing).
+
+    Raises:
+        ValueError: naming what was given.
+    """
+    if wanted is not None and (len(wanted) != n or any(w not in LOGITS_WANTED for w in wanted)):
+        raise ValueError(f"logits must give one of {LOGITS_WANTED} per sequence ({n}), got {list(wanted)!r}")
 
 
 def unpack_logits(packed: np.ndarray | None) -> torch.Tensor | None:
@@ -92,12 +105,9 @@ class WireOutputs:
         Raises:
             ValueError: `wanted` not one of those per output.
         """
+        check_wanted(wanted, len(outs))
         if wanted is None:
             wanted = ["full"] * len(outs)
-        if len(wanted) != len(outs) or any(w not in LOGITS_WANTED for w in wanted):
-            raise ValueError(
-                f"wanted must give one of {LOGITS_WANTED} per output ({len(outs)}), got {list(wanted)!r}"
-            )
         full = [o.logits is not None and w == "full" for o, w in zip(outs, wanted, strict=True)]
         rows = [o.logits for o, f in zip(outs, full, strict=True) if f]
         choices = [greedy_token(o.logits) if o.logits is not None and w == "argmax" else None

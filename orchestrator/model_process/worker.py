@@ -28,8 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from orchestrator.child_process import serve_calls, serve_connections
-from orchestrator.model_process.wire import WireOutput, WireOutputs, pack_logits
-from orchestrator.scheduler.work import LOGITS_WANTED
+from orchestrator.model_process.wire import WireOutput, WireOutputs, check_wanted, pack_logits
 
 __all__ = ["WorkerConfig", "serve_forever"]
 
@@ -315,7 +314,7 @@ class _Worker:
         self, model: str, tokens: Sequence[int], sids: Sequence[int], logits: Sequence[str] | None = None
     ) -> WireOutputs:
         """`logits`: what of each output's logits to send back (`WireOutputs.pack`; None: all)."""
-        _check_wanted(logits, len(sids))
+        check_wanted(logits, len(sids))
         states = [self._state(s) for s in sids]
         return self._outputs(self.compute.decode_many(self._served(model), tokens, states), sids, logits)
 
@@ -327,7 +326,7 @@ class _Worker:
         prompt_ends: Sequence[int],
         logits: Sequence[str] | None = None,
     ) -> WireOutputs:
-        _check_wanted(logits, len(sids))
+        check_wanted(logits, len(sids))
         states = [self._state(s) for s in sids]
         outs = self.compute.prefill_many(self._served(model), chunks, states, prompt_ends)
         return self._outputs(outs, sids, logits)
@@ -359,12 +358,6 @@ class _Worker:
 
         with torch.inference_mode():
             serve_calls(conn, self.call, "model process")
-
-
-def _check_wanted(logits: Sequence[str] | None, n: int) -> None:
-    """Refuse a malformed `logits` before the pass runs (a pass that ran must not fail at packing)."""
-    if logits is not None and (len(logits) != n or any(w not in LOGITS_WANTED for w in logits)):
-        raise ValueError(f"logits must give one of {LOGITS_WANTED} per sequence ({n}), got {list(logits)!r}")
 
 
 def serve_forever(config: WorkerConfig) -> None:

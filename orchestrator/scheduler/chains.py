@@ -38,15 +38,17 @@ class DecodeChain:
         stops: token ids that end the turn.
         max_new_tokens: most tokens the turn generates (>= 1).
         persist: the turn keeps its state (every sampled token is decoded).
-        greedy: `sample` reads only the logits' greedy choice (a greedy `Sampler`), so a compute may hand
-            over that choice instead of the logits (`engine.sampler.ChosenToken`).
+
+    `greedy`: the sampler says it reads only the logits' greedy choice (its `greedy` attribute, as a
+    greedy `engine.sampler.Sampler` has), so a compute may hand over that choice instead of the logits
+    (`engine.sampler.ChosenToken`); a sampler that does not say so gets the logits.
     """
 
     def __init__(self, sample: Callable[[Any], int], *, stops: Collection[int], max_new_tokens: int,
-                 persist: bool, greedy: bool = False) -> None:  # fmt: skip
+                 persist: bool) -> None:  # fmt: skip
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        self.greedy = greedy
+        self.greedy = getattr(sample, "greedy", False) is True
         self._sample = sample
         self._stops = frozenset(stops)
         self._max_new_tokens = max_new_tokens

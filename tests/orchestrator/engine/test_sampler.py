@@ -8,6 +8,7 @@ import torch
 from orchestrator.api import GenerationSpec
 from orchestrator.engine import Sampler
 from orchestrator.engine.sampler import ChosenToken, greedy_token
+from orchestrator.scheduler import DecodeChain
 
 
 def test_sampler_greedy_and_seeded() -> None:
@@ -87,3 +88,7 @@ def test_a_greedy_choice_made_elsewhere_is_taken_only_by_a_greedy_sampler() -> N
     assert not warm.greedy
     with pytest.raises(ValueError, match="temperature 0.7"):
         warm(ChosenToken(3))
+    # a decode chain reads from its sampler whether a greedy choice will do (what its passes ask for)
+    assert DecodeChain(greedy, stops=(), max_new_tokens=1, persist=False).greedy
+    assert not DecodeChain(warm, stops=(), max_new_tokens=1, persist=False).greedy
+    assert not DecodeChain(lambda logits: 0, stops=(), max_new_tokens=1, persist=False).greedy

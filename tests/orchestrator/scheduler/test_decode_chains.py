@@ -387,8 +387,17 @@ def test_a_pass_sent_apart_asks_only_for_the_logits_its_chains_read() -> None:
     compute = WantsNoted(events)
     sched = BatchingScheduler(compute)
 
+    class Next:
+        """A sampler that says whether it samples greedily (`greedy`, as engine.sampler.Sampler does)."""
+
+        def __init__(self, greedy: bool) -> None:
+            self.greedy = greedy
+
+        def __call__(self, logits: int) -> int:
+            return logits + 1
+
     def chain(greedy: bool) -> DecodeChain:
-        return DecodeChain(lambda logits: logits + 1, stops=(), max_new_tokens=2, persist=True, greedy=greedy)
+        return DecodeChain(Next(greedy), stops=(), max_new_tokens=2, persist=True)
 
     try:
         blocker = _hold_loop(sched, compute)
