@@ -172,3 +172,38 @@ def test_block_scaled_linear_rows_do_not_depend_on_how_many_share_the_call(kind:
         for start in range(0, 48 - m + 1, m):
             got = linear(x[start : start + m], *stored, out_dtype=torch.float32)
             assert torch.equal(got, whole[start : start + m]), (seed, kind, m, start)
+
+
+@pytest.mark.parametrize("shape", [(96, 256), (512, 256), (256, 1024)])
+def test_batched_block_partials_equal_the_per_block_loop(shape: tuple[int, int]) -> None:
+    """The block-scaled GEMM of a few rows (a decode step's) with every K block's partial in one batched
+    matmul equals its slow twin, one matmul per block, bit for bit, on fresh random FP8 activations and
+    weights with scales over many binades, at every row count up to past the batched path's limit."""
+    from kernels.formats import weights
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    b = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn).float()
+    b_scale = torch.exp2(torch.randint(-12, 4, (n, k // 32), generator=g).float())
+    for m in range(1, weights.BATCHED_BLOCKS_MAX_ROWS + 3):
+        a = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)).to(torch.float8_e4m3fn).float()
+        a_scale = torch.exp2(torch.randint(-12, 4, (m, k // 32), generator=g).float())
+        fast = weights._block_scaled_matmul(a, a_scale, b, b_scale)
+        slow = weights._block_scaled_matmul(a, a_scale, b, b_scale, batched=False)
+        assert torch.equal(fast, slow), (seed, shape, m)
+
+
+def test_the_batched_block_probe_accepts_this_machine_or_leaves_the_loop(monkeypatch) -> None:  # noqa: ANN001
+    """The first-use probe decides per shape; where it agrees (every CPU measured so far), linears of a
+    few rows take the batched path: the count of the per-block loop's calls shows which one ran."""
+    from kernels.formats import weights
+
+    n, k = 96, 256
+    agrees = weights.batched_blocks_agree(k, n, torch.get_num_threads())
+    calls = []
+    loop = weights._block_partials_loop
+    monkeypatch.setattr(weights, "_block_partials_loop", lambda *args: calls.append(1) or loop(*args))
+    a, scale = torch.ones(4, k), torch.ones(4, k // 32)
+    weights._block_scaled_matmul(a, scale, torch.ones(n, k), torch.ones(n, k // 32))
+    assert len(calls) == (0 if agrees else k // 32)
