@@ -329,10 +329,10 @@ def _run(
 
 def test_kill_during_concurrent_load_loses_nothing(tmp_path: Path, chaos_report) -> None:
     # v41-tiny's FP8/FP4 linears are emulated on CPU (about 0.1 s a decode step), so a turn of 6 sessions
-    # at once takes seconds: the load runs long enough for several to commit before the kill (about 30
-    # turns in the 6.7 s this seed gives; the offline twin then runs each again, 0.5 s a turn, which is
-    # most of the test's time: the heavier loads are the `slow` tests below)
-    figures = _run(tmp_path, n_sessions=6, kills=1, load_s=6.0)
+    # at once takes seconds: the load runs long enough for several to commit before the kill (24 turns in
+    # the 6.7 s that load_s=6 gave, about 15 in this one's 4.4 s; the offline twin then runs each again,
+    # 0.5 s a turn, which was most of the test's time: the heavier loads are the `slow` tests below)
+    figures = _run(tmp_path, n_sessions=6, kills=1, load_s=4.0)
     chaos_report.record("kill_under_load_tiny_1", **figures)
 
 
