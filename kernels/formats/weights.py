@@ -1,4 +1,5 @@
-"""Quantized weights of the released checkpoint format, and the GEMMs that consume them (torch only).
+"""Quantized weights of the released checkpoint format, and the GEMMs that consume them (torch, with the
+compiled CPU quantizer of cpu_formats.c for their activations where it builds).
 
 FP8 weights are float8_e4m3fn [out, in] with one E8M0 scale per 32x32 block; FP4 expert weights are
 E2M1 pairs [out, in/2] (float4_e2m1fn_x2 or uint8, even element in the low nibble) with one E8M0 scale
@@ -16,6 +17,7 @@ from functools import lru_cache
 
 import torch
 
+from kernels.formats import cpu
 from kernels.formats.reference import _fp8_parts, e2m1_values, e8m0_to_float, unpack_nibbles
 
 # Weight and activation scales cover 32 values along K (and 32 rows of an FP8 weight).
@@ -195,11 +197,23 @@ def _block_scaled_matmul(
     return acc[:m]
 
 
-def _quantized_activation(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x bf16 [..., in] -> (FP8 values as fp32 [M, in], fp32 power-of-two scales [M, in/32])."""
+def _quantized_activation(
+    x: torch.Tensor, in_features: int, *, compiled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x bf16 [..., in] -> (FP8 values as fp32 [M, in], fp32 power-of-two scales [M, in/32]).
+
+    On CPU the compiled quantizer (cpu_formats.c, one pass per group) where it builds, else the torch
+    reference (its slow twin, always with `compiled=False`): the same values and scale bytes, bit for bit
+    (tests/kernels compare them); the reference's twenty-odd small torch ops per call were about a third
+    of a CPU decode step of an FP8 model (v41-tiny).
+    """
     if x.shape[-1] != in_features or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x must be bf16/fp32 [..., {in_features}], got {x.dtype} {tuple(x.shape)}")
-    values, exponent_bytes = _fp8_parts(x.reshape(-1, in_features), WEIGHT_BLOCK)
+    rows = x.reshape(-1, in_features)
+    if compiled and WEIGHT_BLOCK <= cpu.MAX_FP8_BLOCK and cpu.usable(rows):
+        values, exponent_bytes = cpu.fp8_quantize(rows.detach(), WEIGHT_BLOCK)
+        return values.float(), e8m0_to_float(exponent_bytes)
+    values, exponent_bytes = _fp8_parts(rows, WEIGHT_BLOCK)
     return values.flatten(-2).float(), e8m0_to_float(exponent_bytes)
 
 

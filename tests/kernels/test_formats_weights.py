@@ -207,3 +207,27 @@ def test_the_batched_block_probe_accepts_this_machine_or_leaves_the_loop(monkeyp
     a, scale = torch.ones(4, k), torch.ones(4, k // 32)
     weights._block_scaled_matmul(a, scale, torch.ones(n, k), torch.ones(n, k // 32))
     assert len(calls) == (0 if agrees else k // 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_activation_quantizer_equals_the_torch_reference(dtype: torch.dtype) -> None:
+    """The FP8 quantization of a linear's input on the compiled CPU path gives the torch reference's
+    values and scales bit for bit, on fresh random rows over many binades with zeros, NaN and inf in
+    some groups (those groups are poisoned alike)."""
+    from kernels.formats import cpu, weights
+
+    if not cpu.available():
+        pytest.skip("the compiled CPU path does not build here")
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    for rows in (1, 3, 4, 17):
+        binades = torch.exp2(torch.randint(-40, 40, (rows, 256), generator=g).float())
+        x = torch.randn(rows, 256, generator=g) * binades
+        x[torch.rand(rows, 256, generator=g) < 0.05] = 0.0
+        poisoned = torch.randperm(rows * 256, generator=g)[:3]
+        x.view(-1)[poisoned] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        x = x.to(dtype)
+        fast = weights._quantized_activation(x, 256)
+        slow = weights._quantized_activation(x, 256, compiled=False)
+        for a, b in zip(fast, slow, strict=True):  # bit for bit, NaN scales of poisoned groups included
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (seed, dtype, rows)
