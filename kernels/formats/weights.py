@@ -116,6 +116,10 @@ GEMM_MIN_ROWS = 4
 # a linear, 2.5-3.5x more than the batched call). Past it the loop is cheaper (the [blocks, M, N]
 # partials outgrow the caches).
 BATCHED_BLOCKS_MAX_ROWS = 16
+# ... and whose [blocks, rows, N] fp32 partials fit this many bytes: a full-size model's [7168 -> 7168]
+# projection would take 100 MiB at 16 rows (v41-tiny's largest 0.5 MiB; measured up to 1 MiB, where the
+# batched call was still 1.6x cheaper than the loop).
+BATCHED_BLOCKS_MAX_BYTES = 2 << 20
 
 
 def _block_partials_loop(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -181,6 +185,7 @@ def _block_scaled_matmul(
     if (
         batched
         and rows <= BATCHED_BLOCKS_MAX_ROWS
+        and blocks * BATCHED_BLOCKS_MAX_ROWS * b.shape[0] * 4 <= BATCHED_BLOCKS_MAX_BYTES
         and a.device.type == "cpu"
         and a.is_contiguous()
         and b.is_contiguous()

@@ -194,19 +194,23 @@ def test_batched_block_partials_equal_the_per_block_loop(shape: tuple[int, int])
         assert torch.equal(fast, slow), (seed, shape, m)
 
 
-def test_the_batched_block_probe_accepts_this_machine_or_leaves_the_loop(monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("shape", [(96, 256), (4096, 2048)])
+def test_the_batched_block_probe_accepts_this_machine_or_leaves_the_loop(shape, monkeypatch) -> None:  # noqa: ANN001
     """The first-use probe decides per shape; where it agrees (every CPU measured so far), linears of a
-    few rows take the batched path: the count of the per-block loop's calls shows which one ran."""
+    few rows take the batched path, unless their partials would pass BATCHED_BLOCKS_MAX_BYTES (a
+    full-size model's projections): the count of the per-block loop's calls shows which one ran."""
     from kernels.formats import weights
 
-    n, k = 96, 256
-    agrees = weights.batched_blocks_agree(k, n, torch.get_num_threads())
+    n, k = shape
+    small = (k // 32) * weights.BATCHED_BLOCKS_MAX_ROWS * n * 4 <= weights.BATCHED_BLOCKS_MAX_BYTES
+    agrees = small and weights.batched_blocks_agree(k, n, torch.get_num_threads())
     calls = []
     loop = weights._block_partials_loop
     monkeypatch.setattr(weights, "_block_partials_loop", lambda *args: calls.append(1) or loop(*args))
     a, scale = torch.ones(4, k), torch.ones(4, k // 32)
     weights._block_scaled_matmul(a, scale, torch.ones(n, k), torch.ones(n, k // 32))
     assert len(calls) == (0 if agrees else k // 32)
+    assert small == (shape == (96, 256))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
