@@ -17,8 +17,9 @@ from functools import lru_cache
 
 import torch
 
-from kernels.formats import cpu
-from kernels.formats.reference import _fp8_parts, e2m1_values, e8m0_to_float, unpack_nibbles
+from kernels.formats import reference
+from kernels.formats.api import quantize_fp8_ue8m0
+from kernels.formats.reference import e2m1_values, e8m0_to_float, unpack_nibbles
 
 # Weight and activation scales cover 32 values along K (and 32 rows of an FP8 weight).
 WEIGHT_BLOCK = 32
@@ -122,6 +123,12 @@ BATCHED_BLOCKS_MAX_ROWS = 16
 BATCHED_BLOCKS_MAX_BYTES = 2 << 20
 
 
+def batched_blocks_fit(k: int, n: int) -> bool:
+    """Whether the batched partials of weights [n, k] at BATCHED_BLOCKS_MAX_ROWS rows fit
+    BATCHED_BLOCKS_MAX_BYTES (the size the path and its probe take at most)."""
+    return (k // WEIGHT_BLOCK) * BATCHED_BLOCKS_MAX_ROWS * n * 4 <= BATCHED_BLOCKS_MAX_BYTES
+
+
 def _block_partials_loop(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     """K block `k`'s partial product a_k @ b_k^T, fp32 [M, N] (the reference's one matmul per block)."""
     block = slice(k * WEIGHT_BLOCK, (k + 1) * WEIGHT_BLOCK)
@@ -185,7 +192,7 @@ def _block_scaled_matmul(
     if (
         batched
         and rows <= BATCHED_BLOCKS_MAX_ROWS
-        and blocks * BATCHED_BLOCKS_MAX_ROWS * b.shape[0] * 4 <= BATCHED_BLOCKS_MAX_BYTES
+        and batched_blocks_fit(a.shape[1], b.shape[0])
         and a.device.type == "cpu"
         and a.is_contiguous()
         and b.is_contiguous()
@@ -207,19 +214,17 @@ def _quantized_activation(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x bf16 [..., in] -> (FP8 values as fp32 [M, in], fp32 power-of-two scales [M, in/32]).
 
-    On CPU the compiled quantizer (cpu_formats.c, one pass per group) where it builds, else the torch
-    reference (its slow twin, always with `compiled=False`): the same values and scale bytes, bit for bit
-    (tests/kernels compare them); the reference's twenty-odd small torch ops per call were about a third
-    of a CPU decode step of an FP8 model (v41-tiny).
+    `quantize_fp8_ue8m0`, which runs the compiled quantizer (cpu_formats.c, one pass per group) on CPU
+    where it builds: the torch reference's values and scale bytes bit for bit (tests/kernels compare
+    them), where the reference's twenty-odd small torch ops per call were about a third of a CPU decode
+    step of an FP8 model (v41-tiny). `compiled=False` always takes the reference (the slow twin).
     """
     if x.shape[-1] != in_features or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x must be bf16/fp32 [..., {in_features}], got {x.dtype} {tuple(x.shape)}")
     rows = x.reshape(-1, in_features)
-    if compiled and WEIGHT_BLOCK <= cpu.MAX_FP8_BLOCK and cpu.usable(rows):
-        values, exponent_bytes = cpu.fp8_quantize(rows.detach(), WEIGHT_BLOCK)
-        return values.float(), e8m0_to_float(exponent_bytes)
-    values, exponent_bytes = _fp8_parts(rows, WEIGHT_BLOCK)
-    return values.flatten(-2).float(), e8m0_to_float(exponent_bytes)
+    quantize = quantize_fp8_ue8m0 if compiled else reference.quantize_fp8_ue8m0
+    values, exponent_bytes = quantize(rows, WEIGHT_BLOCK)
+    return values.float(), e8m0_to_float(exponent_bytes)
 
 
 def fp8_linear(

@@ -202,7 +202,7 @@ def test_the_batched_block_probe_accepts_this_machine_or_leaves_the_loop(shape, 
     from kernels.formats import weights
 
     n, k = shape
-    small = (k // 32) * weights.BATCHED_BLOCKS_MAX_ROWS * n * 4 <= weights.BATCHED_BLOCKS_MAX_BYTES
+    small = weights.batched_blocks_fit(k, n)
     agrees = small and weights.batched_blocks_agree(k, n, torch.get_num_threads())
     calls = []
     loop = weights._block_partials_loop
