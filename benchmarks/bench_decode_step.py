@@ -21,16 +21,24 @@ bitwise check (logits and stats); also `prefill_many(batched_attention=False)` (
 stage alone, what prefill_many did before its batched attention stage). `--prefill-max T2` draws each
 chunk's length from [T, T2] instead (ragged chunks: fewer sequences share a chunk length, so fewer share
 the blocked mixes and the sparse attention's calls).
+
+`--profile N` then runs the batched pass `--steps` times more under cProfile (on the timed states, which
+go on growing) and reports the N functions with the most own time, each in ms a step and as a share of
+the profiled total (`profile_top`; `profile_ms_per_step`, which includes the profiler's own cost): where
+a batched pass's time goes, the table of orchestrator/README.md, session 36.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
@@ -54,7 +62,40 @@ def _states(model, n: int, seed: int) -> list:
     return states
 
 
-def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
+def _profile_top(step: Callable[[int], None], steps: int, top: int) -> dict:
+    """`step(i)` for i in range(steps) under cProfile: the `top` functions by own time, in ms a step and
+    as a share of the profiled total."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt  # type: ignore[attr-defined]
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    return {
+        "profile_ms_per_step": total / steps * 1e3,
+        "profile_top": [
+            {
+                # the file's folder too: several kernels have a cpu.py
+                "function": f"{Path(file).parent.name}/{Path(file).name}:{line}({name})" if line else name,
+                "own_ms_per_step": own / steps * 1e3,
+                "share": own / total if total else 0.0,
+            }
+            for (file, line, name), (_, _, own, _, _) in rows
+        ],
+    }
+
+
+def _print_profile(doc: dict, out) -> None:
+    if "profile_top" not in doc:
+        return
+    print(f"  cProfile of the batched pass: {doc['profile_ms_per_step']:.1f} ms a step (profiled)", file=out)
+    for row in doc["profile_top"]:
+        print(f"    {row['own_ms_per_step']:7.2f} ms {row['share'] * 100:5.1f}%  {row['function']}", file=out)
+
+
+def run(checkpoint: Path, sequences: int, steps: int, seed: int, profile: int = 0) -> dict:
     import torch
 
     from model import decode, decode_many, load_model
@@ -88,12 +129,16 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
             for t, s in zip(step, alone, strict=True):
                 decode(model, torch.tensor([t]), s)
             t_alone.append(time.perf_counter() - t0)
+        profiled = {}
+        if profile:
+            profiled = _profile_top(lambda i: decode_many(model, tokens[i], batched), steps, profile)
     # (the first step of the in-place side makes the rings it then writes into: its later steps are the
     # serving case, a state's decodes after its prompt)
     mb, mt, ma = statistics.median(t_batched[1:]), statistics.median(t_twin), statistics.median(t_alone)
     mf = statistics.median(t_fresh[1:])
     lengths = [s.n_tokens for s in base]
     return {
+        **profiled,
         "checkpoint": str(checkpoint),
         "sequences": sequences,
         "steps": steps,
@@ -114,7 +159,9 @@ def run(checkpoint: Path, sequences: int, steps: int, seed: int) -> dict:
     }
 
 
-def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: int, chunk_max: int) -> dict:
+def run_prefill(
+    checkpoint: Path, sequences: int, steps: int, seed: int, chunk: int, chunk_max: int, profile: int = 0
+) -> dict:
     import torch
 
     from model import load_model, prefill, prefill_many
@@ -146,10 +193,14 @@ def run_prefill(checkpoint: Path, sequences: int, steps: int, seed: int, chunk: 
             for c, s in zip(step, alone, strict=True):
                 prefill(model, c, s, mode="ced")
             t_alone.append(time.perf_counter() - t0)
+        profiled = {}
+        if profile:
+            profiled = _profile_top(lambda i: prefill_many(model, chunks[i], batched), steps, profile)
     mb, mt, ma = statistics.median(t_batched), statistics.median(t_twin), statistics.median(t_alone)
     lengths = [s.n_tokens for s in base]
     tokens = statistics.mean(sum(c.size(1) for c in step) for step in chunks)
     return {
+        **profiled,
         "checkpoint": str(checkpoint),
         "sequences": sequences,
         "chunk_tokens": chunk,
@@ -181,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="time prefill chunks of T tokens per sequence instead of a decode step")
     parser.add_argument("--prefill-max", type=int, default=0, metavar="T2",
                         help="with --prefill T: chunk lengths drawn from [T, T2] (ragged)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile the batched pass: its N functions with the most own time")
     parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -191,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     out = table_stream(args.json)
     if args.prefill > 0:
         chunk_max = max(args.prefill, args.prefill_max)
-        doc = run_prefill(args.checkpoint, args.sequences, args.steps, args.seed, args.prefill, chunk_max)
+        doc = run_prefill(
+            args.checkpoint, args.sequences, args.steps, args.seed, args.prefill, chunk_max, args.profile
+        )
         print(f"bench_decode_step --prefill {args.prefill}-{chunk_max}: {doc['sequences']} sequences, "
               f"histories {doc['history_min']}-{doc['history_max']}, {doc['threads']} thread(s), "
               f"{doc['cpu']}", file=out)
@@ -200,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
               f"alone {doc['step_ms_alone']:.1f} ms/step ({doc['tokens_per_s_alone']:.0f} tok/s): "
               f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
               f"({doc['batched_vs_attention_alone']:.2f}x)", file=out)
+        _print_profile(doc, out)
         print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}),
               file=sys.stderr if args.json == "-" else out)
         write_json(doc, args.json)
         return
-    doc = run(args.checkpoint, args.sequences, args.steps, args.seed)
+    doc = run(args.checkpoint, args.sequences, args.steps, args.seed, args.profile)
     print(f"bench_decode_step: {doc['sequences']} sequences, histories {doc['history_min']}-"
           f"{doc['history_max']}, {doc['threads']} thread(s), {doc['cpu']}", file=out)
     print(f"  batched {doc['step_ms_batched']:.1f} ms/step ({doc['tokens_per_s_batched']:.0f} tok/s), "
@@ -212,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{doc['batched_vs_alone']:.2f}x; attention alone {doc['step_ms_attention_alone']:.1f} ms/step "
           f"({doc['batched_vs_attention_alone']:.2f}x); fresh rings every step (in_place=False) "
           f"{doc['step_ms_fresh_rings']:.1f} ms/step ({doc['batched_vs_fresh_rings']:.2f}x)", file=out)
+    _print_profile(doc, out)
     print(json.dumps({k: v for k, v in doc.items() if k != "numerics"}), file=sys.stderr if args.json == "-"
           else out)
     write_json(doc, args.json)
