@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.profile < 0:
+        parser.error(f"--profile must be 0 (none) or a number of functions, got {args.profile}")
     enter_numerics(args.numerics, "benchmarks.bench_decode_step", argv)
     import torch
 

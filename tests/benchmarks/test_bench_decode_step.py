@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _restore_threads():
+    # the benchmark sets torch's thread count (--threads, 1 by default)
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -49,3 +50,10 @@ def test_no_profile_without_the_flag(tmp_path) -> None:
     path = tmp_path / "step.json"
     bench.main(["--sequences", "2", "--steps", "2", "--prefill", "3", "--json", str(path)])
     assert "profile_top" not in json.loads(path.read_text())
+
+
+def test_a_negative_profile_count_is_refused_naming_it(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--profile", "-3"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--profile" in err and "-3" in err, err
