@@ -32,7 +32,7 @@ from orchestrator.db import (
     TurnSnapshot,
     session_view,
 )
-from orchestrator.db.models import SessionStatus
+from orchestrator.db.models import SessionStatus, blob_to_tokens
 from orchestrator.engine.decoded_states import DecodedStates
 from orchestrator.engine.global_kv import StoredPrefix, read_prefix
 from orchestrator.engine.model_catalog import served_or_not_found
@@ -423,14 +423,22 @@ class _SessionReads:
 
     def __init__(self, s: Session, tenant_id: str, settings: Any) -> None:
         self._s, self._tenant, self._settings = s, tenant_id, settings
+        self._history: tuple[list[int], bytes] | None = None
 
     def facts(self, session_id: str, *, tenant_id: str) -> Any | None:
         return SessionRepository(self._s).facts(session_id, tenant_id=tenant_id)
 
     def history(self, session_id: str) -> list[int]:
-        return SessionRepository(self._s).history(session_id)
+        blob = SessionRepository(self._s).history_blob(session_id)
+        history = blob_to_tokens(blob)
+        self._history = (history, blob)
+        return history
 
     def history_ids(self, history: list[int]) -> bytes:
+        # the turn rows' blobs as read: what `token_bytes(history)` gives, without encoding it again (about
+        # 0.4 ms a turn at a 64K-token history)
+        if self._history is not None and history is self._history[0]:
+            return self._history[1]
         return token_bytes(history)
 
     def policy(self, tenant_id: str) -> EffectivePolicy:

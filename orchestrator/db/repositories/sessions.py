@@ -134,6 +134,10 @@ class SessionRepository:
         Args:
             upto_turn: include turns with index < upto_turn only (None: all).
         """
+        return blob_to_tokens(self.history_blob(session_id, upto_turn=upto_turn))
+
+    def history_blob(self, session_id: str, *, upto_turn: int | None = None) -> bytes:
+        """`history` as the turn rows store it: the ids as u32 little-endian bytes (`tokens_to_blob`)."""
         params: dict[str, object] = {"sid": session_id}
         stmt = _HISTORY
         if upto_turn is not None:
@@ -141,8 +145,7 @@ class SessionRepository:
             params["upto"] = upto_turn
         # Core rows of the two blobs: every turn reads its session's history, and ORM objects of every
         # turn row cost many times the read itself.
-        blob = b"".join(b for row in read_connection(self._s).execute(stmt, params) for b in row)
-        return blob_to_tokens(blob)
+        return b"".join(b for row in read_connection(self._s).execute(stmt, params) for b in row)
 
     def fork(self, parent: SessionRow, *, at_turn: int, session_id: str | None = None) -> SessionRow:
         """A new session of the same tenant and model whose history is the parent's turns [0, at_turn).
