@@ -67,11 +67,16 @@ def index_score_cpu(
     out = torch.empty(b, t, n, dtype=torch.bfloat16)
     if n == 0 or t == 0:
         return out
+    # batch row i's pointers as `x[i].data_ptr()` gives them (the base plus i strides), without its five
+    # dispatched selects a row: a 44-sequence decode step scored 44 rows in each of its index layers
+    bases = [x.data_ptr() for x in (q, k, weights, out)]
+    steps = [x.stride(0) * x.element_size() for x in (q, k, weights, out)]
+    seen_at, seen_step = (0, 0) if seen is None else (seen.data_ptr(), seen.stride(0) * seen.element_size())
     for i in range(b):
+        qi, ki, wi, oi = (base + i * step for base, step in zip(bases, steps, strict=True))
         failed = lib.index_score_bf16(
-            q[i].data_ptr(), k[i].data_ptr(), weights[i].data_ptr(), t, h, d, n,
-            None if seen is None else seen[i].data_ptr(), out[i].data_ptr(),
-        )  # fmt: skip
+            qi, ki, wi, t, h, d, n, None if seen is None else seen_at + i * seen_step, oi
+        )
         if failed:
             return None
     return out

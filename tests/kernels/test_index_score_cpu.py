@@ -44,6 +44,21 @@ def test_compiled_scores_equal_the_reference_bit_for_bit(d: int) -> None:
             assert torch.equal(_bits(got), _bits(want)), (seed, d, b, t, h, n, vis is None)
 
 
+def test_views_of_larger_tensors_score_each_batch_row_as_its_own() -> None:
+    """Each batch row's pointers are the tensors' base plus i strides (no per-row select): inputs that are
+    views with a storage offset, or strided and copied by `.contiguous()`, give every row the reference's
+    bits."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    q, k, w = _inputs(g, 9, 2, 2, 32, 301)
+    visible = torch.randint(0, 302, (9, 2), generator=g)
+    for sl in (slice(1, 6), slice(0, 9, 2), slice(8, 9)):  # an offset, a stride, the last row alone
+        qv, kv, wv, vv = q[sl], k[sl], w[sl], visible[sl]
+        want = index_score_reference(qv, kv, wv, visible=vv)
+        got = cpu.index_score_cpu(qv, kv, wv, vv)
+        assert got is not None and torch.equal(_bits(got), _bits(want)), (seed, sl)
+
+
 def test_quantized_inputs_zeros_and_tiny_products_keep_every_bit() -> None:
     """What the model feeds (MXFP4-QDQ'd queries and keys on a coarse grid, so exact ties and zero
     scores), negative weights (relu's zeros times w < 0 give -0), and products whose fp32 rounding is
