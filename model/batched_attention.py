@@ -57,6 +57,7 @@ class Selection:
         widths: each sequence's K, min(index_topk, visible entries) as its lone pass has.
         candidates: [N, 1, P] int64 candidate pool of the candidate source, or None.
         picked, picked_source: the rows `ids` name in source layer `picked_source`'s KV, per sequence
+            ([1, k, D] each)
             (`attend_rows` gathers them once per source and selections; only the layer that writes that
             source, or one that publishes new selections, gathers them again).
     """
@@ -257,9 +258,13 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
             # the global rows each sequence's selections name, gathered from its own source (as
             # gather_selected); the source changes only at its own layer, the selections only here.
             # index_select copies whole rows (advanced indexing went element by element): the same values
+            # Each [1, k, D], gathered along the source's token axis: no `kv[0]` select, and no `e[:k]`
+            # slice where the width is the widest (most sequences): two dispatched ops fewer a sequence,
+            # in each of the half's gathering layers.
             clamped = entries.clamp_min(0)
+            widest = clamped.size(1)
             sel.picked = [
-                s.sources[src_layer].kv[0].index_select(0, e[:k])
+                s.sources[src_layer].kv.index_select(1, e if k == widest else e[:k])
                 for s, e, k in zip(states, clamped, widths, strict=True)
             ]
             sel.picked_source = src_layer
@@ -272,7 +277,7 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
         ids = win_ids if whole else win_ids[g]
         if k:
             assert entries is not None and picked is not None
-            parts.append(torch.stack([picked[i] for i in members]))  # [G, k, D]
+            parts.append(torch.cat([picked[i] for i in members]))  # [G, k, D]
             sel_ids = entries[:, :k] if whole else entries[g, :k]
             # slot j of a sequence's selection reads buffer row W + 1 + j
             slots = torch.arange(w + 1, w + 1 + k, device=dev)
