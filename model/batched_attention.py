@@ -185,14 +185,18 @@ def _select(attn: Attention, x: torch.Tensor, rows: ProjectedRows, freqs: torch.
     q = indexer.wq_b(rows.qr).unflatten(-1, (indexer.n_heads, indexer.index_head_dim))  # [N, 1, H_I, D_I]
     q = qdq_mxfp4(apply_rope(q, freqs, indexer.rope_dim), backend=backend)
     weights = indexer.weights_proj(x) * (indexer.index_head_dim**-0.5 * indexer.n_heads**-0.5)  # [N, 1, H_I]
-    keys = [s.sources[src_layer].index_k[0] for s in states]  # [n_i, D_I] each, n_i == visible[i]
     ids = torch.full((n, max(widths)), -1, dtype=torch.int64, device=dev)
     pool = sel.candidates if attn.uses_candidates and not attn.is_candidate_source else None
     if pool is not None:
         # a Reindex layer scores only its pool (`Indexer._select_in_pool`): the pool's keys gathered per
-        # sequence, each pool slot scored at its own id (slots past the visible count or empty: -inf)
+        # sequence, each pool slot scored at its own id (slots past the visible count or empty: -inf).
+        # Each sequence's keys [1, n_i, D_I] gathered along their token axis (index_select copies whole
+        # rows, the values advanced indexing gives), the ids clamped once for all: one dispatched op a
+        # sequence instead of four.
         size = pool.size(-1)
-        gathered = torch.stack([k[p[0].clamp_min(0)] for k, p in zip(keys, pool, strict=True)])  # [N, P, D_I]
+        at = pool[:, 0].clamp_min(0)  # [N, P]
+        gathered = torch.cat([s.sources[src_layer].index_k.index_select(1, a)
+                              for s, a in zip(states, at, strict=True)])  # [N, P, D_I]  # fmt: skip
         usable = (pool >= 0) & (pool < vis.unsqueeze(-1))
         slot_ids = torch.where(usable, torch.arange(size, device=dev), -1)  # [N, 1, P]
         scores = index_score_at(q, gathered, weights, slot_ids)  # [N, 1, P] bf16
@@ -202,6 +206,7 @@ def _select(attn: Attention, x: torch.Tensor, rows: ProjectedRows, freqs: torch.
             picked = torch.where(slots >= 0, pool[g].gather(-1, slots.long().clamp_min(0)), -1)
             ids[g, : picked.size(-1)] = picked[:, 0]
     else:
+        keys = [s.sources[src_layer].index_k[0] for s in states]  # [n_i, D_I] each, n_i == visible[i]
         padded = pad_sequence(keys, batch_first=True)  # [N, N_max, D_I], zeros past each history
         scores = index_score(q, padded, weights, visible=vis, backend=backend)  # [N, 1, N_max], -inf past
         if attn.is_candidate_source:
