@@ -89,17 +89,17 @@ def _route(gate, flat: torch.Tensor, runs: list[int]) -> tuple[torch.Tensor, tor
 
 
 def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, seqs: list[ChunkRows],
-           table: torch.Tensor, batched: list[int],
-           sel: ChunkSelection) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+           table: torch.Tensor, batched: list[int], sel: ChunkSelection,
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`Block.forward` over the stacked rows h [1, S, hc, d], pre [1, S, hc]; the fp32 mixes each
     sequence's own, the attention stage batched for the sequences in `batched` (`attend_chunks`) and alone
     for the others (`Attention.attend`, the slow twin). Updates each sequence's state as
-    `Transformer._run_layer` does."""
+    `Transformer._run_layer` does. positions: [S] int64, each stacked row's position (`_positions`)."""
     block = model.layers[layer]
     attn = block.attn
     attn_pre, attn_post, attn_comb = _mixes(block, h, seqs, "attn")
     x = block.attn_input(h, pre)  # [1, S, dim]
-    freqs = torch.cat([table[s.start : s.start + s.t] for s in seqs])  # [S, rope/2]
+    freqs = table.index_select(0, positions)  # [S, rope/2] at each row's position
     rows = attn.project(x, freqs, backend=model.kernel_backend)
     src_layer = model.cfg.kv_source_of(layer)
     o = x.new_empty(1, x.size(1), attn.n_heads, attn.head_dim)
@@ -129,6 +129,12 @@ def _layer(model: Transformer, layer: int, h: torch.Tensor, pre: torch.Tensor, s
     ffn_pre, ffn_post, ffn_comb = _mixes(block, h, seqs, "ffn")
     y = _moe(block.ffn, block.ffn_norm(collapse(h, attn_pre)), seqs)
     return expand(y, h, ffn_post, ffn_comb), ffn_pre
+
+
+def _positions(seqs: list[ChunkRows], device: torch.device) -> torch.Tensor:
+    """[S] int64 position of each stacked row (sequence after sequence): a layer's rotations are
+    `table[positions]`, gathered in one op instead of a slice a sequence."""
+    return torch.cat([torch.arange(s.start, s.start + s.t) for s in seqs]).to(device)
 
 
 def _half(model: Transformer, seqs: list[ChunkRows], layers: range, batched_attention: bool) -> list[int]:
@@ -192,8 +198,12 @@ def prefill_many(
     for c in chunks:
         if c.dim() != 2 or c.size(0) != 1 or c.size(1) == 0:
             raise ValueError(f"each chunk must be [1, T] with T >= 1, got {tuple(c.shape)}")
-        if int(c.min()) < 0 or int(c.max()) >= cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got {c.tolist()}")
+    # the ids' range over all chunks at once (four dispatched ops, not four a chunk); the first chunk out
+    # of range is named
+    every = torch.cat(list(chunks), dim=1)
+    if int(every.min()) < 0 or int(every.max()) >= cfg.vocab_size:
+        bad = next(c for c in chunks if int(c.min()) < 0 or int(c.max()) >= cfg.vocab_size)
+        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got {bad.tolist()}")
     bad = [s.batch for s in real if s.batch != 1]
     if bad:
         raise ValueError(f"prefill_many takes batch-1 states, got batch {bad[0]}")
@@ -214,8 +224,10 @@ def prefill_many(
     pre = identity_pre(1, ids.size(1), cfg.hc_mult, device)
     last = max(p.end for p in plans)
     batched, sel = _half(model, enc, range(split), batched_attention), ChunkSelection()
+    positions = _positions(enc, device)
     for layer in range(split):
-        h, pre = _layer(model, layer, h, pre, enc, model.rope_for(layer, last, device), batched, sel)
+        h, pre = _layer(model, layer, h, pre, enc, model.rope_for(layer, last, device), batched, sel,
+                        positions)  # fmt: skip
 
     dec_of: dict[int, ChunkRows] = {}
     if model.split is None:
@@ -223,6 +235,11 @@ def prefill_many(
     else:
         w = cfg.window_size
         hs, pres, dec = [], [], []
+        # the split layer's inputs of every encoder row at once (collapse and RMSNorm are row-wise: each
+        # row's value is its lone pass's), cut per sequence below
+        compress_in = None
+        if any(p.dec_from != p.start for p in plans):
+            compress_in = model.layers[split].attn_input(h, pre)  # [1, S, dim]
         for i, (p, s, e) in enumerate(zip(plans, states, enc, strict=True)):
             h_new, pre_new = h[:, e.span], pre[:, e.span]
             if p.dec_from < p.start:
@@ -233,7 +250,7 @@ def prefill_many(
             else:
                 hd, pd = h_new[:, p.dec_from - p.start :], pre_new[:, p.dec_from - p.start :]
             model._save_encoder_rows(s, h_new, pre_new, p.start)
-            cx = None if p.dec_from == p.start else model.layers[split].attn_input(h_new, pre_new)
+            cx = None if compress_in is None or p.dec_from == p.start else compress_in[:, e.span]
             if p.dec_from == p.end:
                 model._compress_only(split, cx, p.start, s)
                 continue
@@ -247,8 +264,10 @@ def prefill_many(
             _place(dec)
             h, pre = torch.cat(hs, dim=1), torch.cat(pres, dim=1)
             batched, sel = _half(model, dec, range(split, cfg.n_layers), batched_attention), ChunkSelection()
+            positions = _positions(dec, device)
             for layer in range(split, cfg.n_layers):
-                h, pre = _layer(model, layer, h, pre, dec, model.rope_for(layer, last, device), batched, sel)
+                h, pre = _layer(model, layer, h, pre, dec, model.rope_for(layer, last, device), batched, sel,
+                                positions)  # fmt: skip
                 for r in dec:
                     r.compress_x = None  # only the split layer compresses the new rows' inputs
 

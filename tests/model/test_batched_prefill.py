@@ -182,6 +182,9 @@ def test_prefill_many_refuses_bad_batches(model: Transformer) -> None:
         prefill_many(model, [one, one], [state, state])
     with pytest.raises(ValueError, match="must lie in"):
         prefill_many(model, [torch.tensor([[model.cfg.vocab_size]])], [state])
+    # the ids are checked over all chunks at once; the error names the first chunk out of range
+    with pytest.raises(ValueError, match=r"got \[\[21, -1\]\]"):
+        prefill_many(model, [one, torch.tensor([[21, -1]]), torch.tensor([[-5]])], [None, state, None])
     with pytest.raises(ValueError, match=r"\[1, T\]"):
         prefill_many(model, [torch.zeros(1, 0, dtype=torch.int64)], [state])
     with pytest.raises(ValueError, match="before the end"):
