@@ -498,22 +498,26 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
     w, dev = attn.window_size, rows.kv.device
     g, t_max = len(seqs), window.live.size(1)
     live, seq, row, idx, ids = window.live, window.seq, window.row, window.idx, window.ids
-    parts = [old.reshape(g * w, -1), rows.kv[0]]
+    # every part [1, rows, D], laid end to end along the token axis (the sources' own [1, n, D] layout:
+    # no select a sequence)
+    parts = [old.reshape(1, g * w, -1), rows.kv]
     if k:
         assert entries is not None
         ent = entries[:, :t_max, :k]  # [G, T_max, k] entry ids (-1 none)
         clamped = ent.clamp_min(0)
+        # each sequence's (row, slot) ids flat: its rows' first r.t * k (one view for all, one row each)
+        flat = clamped.reshape(g, -1).unbind(0)
         base, offsets, picked = g * w + rows.kv.size(1), [], []
         for i, (r, src) in enumerate(zip(seqs, srcs, strict=True)):
             n_vis = r.end // attn.ratio
             offsets.append(base)
             if r.t * k < n_vis:
                 # few selections against a long history: only the rows they name, once per (row, slot)
-                parts.append(src.kv[0].index_select(0, clamped[i, : r.t].reshape(-1)))
+                parts.append(src.kv.index_select(1, flat[i][: r.t * k]))
                 picked.append(True)
                 base += r.t * k
             else:
-                parts.append(src.kv[0, :n_vis])
+                parts.append(src.kv.narrow(1, 0, n_vis))  # one view op (`[:, :n]` makes two)
                 picked.append(False)
                 base += n_vis
         at_sel = torch.tensor(offsets, device=dev)[seq].view(-1, 1)
@@ -521,7 +525,7 @@ def _attend_ragged(attn: Attention, rows: ProjectedRows, seqs: Sequence[ChunkRow
         slots = row.view(-1, 1) * k + torch.arange(k, device=dev)  # the row's own gathered rows
         by_slot = torch.tensor(picked, device=dev)[seq].view(-1, 1)
         ids = torch.cat([ids, torch.where(e >= 0, at_sel + torch.where(by_slot, slots, e), -1)], dim=-1)
-    kv_all = torch.cat(parts).unsqueeze(0)  # [1, buffer rows, D]
+    kv_all = torch.cat(parts, dim=1)  # [1, buffer rows, D]
     o = ragged_sparse_attn(rows.q[0, idx].unsqueeze(0), kv_all, attn.attn_sink, ids.unsqueeze(0).int(),
                            attn.softmax_scale, window.ts)  # fmt: skip
     out[0, idx] = o[0]
