@@ -653,13 +653,16 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
                 return chosen
 
-            # The three arms the targets divide run first, `--load-rounds` times in turn (batched, serial,
-            # one session, again), so that each ratio's two sides meet the machine's drift alike; each
-            # reports its median round. The side arms run once after them.
+            # The three arms the targets divide run first, `--load-rounds` times in turn, so that each
+            # ratio's two sides meet the machine's drift alike; each reports its median round. Odd rounds
+            # run them in the reverse order (batched, serial, one session; then one session, serial,
+            # batched): a VM whose speed moves one way through a run (session 37: its batched arm 91 ->
+            # 114 -> 157 turns/s over one run's rounds) otherwise favours the arm that always runs later.
+            # The side arms run once after them.
             headline_arms, side_arms = runs[:3], runs[3:]
             by_round: dict[str, list[dict[str, Any]]] = {spec[0]: [] for spec in headline_arms}
             for round_ in range(args.load_rounds):
-                for spec in headline_arms:
+                for spec in headline_arms if round_ % 2 == 0 else headline_arms[::-1]:
                     by_round[spec[0]].append(arm(*spec, round_))
             for name, got in by_round.items():
                 ordered = sorted(got, key=lambda run: run["decode_tokens_per_s"])

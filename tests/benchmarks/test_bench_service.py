@@ -20,7 +20,7 @@ HEADLINE = (
 
 
 @pytest.mark.slow
-def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
+def test_main_runs_every_part_and_writes_the_headline(tmp_path, capsys) -> None:
     path = tmp_path / "service.json"
     before = os.sched_getaffinity(0)
     rc = bench.main(["--turns", "4", "--overhead-turns", "2", "--model-load", "--model-sessions", "2",
@@ -49,6 +49,11 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path) -> None:
     decoded = rounds["c64_batching"]["rounds_decode_tokens_per_s"]
     alone = rounds["c1_batching"]["rounds_decode_tokens_per_s"]
     assert doc["load_rounds"]["decode_ratio"] == [b / o for b, o in zip(decoded, alone, strict=True)]
+    # round 1 runs the three arms in the reverse order of round 0 (the VM's drift meets both sides)
+    order = [line.split(" (round ")[0].removeprefix("model load ")
+             for line in capsys.readouterr().err.splitlines() if line.startswith("model load ")]  # fmt: skip
+    assert order[:6] == ["c64_batching", "c64_serial", "c1_batching", "c1_batching", "c64_serial",
+                         "c64_batching"], order  # fmt: skip
     # the side arms run once
     assert "rounds_turns_per_s" not in doc["model_load"][f"c64_batching_{bench.OTHER_MODEL_PROCESS}"]
     # one session's short run: the median of its repeats
