@@ -262,10 +262,9 @@ def attend_rows(model, layer: int, x: torch.Tensor, rows: ProjectedRows, freqs: 
         if attn.is_kv_source or attn.is_index_source or sel.picked is None or sel.picked_source != src_layer:
             # the global rows each sequence's selections name, gathered from its own source (as
             # gather_selected); the source changes only at its own layer, the selections only here.
-            # index_select copies whole rows (advanced indexing went element by element): the same values
-            # Each [1, k, D], gathered along the source's token axis: no `kv[0]` select, and no `e[:k]`
-            # slice where the width is the widest (most sequences): two dispatched ops fewer a sequence,
-            # in each of the half's gathering layers.
+            # index_select copies whole rows (advanced indexing went element by element): the same values.
+            # Each [1, k, D] along the source's token axis, with no `kv[0]` select and, at the widest width
+            # (most sequences), no `e[:k]` slice: two dispatched ops fewer a sequence and gathering layer.
             clamped = entries.clamp_min(0)
             widest = clamped.size(1)
             sel.picked = [

@@ -42,7 +42,7 @@ from orchestrator.engine.prefix_reuse import find_reuse, lookup_result
 from orchestrator.engine.served_models import ModelRegistry, ServedModel
 from orchestrator.engine.swap import KVMapperApplier, MapperArtifact
 from orchestrator.planner import CacheInventory, CostTable, MapperInfo, Plan, ResumePath, plan_turn
-from storage import GlobalKVStore, WindowPool, largest_id, token_bytes
+from storage import GlobalKVStore, WindowPool, largest_id
 
 __all__ = ["TurnFacts", "TurnPreparation"]
 
@@ -423,23 +423,20 @@ class _SessionReads:
 
     def __init__(self, s: Session, tenant_id: str, settings: Any) -> None:
         self._s, self._tenant, self._settings = s, tenant_id, settings
-        self._history: tuple[list[int], bytes] | None = None
+        self._history_blob: bytes | None = None  # the turn rows' blobs as `history` read them
 
     def facts(self, session_id: str, *, tenant_id: str) -> Any | None:
         return SessionRepository(self._s).facts(session_id, tenant_id=tenant_id)
 
     def history(self, session_id: str) -> list[int]:
-        blob = SessionRepository(self._s).history_blob(session_id)
-        history = blob_to_tokens(blob)
-        self._history = (history, blob)
-        return history
+        self._history_blob = SessionRepository(self._s).history_blob(session_id)
+        return blob_to_tokens(self._history_blob)
 
     def history_ids(self, history: list[int]) -> bytes:
-        # the turn rows' blobs as read: what `token_bytes(history)` gives, without encoding it again (about
-        # 0.4 ms a turn at a 64K-token history)
-        if self._history is not None and history is self._history[0]:
-            return self._history[1]
-        return token_bytes(history)
+        # the turn rows' blobs as read (what `token_bytes(history)` gives, without encoding it again: about
+        # 0.4 ms a turn at a 64K-token history), as `_SnapshotReads` gives them
+        assert self._history_blob is not None and len(self._history_blob) == 4 * len(history)
+        return self._history_blob
 
     def policy(self, tenant_id: str) -> EffectivePolicy:
         return PolicyRepository(self._s).effective(
