@@ -25,7 +25,7 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from benchmarks.concurrency import run_clients
 
-__all__ = ["measure_anchors"]
+__all__ = ["measure_anchors", "measure_turn_floor"]
 
 _METHOD = "/bench.Echo/Stream"
 _MESSAGES = 6
@@ -97,6 +97,23 @@ def _rocks_batch_ms(root: Path, chunk_bytes: int, n: int = 40) -> float:
         samples.append(time.perf_counter() - t0)
     db.close()
     return statistics.median(samples) * 1e3
+
+
+def measure_turn_floor(chunk_bytes: int, *, calls: int = 200) -> dict[str, Any]:
+    """The one-client anchors alone (the bare stream, one synced SQLite commit, one synced RocksDB batch of
+    `chunk_bytes`) and `turn_floor_ms_c1`, their sum, as `measure_anchors` reports them."""
+    with tempfile.TemporaryDirectory(prefix="kvresume-anchor-") as tmp:
+        root = Path(tmp)
+        c1 = _grpc_anchor(1, calls)
+        sqlite_ms = _sqlite_commit_ms(root)
+        rocks_ms = _rocks_batch_ms(root, chunk_bytes)
+    return {
+        "grpc_stream_c1": c1,
+        "sqlite_synced_commit_ms": sqlite_ms,
+        "rocksdb_synced_batch_ms": rocks_ms,
+        "chunk_bytes": chunk_bytes,
+        "turn_floor_ms_c1": c1["p50_ms"] + sqlite_ms + rocks_ms,
+    }
 
 
 def measure_anchors(
