@@ -120,17 +120,5 @@ def measure_anchors(
     chunk_bytes: int, *, calls_c1: int = 200, calls_per_client_c64: int = 20
 ) -> dict[str, Any]:
     """The anchors above; `chunk_bytes`: one stored chunk of the served model."""
-    with tempfile.TemporaryDirectory(prefix="kvresume-anchor-") as tmp:
-        root = Path(tmp)
-        c1 = _grpc_anchor(1, calls_c1)
-        c64 = _grpc_anchor(64, calls_per_client_c64)
-        sqlite_ms = _sqlite_commit_ms(root)
-        rocks_ms = _rocks_batch_ms(root, chunk_bytes)
-    return {
-        "grpc_stream_c1": c1,
-        "grpc_stream_c64": c64,
-        "sqlite_synced_commit_ms": sqlite_ms,
-        "rocksdb_synced_batch_ms": rocks_ms,
-        "chunk_bytes": chunk_bytes,
-        "turn_floor_ms_c1": c1["p50_ms"] + sqlite_ms + rocks_ms,
-    }
+    floor = measure_turn_floor(chunk_bytes, calls=calls_c1)
+    return {**floor, "grpc_stream_c64": _grpc_anchor(64, calls_per_client_c64)}
