@@ -2,7 +2,7 @@
 `bench_service --model-load` cannot give when the machine's speed drifts more than a change moves it.
 
 Run: `python -m benchmarks.bench_ab_load [--base REV] [--pairs 3] [--sessions 64] [--turns 20]
-[--scheduler batching] [--json PATH|-]`.
+[--scheduler batching] [--noop] [--json PATH|-]`.
 
 Why: on the 2-core VMs the same code's turns/s moved 10-25% between runs within a session (sessions 19-21:
 orchestrator/README.md), more than most changes to the model's passes move it. Runs of the two trees one
@@ -14,6 +14,13 @@ of its own under this process's numerics environment. The base tree is a tempora
 (removed after). Reported per pair, base then this tree: turns/s, the model process's CPU a turn (with its
 `prefill_many` and `decode_many`), the service process's CPU a turn, client p99; and the median and mean
 of the pairs' ratios (this tree over the base).
+
+`--noop`: the arms are `bench_service`'s no-op sweeps instead (`bench_service.overhead` from the arm's
+tree, the thread-pool gRPC server, the NO-OP STAND-IN): `--sessions` sessions at once, `--turns` measured
+turns each (default 8), then one session at a time as the one-session sweep runs it. Reported: the
+64-session turns/s, p99 and the process's CPU a turn, and the one-session p50 (`c1_p50_ms`): the service's
+side of issue 11's targets, whose sweeps a drifting VM moves 10-20% between runs (orchestrator/README,
+session 38).
 """
 
 from __future__ import annotations
@@ -56,26 +63,52 @@ with tempfile.TemporaryDirectory() as d:
 print(MARK + json.dumps(r), flush=True)
 """.replace("MARK", repr(_MARK))
 
+# What a `--noop` child runs, from its own tree (revisions whose `overhead` takes the gRPC server).
+_NOOP_CHILD = """
+import json, sys, tempfile
+from pathlib import Path
+args = json.loads(sys.argv[1])
+from model import configure_torch
+configure_torch(args["cpu_path"])
+try:
+    from benchmarks.report import logs_to_stderr
+    logs_to_stderr()
+except ImportError:
+    pass
+from benchmarks.bench_service import overhead
+with tempfile.TemporaryDirectory() as d:
+    many = overhead(Path(d) / "many", args["sessions"], args["turns"], "threads")
+    one = overhead(Path(d) / "one", 1, args["turns"], "threads")
+print(MARK + json.dumps({"turns_per_s": many["turns_per_s"], "p99_ms": many["p99_ms"],
+                         "service_cpu_ms_per_turn": many["cpu_ms_per_turn"], "c1_p50_ms": one["p50_ms"]}),
+      flush=True)
+""".replace("MARK", repr(_MARK))
+
 # The figures kept of each arm (model_load's keys), and the pass operations of the model process.
 _KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "service_cpu_ms_per_turn")
 _OPS = ("prefill_many", "decode_many")
+_NOOP_KEYS = ("turns_per_s", "p99_ms", "service_cpu_ms_per_turn", "c1_p50_ms")
 
 
-def run_arm(tree: Path, args: dict[str, Any]) -> dict[str, Any]:
-    """One load run of `tree`'s code in a child process; its figures (`_KEYS`, and `_OPS` as `op_ms`).
+def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str, Any]:
+    """One load run of `tree`'s code in a child process; its figures (`_KEYS`, and `_OPS` as `op_ms`;
+    with `noop`, the no-op sweeps' `_NOOP_KEYS`).
 
     Raises:
         RuntimeError: the child failed or printed no result.
     """
     env = dict(os.environ, PYTHONPATH=str(tree))
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps({**args, "checkpoint": str(tree / _CHECKPOINT)})],
+        [sys.executable, "-c", _NOOP_CHILD if noop else _CHILD,
+         json.dumps({**args, "checkpoint": str(tree / _CHECKPOINT)})],
         cwd=tree, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the load run of {tree} failed (exit {done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(lines[-1].removeprefix(_MARK))
+    if noop:
+        return {k: result.get(k) for k in _NOOP_KEYS}
     ops = result.get("model_ops_cpu_ms_per_turn") or {}
     return {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
 
@@ -108,13 +141,15 @@ def _worktree(rev: str, into: Path) -> Path:
     return path
 
 
-def _row(pair: int, arm: str, r: dict[str, Any]) -> str:
+_ROW_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
+             "service_cpu_ms_per_turn")  # fmt: skip
+
+
+def _row(pair: int, arm: str, r: dict[str, Any], keys: Sequence[str] = _ROW_KEYS) -> str:
     def f(key: str) -> str:
         v = r.get(key)
         return f"{v:9.2f}" if isinstance(v, int | float) else f"{'-':>9}"
 
-    keys = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
-            "service_cpu_ms_per_turn")  # fmt: skip
     return f"{pair:4d} {arm:5s} " + " ".join(f(k) for k in keys)
 
 
@@ -123,11 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turns", type=int, default=None, help="turns per session (20; --noop: 8)")
     parser.add_argument("--scheduler", choices=("batching", "serial"), default="batching")
+    parser.add_argument("--noop", action="store_true", help="the no-op sweeps instead of the model load")
     parser.add_argument("--numerics", choices=("auto", "portable", "strict", "native"), default="auto")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.turns is None:
+        args.turns = 8 if args.noop else 20
     if args.pairs < 1 or args.sessions < 1 or args.turns < 1:
         parser.error(f"--pairs, --sessions and --turns must be positive, got {args.pairs}, {args.sessions}, "
                      f"{args.turns}")  # fmt: skip
@@ -139,14 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = _worktree(args.base, Path(tmp))
         try:
-            print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({args.scheduler}), this "
+            what = "no-op stand-in" if args.noop else args.scheduler
+            print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({what}), this "
                   f"tree against {args.base}, {args.pairs} pairs, {cpu_model()}", file=out)  # fmt: skip
-            print("pair arm    turns/s    p99 ms model ms/t  prefill   decode svc ms/t", file=out)
+            if args.noop:
+                print("pair arm    turns/s    p99 ms svc ms/t c1 p50 ms", file=out)
+            else:
+                print("pair arm    turns/s    p99 ms model ms/t  prefill   decode svc ms/t", file=out)
+            keys = _NOOP_KEYS if args.noop else _ROW_KEYS
             for i in range(1, args.pairs + 1):
-                before, after = run_arm(base, arm_args), run_arm(_REPO, arm_args)
+                before = run_arm(base, arm_args, noop=args.noop)
+                after = run_arm(_REPO, arm_args, noop=args.noop)
                 pairs.append((before, after))
-                print(_row(i, "base", before), file=out)
-                print(_row(i, "this", after), file=out, flush=True)
+                print(_row(i, "base", before, keys), file=out)
+                print(_row(i, "this", after, keys), file=out, flush=True)
         finally:
             subprocess.run(["git", "-C", str(_REPO), "worktree", "remove", "--force", str(base)],
                            capture_output=True, check=False)  # fmt: skip
@@ -154,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, s in summary.items():
         print(f"  {key}: median {s['median_ratio']:.3f}x, mean {s['mean_ratio']:.3f}x (this tree over the "
               "base)", file=out)  # fmt: skip
-    doc = {"base": args.base, **arm_args, "pairs": [{"base": b, "this": a} for b, a in pairs],
-           "summary": summary, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
+    doc = {"base": args.base, **arm_args, "noop": args.noop,
+           "pairs": [{"base": b, "this": a} for b, a in pairs], "summary": summary, "cpu": cpu_model(),
+           "numerics": numerics_record()}  # fmt: skip
     write_json(doc, args.json)
     return 0
 

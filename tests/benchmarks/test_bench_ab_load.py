@@ -1,6 +1,7 @@
 """The A/B load benchmark's summary (benchmarks/bench_ab_load.py): each pair's ratio of this tree's figure
-over the base's, their median and mean, and figures that an arm lacks left out. The runs themselves take
-minutes and are not part of any suite."""
+over the base's, their median and mean, and figures that an arm lacks left out; and one tiny `--noop` arm
+(the no-op sweeps in a child process of the tree). The model-load runs take minutes and are not part of
+any suite."""
 
 from __future__ import annotations
 
@@ -32,3 +33,14 @@ def test_a_figure_one_arm_lacks_is_left_out_and_no_pairs_is_an_error() -> None:
     assert s["turns_per_s"]["ratios"] == pytest.approx([1.05, 0.95])
     with pytest.raises(ValueError, match="no pairs"):
         summarize([])
+
+
+def test_a_noop_arm_runs_the_sweeps_from_its_tree() -> None:
+    # the child process imports the arm's own tree and runs `bench_service.overhead` there (2 sessions x
+    # 2 turns, then the one-session sweep): the figures `--noop` compares
+    from benchmarks.bench_ab_load import _NOOP_KEYS, _REPO, run_arm
+    from orchestrator.numerics_env import resolve_cpu_path
+
+    got = run_arm(_REPO, {"sessions": 2, "turns": 2, "cpu_path": resolve_cpu_path("auto")}, noop=True)
+    assert set(got) == set(_NOOP_KEYS)
+    assert all(isinstance(got[k], float) and got[k] > 0 for k in _NOOP_KEYS), got
