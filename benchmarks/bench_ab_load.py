@@ -44,8 +44,8 @@ _REPO = Path(__file__).resolve().parents[1]
 _CHECKPOINT = Path("checkpoints") / "v41-sib-s"
 _MARK = "AB-RESULT "
 
-# What a child runs, from its own tree: only what every revision with a model-load run has.
-_CHILD = """
+# Every child's start, from its own tree: its arguments, the numerics profile, the service's log lines.
+_CHILD_START = """
 import json, sys, tempfile
 from pathlib import Path
 args = json.loads(sys.argv[1])
@@ -56,6 +56,10 @@ try:
     logs_to_stderr()
 except ImportError:
     pass
+"""
+
+# What a child runs then: only what every revision with a model-load run has.
+_CHILD = _CHILD_START + """
 from benchmarks.service_model_load import model_load
 with tempfile.TemporaryDirectory() as d:
     r = model_load(Path(d), Path(args["checkpoint"]).resolve(), scheduler=args["scheduler"],
@@ -63,18 +67,8 @@ with tempfile.TemporaryDirectory() as d:
 print(MARK + json.dumps(r), flush=True)
 """.replace("MARK", repr(_MARK))
 
-# What a `--noop` child runs, from its own tree (revisions whose `overhead` takes the gRPC server).
-_NOOP_CHILD = """
-import json, sys, tempfile
-from pathlib import Path
-args = json.loads(sys.argv[1])
-from model import configure_torch
-configure_torch(args["cpu_path"])
-try:
-    from benchmarks.report import logs_to_stderr
-    logs_to_stderr()
-except ImportError:
-    pass
+# What a `--noop` child runs then (revisions whose `overhead` takes the gRPC server).
+_NOOP_CHILD = _CHILD_START + """
 from benchmarks.bench_service import overhead
 with tempfile.TemporaryDirectory() as d:
     many = overhead(Path(d) / "many", args["sessions"], args["turns"], "threads")
