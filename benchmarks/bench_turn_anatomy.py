@@ -33,15 +33,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import queue
 import random
 import re
+import sqlite3
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -59,7 +60,7 @@ from storage import GlobalKVStore
 # A session's turns before a fresh one: its history stays as short as the one-session sweep's.
 TURNS_PER_SESSION = 40
 PROBES = ("store_sync_skipped", "store_sync_overlapped", "report_on_thread", "switch_interval_0p2ms")
-_PAGE_FRAME_BYTES = 4096 + 24  # a WAL frame: its header and one page of SQLite's default size
+_FRAME_HEADER_BYTES = 24  # a WAL frame is this header and one database page
 
 
 class _Toggle:
@@ -67,26 +68,6 @@ class _Toggle:
 
     def __init__(self) -> None:
         self.on = False
-
-
-class _Helper:
-    """One daemon thread running the callables put to it, in order."""
-
-    def __init__(self, name: str) -> None:
-        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            job()
-
-    def put(self, job: Callable[[], None]) -> None:
-        self._q.put(job)
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
 
 
 @contextlib.contextmanager
@@ -103,7 +84,7 @@ def _probe(name: str, toggle: _Toggle) -> Iterator[Callable[[], None]]:
         with mock.patch.object(GlobalKVStore, "_sync_wal", sync):
             yield before_turn
     elif name == "store_sync_overlapped":
-        helper = _Helper("probe-wal-sync")
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-wal-sync")
         held = threading.local()
         real_settle = GlobalKVStore._settle_ticket
         real_finish = turn_engine.write_finish
@@ -111,7 +92,7 @@ def _probe(name: str, toggle: _Toggle) -> Iterator[Callable[[], None]]:
         def settle(store: GlobalKVStore, ticket: Any) -> None:
             if toggle.on and ticket:
                 wal, n = ticket
-                helper.put(lambda: wal.wait(n))
+                helper.submit(wal.wait, n)
                 held.ticket = ticket
                 return
             real_settle(store, ticket)
@@ -131,14 +112,14 @@ def _probe(name: str, toggle: _Toggle) -> Iterator[Callable[[], None]]:
             ):
                 yield before_turn
         finally:
-            helper.close()
+            helper.shutdown(wait=True)
     elif name == "report_on_thread":
-        helper = _Helper("probe-report")
+        helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-report")
         real_report = turn_runner._report
 
         def report(*args: Any, **kwargs: Any) -> None:
             if toggle.on:
-                helper.put(lambda: real_report(*args, **kwargs))
+                helper.submit(real_report, *args, **kwargs)
             else:
                 real_report(*args, **kwargs)
 
@@ -146,7 +127,7 @@ def _probe(name: str, toggle: _Toggle) -> Iterator[Callable[[], None]]:
             with mock.patch.object(turn_runner, "_report", report):
                 yield before_turn
         finally:
-            helper.close()
+            helper.shutdown(wait=True)
     elif name == "switch_interval_0p2ms":
         default = sys.getswitchinterval()
         try:
@@ -215,19 +196,20 @@ def _tasks() -> dict[str, tuple[str, float, int]]:
 
 
 def _wal_frames_per_turn(node: NoOpNode, turns: _Turns, n: int = 10) -> float | None:
-    """Pages the registry's WAL gains a turn, over `n` turns after a checkpoint that empties it."""
-    import sqlite3
-
-    db = Path(str(node.node.ctx.writer.url.database)) if node.node.ctx.writer.url.database else None
+    """Pages the registry's WAL gains a turn, over `n` turns after a checkpoint that empties it (None: not
+    a SQLite file registry)."""
+    database = node.node.ctx.writer.url.database
+    db = Path(database) if database else None
     if db is None or not db.is_file():
         return None
     wal = db.with_name(db.name + "-wal")
     with contextlib.closing(sqlite3.connect(db)) as conn:
+        (page_bytes,) = conn.execute("PRAGMA page_size").fetchone()
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     start = wal.stat().st_size if wal.exists() else 0
     for _ in range(n):
         turns.one()
-    return (wal.stat().st_size - start) / _PAGE_FRAME_BYTES / n
+    return (wal.stat().st_size - start) / (page_bytes + _FRAME_HEADER_BYTES) / n
 
 
 def anatomy(root: Path, n_turns: int) -> dict[str, Any]:
