@@ -38,6 +38,11 @@ class DriverSelect:
         # no column converts (ids, counts, blobs: a history's rows): rows go to the tuple as they are
         self._plain = all(p is None for p in self._results)
 
+    @property
+    def row_type(self) -> Any:
+        """The named tuple `rows` gives (its fields are the statement's column keys)."""
+        return self._row
+
     def rows(self, raw: Any, params: Mapping[str, Any]) -> list[Any]:
         """Run on `raw` (a DBAPI connection or cursor: anything with `execute(sql, params)`)."""
         procs = self._results

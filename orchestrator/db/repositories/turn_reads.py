@@ -5,24 +5,80 @@ the mappers to the turn's model, as `SessionRepository.facts` / `history`, `Poli
 with the same statements (`DriverSelect`: same SQL text and type processing).
 
 Why: every turn reads these before it plans; through a Session they cost a Session, a pool checkout with
-a BEGIN statement, four Core executions and a ROLLBACK, several times the driver calls. The reads run
-between one BEGIN and its ROLLBACK on one pooled connection, so they see one snapshot, as in the Session.
+a BEGIN statement, four Core executions and a ROLLBACK, several times the driver calls.
+
+How: one SELECT (`_ONE`) that returns one row: the session's facts and its tenant's policy as columns,
+the history as the hex of its turns' ids aggregated in SQL, with the turns' indexes aggregated beside it
+(the order check below), and the spans as a JSON array. One statement on an autocommit connection reads
+one snapshot. Why one row: Python 3.11's sqlite3 lets go of the GIL around each statement step and each
+column of each fetched row, and the four statements' rows (a turn row per turn of the history, a span
+row per segment) made about 70 such hand-overs a turn at 12 turns of history, growing with it; with 64
+sessions' threads waiting for the GIL, each one hands it to another thread and waits to get it back
+(orchestrator/README.md, "Session 39", measured with `perf` on the scheduler switches).
+
+SQLite (3.40 here) promises no order for `group_concat` before 3.44's ORDER BY inside aggregates, so the
+indexes are aggregated in the same pass as the ids and checked to be increasing: in that case the
+concatenation is the history in turn order. Otherwise, and when the turn reads mapper rows (a new session
+or a model switch: rare), the reads run as before, four statements between one BEGIN and its ROLLBACK on
+one pooled connection (`_read_in_transaction`), so they see one snapshot, as in the Session.
 """
 
 from __future__ import annotations
 
+import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, bindparam, func, literal, select, true
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.db.models import blob_to_tokens
+from orchestrator.db.models import Policy, TurnStatus, blob_to_tokens
 from orchestrator.db.repositories import mappers, policies, segments, sessions
 from orchestrator.db.repositories.driver_select import DriverSelect
 from orchestrator.db.repositories.policies import EffectivePolicy, effective_policy
 
 __all__ = ["TurnReads", "TurnSnapshot", "reads_mappers"]
+
+_P, _T = Policy.__table__, sessions._TURNS
+# The history's DONE turns in index order: each turn's ids (input then output) as hex, and its index.
+_HISTORY_ROWS = (
+    select(
+        _T.c.index.label("i"),
+        func.hex(_T.c.input_tokens).concat(func.hex(_T.c.output_tokens)).label("h"),
+    )
+    .where(_T.c.session_id == bindparam("sid"), _T.c.status == TurnStatus.DONE)
+    .order_by(_T.c.index)
+    .subquery("history_rows")
+)
+# One row, always: both aggregates in one pass over the same rows, so they meet them in the same order.
+_HISTORY_AGG = select(
+    func.group_concat(_HISTORY_ROWS.c.h, literal("")).label("history_hex"),
+    func.group_concat(_HISTORY_ROWS.c.i).label("history_order"),
+).subquery("history_agg")
+_SPAN_ROWS = segments._SPANS.subquery("span_rows")
+_SPANS_AGG = select(
+    func.json_group_array(
+        func.json_array(*(_SPAN_ROWS.c[k] for k in ("fingerprint", "model", "numerics", "start_pos", "end_pos")))
+    ).label("spans_json")
+).subquery("spans_agg")
+_FACT_COLUMNS = len(sessions._FACTS.selected_columns)
+_ONE = (
+    select(
+        *sessions._FACTS.selected_columns,
+        _P.c.tenant_id.label("policy_tenant_id"),
+        *policies._EFFECTIVE.selected_columns,
+        _HISTORY_AGG.c.history_hex,
+        _HISTORY_AGG.c.history_order,
+        _SPANS_AGG.c.spans_json,
+    )
+    .select_from(
+        sessions._SESSIONS.outerjoin(_P, _P.c.tenant_id == sessions._SESSIONS.c.tenant_id)
+        .join(_HISTORY_AGG, true())
+        .join(_SPANS_AGG, true())
+    )
+    .where(sessions._SESSIONS.c.id == bindparam("sid"))
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +131,7 @@ class TurnReads:
             self._policy = DriverSelect(policies._EFFECTIVE, dialect)
             self._spans = DriverSelect(segments._SPANS, dialect)
             self._mappers = DriverSelect(mappers._OF_RECEIVER, dialect)
+            self._one = DriverSelect(_ONE, dialect)
 
     def read(
         self,
@@ -92,19 +149,71 @@ class TurnReads:
         try:
             cursor = raw.cursor()
             try:
-                # A deferred read transaction (autocommit connections, `engine.py`): one snapshot for all
-                # four reads, and no write lock taken.
-                cursor.execute("BEGIN")
-                try:
-                    return self._read(
+                got = self._read_one(cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model)
+                if got is None:
+                    got = self._read_in_transaction(
                         cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
                     )
-                finally:
-                    cursor.execute("ROLLBACK")
+                return got
             finally:
                 cursor.close()
         finally:
             raw.close()
+
+    def _read_one(
+        self,
+        cursor: Any,
+        session_id: str,
+        tenant_id: str,
+        default_floor_s: float,
+        default_ceiling_s: float,
+        model: str | None,
+    ) -> TurnSnapshot | None:
+        """The snapshot from `_ONE`; None where the four statements must read it (`_read_in_transaction`):
+        the history's aggregate came out of turn order, or the turn reads mapper rows."""
+        found = self._one.rows(cursor, {"sid": session_id})
+        if not found:
+            return TurnSnapshot(row=None)
+        one = found[0]
+        row = self._facts.row_type._make(one[:_FACT_COLUMNS])
+        # as SessionRepository.facts: another tenant's session reads as absent
+        if row.tenant_id != tenant_id:
+            return TurnSnapshot(row=None)
+        if one.history_order is not None and not _increasing(one.history_order):
+            return None
+        blob = bytes.fromhex(one.history_hex) if one.history_hex else b""
+        history = blob_to_tokens(blob)
+        if reads_mappers(row, history, model or row.model):
+            return None
+        held = (
+            self._policy.row_type._make(one[_FACT_COLUMNS + 1 : _FACT_COLUMNS + 4])
+            if one.policy_tenant_id is not None
+            else None
+        )
+        policy = effective_policy(
+            row.tenant_id, held, default_floor_s=default_floor_s, default_ceiling_s=default_ceiling_s
+        )
+        make_span = self._spans.row_type._make
+        # as `_SPANS`' ORDER BY start_pos (its ties in no promised order there either)
+        spans = sorted(map(make_span, json.loads(one.spans_json)), key=operator.attrgetter("start_pos"))
+        return TurnSnapshot(row=row, history=history, history_ids=blob, policy=policy, spans=spans)
+
+    def _read_in_transaction(
+        self,
+        cursor: Any,
+        session_id: str,
+        tenant_id: str,
+        default_floor_s: float,
+        default_ceiling_s: float,
+        model: str | None,
+    ) -> TurnSnapshot:
+        # A deferred read transaction (autocommit connections, `engine.py`): one snapshot for all four
+        # reads, and no write lock taken.
+        cursor.execute("BEGIN")
+        try:
+            return self._read(cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model)
+        finally:
+            cursor.execute("ROLLBACK")
 
     def _read(
         self,
@@ -135,3 +244,9 @@ class TurnReads:
         return TurnSnapshot(
             row=row, history=history, history_ids=blob, policy=policy, spans=spans, mappers=found
         )
+
+
+def _increasing(order: str) -> bool:
+    """Whether the comma-separated turn indexes `order` (group_concat's) rise strictly."""
+    ix = list(map(int, order.split(",")))
+    return all(map(operator.lt, ix, ix[1:]))
