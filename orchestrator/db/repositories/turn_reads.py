@@ -59,7 +59,9 @@ _HISTORY_AGG = select(
 _SPAN_ROWS = segments._SPANS.subquery("span_rows")
 _SPANS_AGG = select(
     func.json_group_array(
-        func.json_array(*(_SPAN_ROWS.c[k] for k in ("fingerprint", "model", "numerics", "start_pos", "end_pos")))
+        func.json_array(
+            *(_SPAN_ROWS.c[k] for k in ("fingerprint", "model", "numerics", "start_pos", "end_pos"))
+        )
     ).label("spans_json")
 ).subquery("spans_agg")
 _FACT_COLUMNS = len(sessions._FACTS.selected_columns)
