@@ -7,11 +7,16 @@ read after the store). Through a Session it costs a Session, a pool checkout wit
 Core execution and a ROLLBACK; the driver call alone reads the same rows. SQLite's connections here are in
 autocommit (`engine.py`), where one SELECT reads one snapshot, which is all a one-statement transaction
 gives. The bound stamp goes through the column's own bind processor, as the Core path's does.
+
+The rows come back as one JSON array in one row (`json_group_array`; keys as hex): Python 3.11's sqlite3
+lets go of the GIL at each step and each column of each row, and at 64 sessions each of those hands the
+GIL to another thread (turn_reads.py says more).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 
 from sqlalchemy import Engine
@@ -23,8 +28,12 @@ from orchestrator.db.repositories.segments import SegmentRepository
 __all__ = ["RetainedKeys"]
 
 _CS = CacheSegment.__table__
-# `segments._RETAINED` as the SQLite dialect renders it, the expanding IN written out per call.
-_HEAD = "SELECT cache_segments.store_key, cache_segments.expires_at > ? AS anon_1 FROM cache_segments WHERE "
+# `segments._RETAINED` as the SQLite dialect renders it, the expanding IN written out per call, its rows
+# aggregated into one JSON array of [hex(store_key), expires_at > ?].
+_HEAD = (
+    "SELECT json_group_array(json_array(hex(cache_segments.store_key), cache_segments.expires_at > ?)) "
+    "FROM cache_segments WHERE "
+)
 _TAIL = " AND cache_segments.tenant_id = ? AND cache_segments.fingerprint = ?"
 
 
@@ -65,10 +74,10 @@ class RetainedKeys:
         try:
             cursor = raw.cursor()
             try:
-                rows = cursor.execute(sql, [stamp, *keys, tenant_id, fingerprint]).fetchall()
+                ((rows,),) = cursor.execute(sql, [stamp, *keys, tenant_id, fingerprint]).fetchall()
             finally:
                 cursor.close()
         finally:
             # back to the pool (whose reset on return rolls back: nothing is open)
             raw.close()
-        return {bytes(key): bool(live) for key, live in rows}
+        return {bytes.fromhex(key): bool(live) for key, live in json.loads(rows)}
