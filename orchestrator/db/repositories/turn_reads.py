@@ -8,8 +8,8 @@ Why: every turn reads these before it plans; through a Session they cost a Sessi
 a BEGIN statement, four Core executions and a ROLLBACK, several times the driver calls.
 
 How: one SELECT (`_ONE`) that returns one row: the session's facts and its tenant's policy as columns,
-the history as the hex of its turns' ids aggregated in SQL, with the turns' indexes aggregated beside it
-(the order check below), and the spans as a JSON array. One statement on an autocommit connection reads
+the history's ids concatenated in SQL, with the turns' indexes aggregated beside them (the order check
+below), and the spans as a JSON array. One statement on an autocommit connection reads
 one snapshot. Why one row: Python 3.11's sqlite3 lets go of the GIL around each statement step and each
 column of each fetched row, and the four statements' rows (a turn row per turn of the history, a span
 row per segment) made about 70 such hand-overs a turn at 12 turns of history, growing with it; with 64
@@ -18,8 +18,11 @@ sessions' threads waiting for the GIL, each one hands it to another thread and w
 
 SQLite (3.40 here) promises no order for `group_concat` before 3.44's ORDER BY inside aggregates, so the
 indexes are aggregated in the same pass as the ids and checked to be increasing: in that case the
-concatenation is the history in turn order. Otherwise, and when the turn reads mapper rows (a new session
-or a model switch: rare), the reads run as before, four statements between one BEGIN and its ROLLBACK on
+concatenation is the history in turn order. The ids are blobs, which `||` and `group_concat` join byte
+for byte as text in a UTF-8 database (the registry's encoding is checked once; in another one they would
+be transcoded) and `CAST(... AS BLOB)` gives back; the result must also be 4 bytes a token of the
+session's `history_tokens`. Where a check fails, and when the turn reads mapper rows (a new session or a
+model switch: rare), the reads run as before, four statements between one BEGIN and its ROLLBACK on
 one pooled connection (`_read_in_transaction`), so they see one snapshot, as in the Session.
 """
 
@@ -30,7 +33,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, func, literal, select, true
+from sqlalchemy import Engine, LargeBinary, bindparam, cast, func, literal, select, true
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db.models import Policy, TurnStatus, blob_to_tokens
@@ -41,11 +44,11 @@ from orchestrator.db.repositories.policies import EffectivePolicy, effective_pol
 __all__ = ["TurnReads", "TurnSnapshot", "reads_mappers"]
 
 _P, _T = Policy.__table__, sessions._TURNS
-# The history's DONE turns in index order: each turn's ids (input then output) as hex, and its index.
+# The history's DONE turns in index order: each turn's ids (input then output), and its index.
 _HISTORY_ROWS = (
     select(
         _T.c.index.label("i"),
-        func.hex(_T.c.input_tokens).concat(func.hex(_T.c.output_tokens)).label("h"),
+        _T.c.input_tokens.concat(_T.c.output_tokens).label("h"),
     )
     .where(_T.c.session_id == bindparam("sid"), _T.c.status == TurnStatus.DONE)
     .order_by(_T.c.index)
@@ -53,7 +56,7 @@ _HISTORY_ROWS = (
 )
 # One row, always: both aggregates in one pass over the same rows, so they meet them in the same order.
 _HISTORY_AGG = select(
-    func.group_concat(_HISTORY_ROWS.c.h, literal("")).label("history_hex"),
+    cast(func.group_concat(_HISTORY_ROWS.c.h, literal("")), LargeBinary).label("history_ids"),
     func.group_concat(_HISTORY_ROWS.c.i).label("history_order"),
 ).subquery("history_agg")
 _SPAN_ROWS = segments._SPANS.subquery("span_rows")
@@ -70,7 +73,7 @@ _ONE = (
         *sessions._FACTS.selected_columns,
         _P.c.tenant_id.label("policy_tenant_id"),
         *policies._EFFECTIVE.selected_columns,
-        _HISTORY_AGG.c.history_hex,
+        _HISTORY_AGG.c.history_ids,
         _HISTORY_AGG.c.history_order,
         _SPANS_AGG.c.spans_json,
     )
@@ -119,9 +122,15 @@ class TurnReads:
     Args:
         sessions: the registry's read sessions (their engine is used when it is SQLite).
         driver: read through the driver on SQLite (default True; False: `read` always returns None).
+        one_statement: read with `_ONE` where it serves (default True); False: always the four statements
+            in a transaction (its twin in the tests, the baseline of `benchmarks.bench_turn_reads`).
     """
 
-    def __init__(self, sessions_: sessionmaker[Session], *, driver: bool = True) -> None:
+    def __init__(
+        self, sessions_: sessionmaker[Session], *, driver: bool = True, one_statement: bool = True
+    ) -> None:
+        self._one_statement = one_statement
+        self._utf8: bool | None = None  # the registry's encoding, read once
         bind = getattr(sessions_, "kw", {}).get("bind")
         self._engine: Engine | None = (
             bind if driver and isinstance(bind, Engine) and bind.dialect.name == "sqlite" else None
@@ -151,7 +160,11 @@ class TurnReads:
         try:
             cursor = raw.cursor()
             try:
-                got = self._read_one(cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model)
+                got = None
+                if self._one_statement:
+                    got = self._read_one(
+                        cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
+                    )
                 if got is None:
                     got = self._read_in_transaction(
                         cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
@@ -172,7 +185,13 @@ class TurnReads:
         model: str | None,
     ) -> TurnSnapshot | None:
         """The snapshot from `_ONE`; None where the four statements must read it (`_read_in_transaction`):
-        the history's aggregate came out of turn order, or the turn reads mapper rows."""
+        the registry is not UTF-8, the history's aggregate came out of turn order or not 4 bytes a token of
+        the session's history, or the turn reads mapper rows."""
+        if self._utf8 is None:
+            ((encoding,),) = cursor.execute("PRAGMA encoding").fetchall()
+            self._utf8 = encoding == "UTF-8"
+        if not self._utf8:
+            return None
         found = self._one.rows(cursor, {"sid": session_id})
         if not found:
             return TurnSnapshot(row=None)
@@ -183,7 +202,9 @@ class TurnReads:
             return TurnSnapshot(row=None)
         if one.history_order is not None and not _increasing(one.history_order):
             return None
-        blob = bytes.fromhex(one.history_hex) if one.history_hex else b""
+        blob = one.history_ids or b""
+        if len(blob) != 4 * row.history_tokens:
+            return None
         history = blob_to_tokens(blob)
         if reads_mappers(row, history, model or row.model):
             return None
