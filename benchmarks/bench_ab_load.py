@@ -11,16 +11,24 @@ right after the other, pair after pair, meet the same drift; the ratio of each p
 Each arm is `benchmarks.service_model_load.model_load` as `bench_service --model-load` runs it (a model
 process, the CPU split, loopback gRPC, v41-sib-s), imported from that arm's own tree, in a child process
 of its own under this process's numerics environment. The base tree is a temporary `git worktree` of REV
-(removed after). Reported per pair, base then this tree: turns/s, the model process's CPU a turn (with its
-`prefill_many` and `decode_many`), the service process's CPU a turn, client p99; and the median and mean
-of the pairs' ratios (this tree over the base).
+(removed after). The pairs alternate which arm runs first (base first in odd pairs, this tree first in
+even ones), so that a drift within a pair, or a cost of running second, meets both arms alike (until
+session 39 the base always ran first: in one run the model process, the same code in both arms, took
+1.048x the CPU a turn in the second arm). Reported per pair, in the order run: turns/s, the model
+process's CPU a turn (with its `prefill_many` and `decode_many`), the service process's CPU a turn,
+client p99, and `svc_over_model`, the service's CPU a turn over the model process's; and the median and
+mean of the pairs' ratios (this tree over the base). Where only the service differs between the trees,
+the model process's CPU a turn measures the machine's speed during each arm, and `svc_over_model` is the
+service's cost with that drift divided out.
 
 `--noop`: the arms are `bench_service`'s no-op sweeps instead (`bench_service.overhead` from the arm's
 tree, the thread-pool gRPC server, the NO-OP STAND-IN): `--sessions` sessions at once, `--turns` measured
 turns each (default 8), then one session at a time as the one-session sweep runs it. Reported: the
 64-session turns/s, p99 and the process's CPU a turn, and the one-session p50 (`c1_p50_ms`): the service's
 side of issue 11's targets, whose sweeps a drifting VM moves 10-20% between runs (orchestrator/README,
-session 38).
+session 38). Each child also times a fixed pure-Python workload (`_SPEED_PROBE`) before and after its
+sweeps (`probe_ms`, their mean), the same code in both arms: `svc_over_probe`, the 64-session CPU a turn
+over it, is the service's cost with the machine's speed divided out, as `svc_over_model` is above.
 """
 
 from __future__ import annotations
@@ -67,21 +75,42 @@ with tempfile.TemporaryDirectory() as d:
 print(MARK + json.dumps(r), flush=True)
 """.replace("MARK", repr(_MARK))
 
+# The machine's speed in a `--noop` child: the median CPU ms of a fixed pure-Python workload (dict, list,
+# str and int work as the service's Python does), the same code whatever the tree.
+_SPEED_PROBE = """
+import statistics, time
+def probe_ms():
+    def work():
+        d = {}
+        for i in range(20000):
+            d[str(i)] = [i, i * 2, (i, "x")]
+        return sum(v[0] for v in d.values())
+    times = []
+    for _ in range(7):
+        t = time.process_time()
+        work()
+        times.append(time.process_time() - t)
+    return statistics.median(times) * 1e3
+"""
+
 # What a `--noop` child runs then (revisions whose `overhead` takes the gRPC server).
-_NOOP_CHILD = _CHILD_START + """
+_NOOP_CHILD = _CHILD_START + _SPEED_PROBE + """
 from benchmarks.bench_service import overhead
+before = probe_ms()
 with tempfile.TemporaryDirectory() as d:
     many = overhead(Path(d) / "many", args["sessions"], args["turns"], "threads")
     one = overhead(Path(d) / "one", 1, args["turns"], "threads")
+probe = (before + probe_ms()) / 2
 print(MARK + json.dumps({"turns_per_s": many["turns_per_s"], "p99_ms": many["p99_ms"],
-                         "service_cpu_ms_per_turn": many["cpu_ms_per_turn"], "c1_p50_ms": one["p50_ms"]}),
+                         "service_cpu_ms_per_turn": many["cpu_ms_per_turn"], "c1_p50_ms": one["p50_ms"],
+                         "probe_ms": probe, "svc_over_probe": many["cpu_ms_per_turn"] / probe}),
       flush=True)
 """.replace("MARK", repr(_MARK))
 
 # The figures kept of each arm (model_load's keys), and the pass operations of the model process.
 _KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "service_cpu_ms_per_turn")
 _OPS = ("prefill_many", "decode_many")
-_NOOP_KEYS = ("turns_per_s", "p99_ms", "service_cpu_ms_per_turn", "c1_p50_ms")
+_NOOP_KEYS = ("turns_per_s", "p99_ms", "service_cpu_ms_per_turn", "c1_p50_ms", "probe_ms", "svc_over_probe")
 
 
 def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str, Any]:
@@ -104,7 +133,10 @@ def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str
     if noop:
         return {k: result.get(k) for k in _NOOP_KEYS}
     ops = result.get("model_ops_cpu_ms_per_turn") or {}
-    return {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
+    out = {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
+    svc, model = out["service_cpu_ms_per_turn"], out["model_process_cpu_ms_per_turn"]
+    out["svc_over_model"] = svc / model if svc is not None and model else None
+    return out
 
 
 def summarize(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -126,6 +158,11 @@ def summarize(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[st
     return out
 
 
+def run_order(pair: int) -> tuple[str, str]:
+    """Which arm of pair `pair` (1-based) runs first: the base in odd pairs, this tree in even ones."""
+    return ("base", "this") if pair % 2 else ("this", "base")
+
+
 def _worktree(rev: str, into: Path) -> Path:
     path = into / "base"
     done = subprocess.run(["git", "-C", str(_REPO), "worktree", "add", "--detach", str(path), rev],
@@ -136,13 +173,21 @@ def _worktree(rev: str, into: Path) -> Path:
 
 
 _ROW_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
-             "service_cpu_ms_per_turn")  # fmt: skip
+             "service_cpu_ms_per_turn", "svc_over_model")  # fmt: skip
+
+
+_HEADS = {"turns_per_s": "turns/s", "p99_ms": "p99 ms", "model_process_cpu_ms_per_turn": "model ms/t",
+          "prefill_many_ms": "prefill", "decode_many_ms": "decode", "service_cpu_ms_per_turn": "svc ms/t",
+          "svc_over_model": "svc/model", "c1_p50_ms": "c1 p50 ms", "probe_ms": "probe ms",
+          "svc_over_probe": "svc/probe"}  # fmt: skip
 
 
 def _row(pair: int, arm: str, r: dict[str, Any], keys: Sequence[str] = _ROW_KEYS) -> str:
     def f(key: str) -> str:
         v = r.get(key)
-        return f"{v:9.2f}" if isinstance(v, int | float) else f"{'-':>9}"
+        if not isinstance(v, int | float):
+            return f"{'-':>9}"
+        return f"{v:9.3f}" if abs(v) < 10 else f"{v:9.2f}"
 
     return f"{pair:4d} {arm:5s} " + " ".join(f(k) for k in keys)
 
@@ -174,17 +219,15 @@ def main(argv: list[str] | None = None) -> int:
             what = "no-op stand-in" if args.noop else args.scheduler
             print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({what}), this "
                   f"tree against {args.base}, {args.pairs} pairs, {cpu_model()}", file=out)  # fmt: skip
-            if args.noop:
-                print("pair arm    turns/s    p99 ms svc ms/t c1 p50 ms", file=out)
-            else:
-                print("pair arm    turns/s    p99 ms model ms/t  prefill   decode svc ms/t", file=out)
             keys = _NOOP_KEYS if args.noop else _ROW_KEYS
+            print("pair arm  " + " ".join(f"{_HEADS[k]:>9}" for k in keys), file=out)
             for i in range(1, args.pairs + 1):
-                before = run_arm(base, arm_args, noop=args.noop)
-                after = run_arm(_REPO, arm_args, noop=args.noop)
-                pairs.append((before, after))
-                print(_row(i, "base", before, keys), file=out)
-                print(_row(i, "this", after, keys), file=out, flush=True)
+                arms = {"base": base, "this": _REPO}
+                got: dict[str, dict[str, Any]] = {}
+                for name in run_order(i):
+                    got[name] = run_arm(arms[name], arm_args, noop=args.noop)
+                    print(_row(i, name, got[name], keys), file=out, flush=True)
+                pairs.append((got["base"], got["this"]))
         finally:
             subprocess.run(["git", "-C", str(_REPO), "worktree", "remove", "--force", str(base)],
                            capture_output=True, check=False)  # fmt: skip

@@ -44,3 +44,16 @@ def test_a_noop_arm_runs_the_sweeps_from_its_tree() -> None:
     got = run_arm(_REPO, {"sessions": 2, "turns": 2, "cpu_path": resolve_cpu_path("auto")}, noop=True)
     assert set(got) == set(_NOOP_KEYS)
     assert all(isinstance(got[k], float) and got[k] > 0 for k in _NOOP_KEYS), got
+    # the service's CPU a turn over the speed probe's ms, both of this arm
+    assert got["svc_over_probe"] == pytest.approx(got["service_cpu_ms_per_turn"] / got["probe_ms"])
+
+
+def test_the_pairs_alternate_which_arm_runs_first() -> None:
+    from benchmarks.bench_ab_load import run_order
+
+    assert [run_order(i) for i in (1, 2, 3, 4)] == [
+        ("base", "this"),
+        ("this", "base"),
+        ("base", "this"),
+        ("this", "base"),
+    ]
