@@ -26,9 +26,9 @@ tree, the thread-pool gRPC server, the NO-OP STAND-IN): `--sessions` sessions at
 turns each (default 8), then one session at a time as the one-session sweep runs it. Reported: the
 64-session turns/s, p99 and the process's CPU a turn, and the one-session p50 (`c1_p50_ms`): the service's
 side of issue 11's targets, whose sweeps a drifting VM moves 10-20% between runs (orchestrator/README,
-session 38). Each child also times a fixed pure-Python workload (`_SPEED_PROBE`) before and after its
-sweeps (`probe_ms`, their mean), the same code in both arms: `svc_over_probe`, the 64-session CPU a turn
-over it, is the service's cost with the machine's speed divided out, as `svc_over_model` is above.
+session 38). There is no figure with the machine's speed divided out here: a fixed pure-Python workload
+timed in each child before and after its sweeps (tried in session 39) moved 7.7-12.6 ms between arms and
+did not follow the sweeps' own CPU a turn, so judge by several pairs.
 """
 
 from __future__ import annotations
@@ -75,42 +75,21 @@ with tempfile.TemporaryDirectory() as d:
 print(MARK + json.dumps(r), flush=True)
 """.replace("MARK", repr(_MARK))
 
-# The machine's speed in a `--noop` child: the median CPU ms of a fixed pure-Python workload (dict, list,
-# str and int work as the service's Python does), the same code whatever the tree.
-_SPEED_PROBE = """
-import statistics, time
-def probe_ms():
-    def work():
-        d = {}
-        for i in range(20000):
-            d[str(i)] = [i, i * 2, (i, "x")]
-        return sum(v[0] for v in d.values())
-    times = []
-    for _ in range(7):
-        t = time.process_time()
-        work()
-        times.append(time.process_time() - t)
-    return statistics.median(times) * 1e3
-"""
-
 # What a `--noop` child runs then (revisions whose `overhead` takes the gRPC server).
-_NOOP_CHILD = _CHILD_START + _SPEED_PROBE + """
+_NOOP_CHILD = _CHILD_START + """
 from benchmarks.bench_service import overhead
-before = probe_ms()
 with tempfile.TemporaryDirectory() as d:
     many = overhead(Path(d) / "many", args["sessions"], args["turns"], "threads")
     one = overhead(Path(d) / "one", 1, args["turns"], "threads")
-probe = (before + probe_ms()) / 2
 print(MARK + json.dumps({"turns_per_s": many["turns_per_s"], "p99_ms": many["p99_ms"],
-                         "service_cpu_ms_per_turn": many["cpu_ms_per_turn"], "c1_p50_ms": one["p50_ms"],
-                         "probe_ms": probe, "svc_over_probe": many["cpu_ms_per_turn"] / probe}),
+                         "service_cpu_ms_per_turn": many["cpu_ms_per_turn"], "c1_p50_ms": one["p50_ms"]}),
       flush=True)
 """.replace("MARK", repr(_MARK))
 
 # The figures kept of each arm (model_load's keys), and the pass operations of the model process.
 _KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "service_cpu_ms_per_turn")
 _OPS = ("prefill_many", "decode_many")
-_NOOP_KEYS = ("turns_per_s", "p99_ms", "service_cpu_ms_per_turn", "c1_p50_ms", "probe_ms", "svc_over_probe")
+_NOOP_KEYS = ("turns_per_s", "p99_ms", "service_cpu_ms_per_turn", "c1_p50_ms")
 
 
 def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str, Any]:
@@ -133,10 +112,14 @@ def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str
     if noop:
         return {k: result.get(k) for k in _NOOP_KEYS}
     ops = result.get("model_ops_cpu_ms_per_turn") or {}
-    out = {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
-    svc, model = out["service_cpu_ms_per_turn"], out["model_process_cpu_ms_per_turn"]
-    out["svc_over_model"] = svc / model if svc is not None and model else None
-    return out
+    arm = {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
+    return with_svc_over_model(arm)
+
+
+def with_svc_over_model(arm: dict[str, Any]) -> dict[str, Any]:
+    """`arm` with `svc_over_model`: its service CPU a turn over its model process's (None without both)."""
+    svc, model = arm.get("service_cpu_ms_per_turn"), arm.get("model_process_cpu_ms_per_turn")
+    return {**arm, "svc_over_model": svc / model if svc is not None and model else None}
 
 
 def summarize(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -178,8 +161,7 @@ _ROW_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_
 
 _HEADS = {"turns_per_s": "turns/s", "p99_ms": "p99 ms", "model_process_cpu_ms_per_turn": "model ms/t",
           "prefill_many_ms": "prefill", "decode_many_ms": "decode", "service_cpu_ms_per_turn": "svc ms/t",
-          "svc_over_model": "svc/model", "c1_p50_ms": "c1 p50 ms", "probe_ms": "probe ms",
-          "svc_over_probe": "svc/probe"}  # fmt: skip
+          "svc_over_model": "svc/model", "c1_p50_ms": "c1 p50 ms"}  # fmt: skip
 
 
 def _row(pair: int, arm: str, r: dict[str, Any], keys: Sequence[str] = _ROW_KEYS) -> str:

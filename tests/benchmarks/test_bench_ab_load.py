@@ -44,8 +44,6 @@ def test_a_noop_arm_runs_the_sweeps_from_its_tree() -> None:
     got = run_arm(_REPO, {"sessions": 2, "turns": 2, "cpu_path": resolve_cpu_path("auto")}, noop=True)
     assert set(got) == set(_NOOP_KEYS)
     assert all(isinstance(got[k], float) and got[k] > 0 for k in _NOOP_KEYS), got
-    # the service's CPU a turn over the speed probe's ms, both of this arm
-    assert got["svc_over_probe"] == pytest.approx(got["service_cpu_ms_per_turn"] / got["probe_ms"])
 
 
 def test_the_pairs_alternate_which_arm_runs_first() -> None:
@@ -57,3 +55,13 @@ def test_the_pairs_alternate_which_arm_runs_first() -> None:
         ("base", "this"),
         ("this", "base"),
     ]
+
+
+def test_the_service_cost_over_the_model_cost_of_an_arm() -> None:
+    from benchmarks.bench_ab_load import with_svc_over_model
+
+    arm = {"turns_per_s": 100.0, "service_cpu_ms_per_turn": 5.0, "model_process_cpu_ms_per_turn": 8.0}
+    assert with_svc_over_model(arm) == {**arm, "svc_over_model": pytest.approx(0.625)}
+    # an arm without a model process (or its figure) has none
+    assert with_svc_over_model({"service_cpu_ms_per_turn": 5.0})["svc_over_model"] is None
+    assert with_svc_over_model({**arm, "model_process_cpu_ms_per_turn": None})["svc_over_model"] is None
