@@ -22,6 +22,7 @@ Each slow block runs alone, the same way.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import socket
@@ -129,17 +130,45 @@ def _script(blocks: list[Block], workdir: Path) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out on its own (Linux's ip_local_port_range; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _quiet_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports, free now, below the kernel's ephemeral range.
+
+    Why not a port the kernel picks (bind to 0): the script stops and starts `kvresume serve` on the same
+    ports for minutes, and in between the kernel may give a port of its ephemeral range to any other
+    socket (a parallel test's client connection): the next start then found its metrics port taken
+    (seen in CI, "metrics address ... is not available"). Below that range only a socket that asks for
+    the very port gets it, and a random pick makes two of these scripts meeting unlikely.
+    """
+    floor = _ephemeral_floor()
+    picked: list[int] = []
+    rng = random.Random()
+    while len(picked) < n:
+        port = rng.randrange(10000, max(10001, floor))
+        if port in picked:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own check binds
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+    return picked
 
 
 def _run(blocks: list[Block], tmp_path: Path, *, timeout_s: float) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "checkpoints").symlink_to(REPO / "checkpoints")
-    grpc_port, metrics_port, http_port = _free_port(), _free_port(), _free_port()
+    grpc_port, metrics_port, http_port = _quiet_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRESUME_")}
     env |= {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
@@ -189,3 +218,12 @@ def test_a_wrong_example_fails(tmp_path: Path) -> None:
     wrong = Block(doc="example", line=1, lang="sh", mark="default", text=text)
     with pytest.raises(AssertionError, match="unrecognized arguments: --bogus"):
         _run([wrong], tmp_path, timeout_s=60)
+
+
+def test_quiet_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
+    ports = _quiet_ports(5)
+    assert len(set(ports)) == 5 and all(10000 <= p < max(10001, _ephemeral_floor()) for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
