@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.hardware import cpu_model
-from benchmarks.report import add_json_flag, table_stream, write_json
+from benchmarks.report import add_json_flag, counts_arg, table_stream, write_json
 from orchestrator.db import (
     DurableSegment,
     SegmentRepository,
@@ -112,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=40, help="calls per arm and size (>= 2)")
     parser.add_argument("--postgres", default=None, metavar="URL", help="also on this PostgreSQL server")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.segments.split(",")]
-    except ValueError:
-        parser.error(f"--segments={args.segments!r} must be comma-separated counts")
-    if not sizes or min(sizes) < 1:
-        parser.error(f"--segments={args.segments!r} must name counts >= 1")
+    sizes = counts_arg(parser, "--segments", args.segments)
     if args.calls < 2:
         parser.error(f"--calls={args.calls} must be >= 2")
     doc: dict[str, Any] = {"cpu": cpu_model(), "calls": args.calls, "backends": {}}

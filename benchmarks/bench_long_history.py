@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.bench_service import noop_node
 from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
-from benchmarks.report import add_json_flag, logs_to_stderr, table_stream, write_json
+from benchmarks.report import add_json_flag, counts_arg, logs_to_stderr, table_stream, write_json
 
 GROW_TOKENS, TURN_TOKENS, GENERATED = 4096, 64, 4
 
@@ -83,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--turns", type=int, default=20, help="measured turns at each size (>= 2)")
     args = parser.parse_args(argv)
-    try:
-        histories = sorted(int(x) for x in args.histories.split(","))
-    except ValueError:
-        parser.error(f"--histories={args.histories!r} must be comma-separated token counts")
-    if not histories or histories[0] < 1:
-        parser.error(f"--histories={args.histories!r} must name sizes >= 1")
+    histories = sorted(counts_arg(parser, "--histories", args.histories))
     if args.turns < 2:
         parser.error(f"--turns={args.turns} must be >= 2 (a p90 needs two turns)")
     logs_to_stderr()

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.hardware import cpu_model
-from benchmarks.report import add_json_flag, table_stream, write_json
+from benchmarks.report import add_json_flag, counts_arg, table_stream, write_json
 from orchestrator.db import (
     DurableSegment,
     PolicyRepository,
@@ -174,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reads", type=int, default=200, help="reads per arm, size and setting (>= 2)")
     parser.add_argument("--contenders", type=int, default=4, help="threads contending for the GIL (>= 1)")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.turns.split(",")]
-    except ValueError:
-        parser.error(f"--turns={args.turns!r} must be comma-separated counts")
-    if not sizes or min(sizes) < 1:
-        parser.error(f"--turns={args.turns!r} must name counts >= 1")
+    sizes = counts_arg(parser, "--turns", args.turns)
     if args.reads < 2:
         parser.error(f"--reads={args.reads} must be >= 2")
     if args.contenders < 1:

@@ -1,12 +1,15 @@
 """The one JSON option every benchmark takes: `--json [PATH|-]` (a file, or stdout with the table on
 stderr). The option and the writing are the `kvresume` command line's own (orchestrator/cli/output.py),
-so benchmarks and commands behave alike; this module adds what only benchmark entry points do."""
+so benchmarks and commands behave alike; this module adds what only benchmark entry points do (their
+logging, their options that take a list of counts)."""
 
 from __future__ import annotations
 
+import argparse
+
 from orchestrator.cli.output import add_json_flag, table_stream, write_json
 
-__all__ = ["add_json_flag", "logs_to_stderr", "table_stream", "write_json"]
+__all__ = ["add_json_flag", "counts_arg", "logs_to_stderr", "table_stream", "write_json"]
 
 
 def logs_to_stderr() -> None:
@@ -17,3 +20,15 @@ def logs_to_stderr() -> None:
     from orchestrator.api import configure_logging
 
     configure_logging(json=True)
+
+
+def counts_arg(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """The comma-separated counts >= 1 of option `flag` (its value `text`), in the order given; exits
+    through `parser.error`, naming the option and its value, on anything else."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag}={text!r} must be comma-separated counts")
+    if not counts or min(counts) < 1:
+        parser.error(f"{flag}={text!r} must name counts >= 1")
+    return counts

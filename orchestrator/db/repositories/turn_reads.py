@@ -108,6 +108,17 @@ class TurnSnapshot:
     mappers: list[Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What `TurnReads.read` was asked."""
+
+    session_id: str
+    tenant_id: str
+    default_floor_s: float
+    default_ceiling_s: float
+    model: str | None
+
+
 def reads_mappers(row: Any, history: list[int], model: str) -> bool:
     """Whether a turn of `model` on this session reads mapper rows: a switch from the model of its last
     turn, or no history yet (its prompt may be stored under another model)."""
@@ -160,30 +171,15 @@ class TurnReads:
         try:
             cursor = raw.cursor()
             try:
-                got = None
-                if self._one_statement:
-                    got = self._read_one(
-                        cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
-                    )
-                if got is None:
-                    got = self._read_in_transaction(
-                        cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model
-                    )
-                return got
+                ask = _Ask(session_id, tenant_id, default_floor_s, default_ceiling_s, model)
+                got = self._read_one(cursor, ask) if self._one_statement else None
+                return got if got is not None else self._read_in_transaction(cursor, ask)
             finally:
                 cursor.close()
         finally:
             raw.close()
 
-    def _read_one(
-        self,
-        cursor: Any,
-        session_id: str,
-        tenant_id: str,
-        default_floor_s: float,
-        default_ceiling_s: float,
-        model: str | None,
-    ) -> TurnSnapshot | None:
+    def _read_one(self, cursor: Any, ask: _Ask) -> TurnSnapshot | None:
         """The snapshot from `_ONE`; None where the four statements must read it (`_read_in_transaction`):
         the registry is not UTF-8, the history's aggregate came out of turn order or not 4 bytes a token of
         the session's history, or the turn reads mapper rows."""
@@ -192,13 +188,13 @@ class TurnReads:
             self._utf8 = encoding == "UTF-8"
         if not self._utf8:
             return None
-        found = self._one.rows(cursor, {"sid": session_id})
+        found = self._one.rows(cursor, {"sid": ask.session_id})
         if not found:
             return TurnSnapshot(row=None)
         one = found[0]
         row = self._facts.row_type._make(one[:_FACT_COLUMNS])
         # as SessionRepository.facts: another tenant's session reads as absent
-        if row.tenant_id != tenant_id:
+        if row.tenant_id != ask.tenant_id:
             return TurnSnapshot(row=None)
         if one.history_order is not None and not _increasing(one.history_order):
             return None
@@ -206,7 +202,7 @@ class TurnReads:
         if len(blob) != 4 * row.history_tokens:
             return None
         history = blob_to_tokens(blob)
-        if reads_mappers(row, history, model or row.model):
+        if reads_mappers(row, history, ask.model or row.model):
             return None
         held = (
             self._policy.row_type._make(one[_FACT_COLUMNS + 1 : _FACT_COLUMNS + 4])
@@ -214,55 +210,39 @@ class TurnReads:
             else None
         )
         policy = effective_policy(
-            row.tenant_id, held, default_floor_s=default_floor_s, default_ceiling_s=default_ceiling_s
+            row.tenant_id, held, default_floor_s=ask.default_floor_s, default_ceiling_s=ask.default_ceiling_s
         )
         make_span = self._spans.row_type._make
         # as `_SPANS`' ORDER BY start_pos (its ties in no promised order there either)
         spans = sorted(map(make_span, json.loads(one.spans_json)), key=operator.attrgetter("start_pos"))
         return TurnSnapshot(row=row, history=history, history_ids=blob, policy=policy, spans=spans)
 
-    def _read_in_transaction(
-        self,
-        cursor: Any,
-        session_id: str,
-        tenant_id: str,
-        default_floor_s: float,
-        default_ceiling_s: float,
-        model: str | None,
-    ) -> TurnSnapshot:
+    def _read_in_transaction(self, cursor: Any, ask: _Ask) -> TurnSnapshot:
         # A deferred read transaction (autocommit connections, `engine.py`): one snapshot for all four
         # reads, and no write lock taken.
         cursor.execute("BEGIN")
         try:
-            return self._read(cursor, session_id, tenant_id, default_floor_s, default_ceiling_s, model)
+            return self._read(cursor, ask)
         finally:
             cursor.execute("ROLLBACK")
 
-    def _read(
-        self,
-        cursor: Any,
-        session_id: str,
-        tenant_id: str,
-        default_floor_s: float,
-        default_ceiling_s: float,
-        model: str | None,
-    ) -> TurnSnapshot:
-        found = self._facts.rows(cursor, {"sid": session_id})
+    def _read(self, cursor: Any, ask: _Ask) -> TurnSnapshot:
+        found = self._facts.rows(cursor, {"sid": ask.session_id})
         row = found[0] if found else None
         # as SessionRepository.facts: another tenant's session reads as absent
-        if row is None or row.tenant_id != tenant_id:
+        if row is None or row.tenant_id != ask.tenant_id:
             return TurnSnapshot(row=None)
-        blob = b"".join(b for r in self._history.rows(cursor, {"sid": session_id}) for b in r)
+        blob = b"".join(b for r in self._history.rows(cursor, {"sid": ask.session_id}) for b in r)
         held = self._policy.rows(cursor, {"tid": row.tenant_id})
         policy = effective_policy(
             row.tenant_id,
             held[0] if held else None,
-            default_floor_s=default_floor_s,
-            default_ceiling_s=default_ceiling_s,
+            default_floor_s=ask.default_floor_s,
+            default_ceiling_s=ask.default_ceiling_s,
         )
-        spans = self._spans.rows(cursor, {"sid": session_id})
+        spans = self._spans.rows(cursor, {"sid": ask.session_id})
         history = blob_to_tokens(blob)
-        name = model or row.model
+        name = ask.model or row.model
         found = self._mappers.rows(cursor, {"rm": name}) if reads_mappers(row, history, name) else None
         return TurnSnapshot(
             row=row, history=history, history_ids=blob, policy=policy, spans=spans, mappers=found
