@@ -48,7 +48,7 @@ from benchmarks.hardware import cpu_model, enter_numerics, numerics_record
 from benchmarks.report import add_json_flag, table_stream, write_json
 from orchestrator.numerics_env import resolve_cpu_path
 
-_REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]
 _CHECKPOINT = Path("checkpoints") / "v41-sib-s"
 _MARK = "AB-RESULT "
 
@@ -146,9 +146,9 @@ def run_order(pair: int) -> tuple[str, str]:
     return ("base", "this") if pair % 2 else ("this", "base")
 
 
-def _worktree(rev: str, into: Path) -> Path:
+def base_worktree(rev: str, into: Path) -> Path:
     path = into / "base"
-    done = subprocess.run(["git", "-C", str(_REPO), "worktree", "add", "--detach", str(path), rev],
+    done = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
                           capture_output=True, text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"cannot check out {rev!r} beside this tree: {done.stderr.strip()}")
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_path": resolve_cpu_path(args.numerics)}  # fmt: skip
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = _worktree(args.base, Path(tmp))
+        base = base_worktree(args.base, Path(tmp))
         try:
             what = "no-op stand-in" if args.noop else args.scheduler
             print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({what}), this "
@@ -204,14 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             keys = _NOOP_KEYS if args.noop else _ROW_KEYS
             print("pair arm  " + " ".join(f"{_HEADS[k]:>9}" for k in keys), file=out)
             for i in range(1, args.pairs + 1):
-                arms = {"base": base, "this": _REPO}
+                arms = {"base": base, "this": REPO}
                 got: dict[str, dict[str, Any]] = {}
                 for name in run_order(i):
                     got[name] = run_arm(arms[name], arm_args, noop=args.noop)
                     print(_row(i, name, got[name], keys), file=out, flush=True)
                 pairs.append((got["base"], got["this"]))
         finally:
-            subprocess.run(["git", "-C", str(_REPO), "worktree", "remove", "--force", str(base)],
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
                            capture_output=True, check=False)  # fmt: skip
     summary = summarize(pairs)
     for key, s in summary.items():

@@ -67,7 +67,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -322,7 +322,18 @@ def noop_node(root: Path, workers: int, grpc_server: str = DEFAULT_GRPC_SERVER) 
     return NoOpNode(node, server, _Client(node, server.port), per_token, windows, tuned)
 
 
-def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict[str, Any]:
+def overhead(
+    root: Path,
+    concurrency: int,
+    turns: int,
+    grpc_server: str,
+    on_measuring: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """The no-op sweep at `concurrency` sessions of `turns` measured turns each (figures below).
+
+    on_measuring: called once the measured turns start (after every session's cold first turn; at one
+        session, at once): `bench_gil_handovers` starts recording there.
+    """
     served = noop_node(root, _workers(grpc_server, concurrency), grpc_server)
     client = served.client
     counts = _Counters(served.node)
@@ -370,6 +381,8 @@ def overhead(root: Path, concurrency: int, turns: int, grpc_server: str) -> dict
     if ready is not None:
         ready.wait()
     t1 = time.perf_counter()
+    if on_measuring is not None:
+        on_measuring()
     for th in threads:
         th.join()
     t2 = time.perf_counter()

@@ -38,10 +38,10 @@ def test_a_figure_one_arm_lacks_is_left_out_and_no_pairs_is_an_error() -> None:
 def test_a_noop_arm_runs_the_sweeps_from_its_tree() -> None:
     # the child process imports the arm's own tree and runs `bench_service.overhead` there (2 sessions x
     # 2 turns, then the one-session sweep): the figures `--noop` compares
-    from benchmarks.bench_ab_load import _NOOP_KEYS, _REPO, run_arm
+    from benchmarks.bench_ab_load import _NOOP_KEYS, REPO, run_arm
     from orchestrator.numerics_env import resolve_cpu_path
 
-    got = run_arm(_REPO, {"sessions": 2, "turns": 2, "cpu_path": resolve_cpu_path("auto")}, noop=True)
+    got = run_arm(REPO, {"sessions": 2, "turns": 2, "cpu_path": resolve_cpu_path("auto")}, noop=True)
     assert set(got) == set(_NOOP_KEYS)
     assert all(isinstance(got[k], float) and got[k] > 0 for k in _NOOP_KEYS), got
 
