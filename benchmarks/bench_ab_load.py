@@ -40,7 +40,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ _CHECKPOINT = Path("checkpoints") / "v41-sib-s"
 _MARK = "AB-RESULT "
 
 # Every child's start, from its own tree: its arguments, the numerics profile, the service's log lines.
-_CHILD_START = """
+CHILD_START = """
 import json, sys, tempfile
 from pathlib import Path
 args = json.loads(sys.argv[1])
@@ -67,7 +68,7 @@ except ImportError:
 """
 
 # What a child runs then: only what every revision with a model-load run has.
-_CHILD = _CHILD_START + """
+_CHILD = CHILD_START + """
 from benchmarks.service_model_load import model_load
 with tempfile.TemporaryDirectory() as d:
     r = model_load(Path(d), Path(args["checkpoint"]).resolve(), scheduler=args["scheduler"],
@@ -76,7 +77,7 @@ print(MARK + json.dumps(r), flush=True)
 """.replace("MARK", repr(_MARK))
 
 # What a `--noop` child runs then (revisions whose `overhead` takes the gRPC server).
-_NOOP_CHILD = _CHILD_START + """
+_NOOP_CHILD = CHILD_START + """
 from benchmarks.bench_service import overhead
 with tempfile.TemporaryDirectory() as d:
     many = overhead(Path(d) / "many", args["sessions"], args["turns"], "threads")
@@ -146,13 +147,23 @@ def run_order(pair: int) -> tuple[str, str]:
     return ("base", "this") if pair % 2 else ("this", "base")
 
 
-def base_worktree(rev: str, into: Path) -> Path:
+@contextmanager
+def checked_out(rev: str, into: Path) -> Iterator[Path]:
+    """REV as a temporary `git worktree` of this repository under `into`, removed on leaving.
+
+    Raises:
+        SystemExit: git cannot check REV out.
+    """
     path = into / "base"
     done = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
                           capture_output=True, text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"cannot check out {rev!r} beside this tree: {done.stderr.strip()}")
-    return path
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+                       capture_output=True, check=False)  # fmt: skip
 
 
 _ROW_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
@@ -195,24 +206,19 @@ def main(argv: list[str] | None = None) -> int:
     arm_args = {"scheduler": args.scheduler, "sessions": args.sessions, "turns": args.turns,
                 "cpu_path": resolve_cpu_path(args.numerics)}  # fmt: skip
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = base_worktree(args.base, Path(tmp))
-        try:
-            what = "no-op stand-in" if args.noop else args.scheduler
-            print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({what}), this "
-                  f"tree against {args.base}, {args.pairs} pairs, {cpu_model()}", file=out)  # fmt: skip
-            keys = _NOOP_KEYS if args.noop else _ROW_KEYS
-            print("pair arm  " + " ".join(f"{_HEADS[k]:>9}" for k in keys), file=out)
-            for i in range(1, args.pairs + 1):
-                arms = {"base": base, "this": REPO}
-                got: dict[str, dict[str, Any]] = {}
-                for name in run_order(i):
-                    got[name] = run_arm(arms[name], arm_args, noop=args.noop)
-                    print(_row(i, name, got[name], keys), file=out, flush=True)
-                pairs.append((got["base"], got["this"]))
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
-                           capture_output=True, check=False)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, checked_out(args.base, Path(tmp)) as base:
+        what = "no-op stand-in" if args.noop else args.scheduler
+        print(f"bench_ab_load: {args.sessions} sessions x {args.turns} turns ({what}), this "
+              f"tree against {args.base}, {args.pairs} pairs, {cpu_model()}", file=out)  # fmt: skip
+        keys = _NOOP_KEYS if args.noop else _ROW_KEYS
+        print("pair arm  " + " ".join(f"{_HEADS[k]:>9}" for k in keys), file=out)
+        for i in range(1, args.pairs + 1):
+            arms = {"base": base, "this": REPO}
+            got: dict[str, dict[str, Any]] = {}
+            for name in run_order(i):
+                got[name] = run_arm(arms[name], arm_args, noop=args.noop)
+                print(_row(i, name, got[name], keys), file=out, flush=True)
+            pairs.append((got["base"], got["this"]))
     summary = summarize(pairs)
     for key, s in summary.items():
         print(f"  {key}: median {s['median_ratio']:.3f}x, mean {s['mean_ratio']:.3f}x (this tree over the "

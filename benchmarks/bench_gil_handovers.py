@@ -11,10 +11,10 @@ gRPC's threads and the in-process clients, and the turns/s of the same code move
 on the 2-vCPU VMs. Counts of hand-overs a turn move far less (orchestrator/README.md, "Session 39": the
 turn's registry reads in one statement took the sqlite3 ones from 26 to 10-12 a turn in 4 runs, while
 turns/s read 149 / 148 against 165 / 151). Each arm runs in a child process importing its own tree (the
-base: a temporary `git worktree` of REV, as `bench_ab_load` makes it), arms alternating round by round;
-`perf record -a` runs for `--seconds` once the child's measured turns have started (`overhead`'s
-`on_measuring`, so REV must be of session 39 or later), and only the child's threads are counted. A
-turn's figures divide by the turns of that window (the sweep's turns/s times its length).
+base: a temporary `git worktree` of REV, as `bench_ab_load` makes it), arms alternating round by round
+as its pairs do; `perf record -a` runs for `--seconds` once the child's measured turns have started
+(`overhead`'s `on_measuring`, so REV must be of session 39 or later), and only the child's threads are
+counted. A turn's figures divide by the turns of that window (the sweep's turns/s times its length).
 
 Reported per arm and round: turns/s, the process's threads' switch-outs a turn, the waits for the GIL a
 turn (switch-outs inside `take_gil`) and those by who let go (`CATEGORIES`: Python locks, RLocks,
@@ -25,6 +25,7 @@ torch, other).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,22 +37,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_ab_load import REPO, base_worktree
+from benchmarks.bench_ab_load import CHILD_START, REPO, checked_out, run_order
 from benchmarks.hardware import cpu_model, enter_numerics
 from benchmarks.report import add_json_flag, table_stream, write_json
 from orchestrator.numerics_env import resolve_cpu_path
 
 _MARK_START, _MARK_RESULT = "GIL-MEASURING", "GIL-RESULT "
 
-# The child, from its arm's tree: the no-op sweep, saying when its measured turns start.
-_CHILD = """
-import json, sys, tempfile
-from pathlib import Path
-args = json.loads(sys.argv[1])
-from model import configure_torch
-configure_torch(args["cpu_path"])
-from benchmarks.report import logs_to_stderr
-logs_to_stderr()
+# The child, from its arm's tree (started as `bench_ab_load`'s children): the no-op sweep, saying when its
+# measured turns start.
+_SWEEP = """
 from benchmarks.bench_service import overhead
 import inspect
 if "on_measuring" not in inspect.signature(overhead).parameters:
@@ -61,7 +56,8 @@ def started():
 with tempfile.TemporaryDirectory() as d:
     r = overhead(Path(d), args["sessions"], args["turns"], "threads", on_measuring=started)
 print(RESULT + json.dumps({"turns_per_s": r["turns_per_s"]}), flush=True)
-""".replace("START", repr(_MARK_START)).replace("RESULT", repr(_MARK_RESULT))
+"""
+_CHILD = CHILD_START + _SWEEP.replace("START", repr(_MARK_START)).replace("RESULT", repr(_MARK_RESULT))
 
 # Who let go of the GIL, by the first two frames under `PyEval_RestoreThread` (symbols, or the libraries'
 # paths), the first category that matches (an RLock's frames hold a lock's too).
@@ -230,22 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     enter_numerics("auto", "benchmarks.bench_gil_handovers", argv)
     arm_args = {"sessions": args.sessions, "turns": args.turns, "cpu_path": resolve_cpu_path("auto")}
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvresume-gil-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvresume-gil-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         trees = {"this": REPO}
         if args.base is not None:
-            trees["base"] = base_worktree(args.base, work)
-        try:
-            for i in range(args.rounds):
-                order = list(trees) if i % 2 == 0 else list(reversed(trees))
-                for name in order:
-                    runs.append(
-                        {"arm": name, "round": i + 1, **run_arm(trees[name], arm_args, args.seconds, work)}
-                    )
-        finally:
-            if "base" in trees:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees["base"])],
-                               capture_output=True, check=False)  # fmt: skip
+            trees["base"] = stack.enter_context(checked_out(args.base, work))
+        for i in range(1, args.rounds + 1):
+            for name in run_order(i) if args.base is not None else ("this",):
+                runs.append({"arm": name, "round": i, **run_arm(trees[name], arm_args, args.seconds, work)})
     out = table_stream(args.json)
     print(
         f"GIL hand-overs at {args.sessions} sessions x {args.turns} turns (no-op stand-in), "

@@ -1,4 +1,4 @@
-"""A turn's registry reads in one read transaction on SQLite through the driver: the session's facts, its
+"""A turn's registry reads on SQLite through the driver, in one snapshot: the session's facts, its
 history, the tenant's effective policy, the session's segment spans and, for a switch or a new session,
 the mappers to the turn's model, as `SessionRepository.facts` / `history`, `PolicyRepository.effective`,
 `SegmentRepository.spans_of` and `MapperRepository.list` give them in a Session (their tested twins),
@@ -9,8 +9,8 @@ a BEGIN statement, four Core executions and a ROLLBACK, several times the driver
 
 How: one SELECT (`_ONE`) that returns one row: the session's facts and its tenant's policy as columns,
 the history's ids concatenated in SQL, with the turns' indexes aggregated beside them (the order check
-below), and the spans as a JSON array. One statement on an autocommit connection reads
-one snapshot. Why one row: Python 3.11's sqlite3 lets go of the GIL around each statement step and each
+below), and the spans as a JSON array. One statement on an autocommit connection reads one snapshot.
+Why one row: Python 3.11's sqlite3 lets go of the GIL around each statement step and each
 column of each fetched row, and the four statements' rows (a turn row per turn of the history, a span
 row per segment) made about 70 such hand-overs a turn at 12 turns of history, growing with it; with 64
 sessions' threads waiting for the GIL, each one hands it to another thread and waits to get it back
@@ -127,8 +127,8 @@ def reads_mappers(row: Any, history: list[int], model: str) -> bool:
 
 
 class TurnReads:
-    """The per-turn reads on SQLite in one driver transaction; `read` returns None on other databases
-    (the caller reads through a Session).
+    """The per-turn reads on SQLite through the driver (`_ONE`, else the four statements in one read
+    transaction); `read` returns None on other databases (the caller reads through a Session).
 
     Args:
         sessions: the registry's read sessions (their engine is used when it is SQLite).
