@@ -123,6 +123,23 @@ def _stored_tokens(outcome: Any, stored_before: int) -> int:
     return max(seg.end_pos for seg in outcome.segments)
 
 
+def _decoded_ahead(
+    got: Continued, token: int, stops: set[int], generated: int, max_new_tokens: int, handle: TurnHandle
+) -> Continued | None:
+    """The chain's next pass when it has already ended with a sampled token that the turn streams after
+    `token` (the `generated`-th), else None: the turn then stops after `token` (a stop token, the length
+    limit, a cancel), or waits for that pass (not done, failed, or halted without a token)."""
+    if token in stops or generated >= max_new_tokens or handle.cancelled:
+        return None
+    nxt = got.next
+    if nxt is None or not nxt.done() or nxt.cancelled() or nxt.exception() is not None:
+        return None
+    ahead = nxt.result()
+    if not isinstance(ahead, Continued) or ahead.token is None:
+        return None
+    return ahead
+
+
 class TurnEngine:
     """Runs turns for the Sessions servicer (many sessions at once; one turn per session is enforced by
     the servicer's RunningTurns and by the registry's unique turn index).
@@ -409,7 +426,17 @@ class TurnEngine:
                     assert got.token is not None  # only a halt leaves a pass without a token
                     token = got.token
                     output.append(token)
-                    yield TokenChunkEvent(ids=(token,), text=served.codec.decode([token]))
+                    chunk = [token]
+                    # Tokens whose passes have already ended go out with this one, in one message: under
+                    # load the chain runs ahead of this thread, and each streamed message costs the
+                    # server and the client a send, a receive and their thread hand-offs. No token
+                    # waits for another (only passes already done are read).
+                    while (ahead := _decoded_ahead(got, token, stops, len(output), gen.max_new_tokens,
+                                                   handle)) is not None:  # fmt: skip
+                        got, token = ahead, ahead.token
+                        output.append(token)
+                        chunk.append(token)
+                    yield TokenChunkEvent(ids=tuple(chunk), text=served.codec.decode(chunk))
                     if token in stops:
                         finish = FinishReason.STOP
                         break
