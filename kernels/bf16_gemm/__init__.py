@@ -17,23 +17,22 @@ __all__ = ["bf16_linear", "bf16_linear_takes_compiled_path", "pack_bf16_weight"]
 
 def bf16_linear_takes_compiled_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `bf16_linear(x, weight, ...)` runs the compiled path (else it is F.linear). Never where
-    autograd records the product (training): the compiled path has no backward."""
+    autograd records the product (training): the compiled path has no backward.
+
+    Asked before every bf16 product of the model (about 90 a decode step), so the cheap tensor
+    properties go first (`is_cpu`, not `device.type`, which builds a device object a call): 3.4 -> 1.8 us
+    a call of 42 rows here (AMD EPYC)."""
     k = x.size(-1) if x.dim() else 0
-    # cheapest first: most calls it refuses are one-row products (a lone decode's)
-    if x.numel() < 2 * k or k == 0:
+    # one row (a lone decode's products, the commonest refusal) goes to ATen's gemv: covers() below
+    if k == 0 or x.numel() < 2 * k:
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
+        return False
+    if weight.dim() != 2 or weight.size(1) != k:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    return (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and x.size(-1) == weight.size(1)
-        and covers(x.numel() // max(1, x.size(-1)), weight.size(1))
-        and usable()
-    )
+    return covers(x.numel() // k, k) and usable()
 
 
 def bf16_linear(
