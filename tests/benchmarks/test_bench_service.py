@@ -29,6 +29,9 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path, capsys) -> None:
     doc = json.loads(path.read_text())
     for key in HEADLINE:
         assert doc[key] is not None, key
+    # a turn of 4 tokens streams its plan, 1 to 4 token chunks and its stats
+    for sessions, costs in doc["per_turn_costs"].items():
+        assert 3 <= costs["stream_messages_per_turn"] <= 6, sessions
     # the label names the cpu path the served models computed under, never "auto"
     assert "cpu=auto" not in doc["numerics_profile"] and "cpu=" in doc["numerics_profile"]
     assert doc["model_load"]["c64_serial"]["scheduler"] == "serial"
