@@ -25,6 +25,8 @@ class TurnHandle:
     reason: str = ""
     # Set with the cancel: the turn's input and streamed tokens join the history (Abort keep_partial).
     keep_partial: bool = False
+    # Set when the turn left the running turns (`RunningTurns.finish`): a cancel has nothing to stop.
+    finished: bool = False
 
     def cancel(self, reason: str, *, keep_partial: bool = False) -> None:
         """Ask the turn to stop at its next step; the first cancel's reason and choice win."""
@@ -79,6 +81,7 @@ class RunningTurns:
             return handle
 
     def finish(self, handle: TurnHandle) -> None:
+        handle.finished = True
         with self._lock:
             if self._by_session.get(handle.session_id) is handle:
                 del self._by_session[handle.session_id]
