@@ -16,10 +16,13 @@ even ones), so that a drift within a pair, or a cost of running second, meets bo
 session 39 the base always ran first: in one run the model process, the same code in both arms, took
 1.048x the CPU a turn in the second arm). Reported per pair, in the order run: turns/s, the model
 process's CPU a turn (with its `prefill_many` and `decode_many`), the service process's CPU a turn,
-client p99, and `svc_over_model`, the service's CPU a turn over the model process's; and the median and
-mean of the pairs' ratios (this tree over the base). Where only the service differs between the trees,
-the model process's CPU a turn measures the machine's speed during each arm, and `svc_over_model` is the
-service's cost with that drift divided out.
+client p99, `svc_over_model`, the service's CPU a turn over the model process's, and `model_busy`, the
+model process's CPU over the arm's wall (turns/s times its CPU a turn); and the median and mean of the
+pairs' ratios (this tree over the base). Where only the service differs between the trees, the model
+process's CPU a turn measures the machine's speed during each arm, and `svc_over_model` is the service's
+cost with that drift divided out. With the model process on a CPU of its own, turns/s is `model_busy`
+over its CPU a turn: a change to how steps are formed shows in both (session 40's pipelined steps raised
+`model_busy` from 0.94 to 0.96-0.97 and the CPU a turn by 1.08x: smaller decode batches).
 
 `--noop`: the arms are `bench_service`'s no-op sweeps instead (`bench_service.overhead` from the arm's
 tree, the thread-pool gRPC server, the NO-OP STAND-IN): `--sessions` sessions at once, `--turns` measured
@@ -114,13 +117,20 @@ def run_arm(tree: Path, args: dict[str, Any], *, noop: bool = False) -> dict[str
         return {k: result.get(k) for k in _NOOP_KEYS}
     ops = result.get("model_ops_cpu_ms_per_turn") or {}
     arm = {**{k: result.get(k) for k in _KEYS}, **{f"{op}_ms": ops.get(op) for op in _OPS}}
-    return with_svc_over_model(arm)
+    return with_model_busy(with_svc_over_model(arm))
 
 
 def with_svc_over_model(arm: dict[str, Any]) -> dict[str, Any]:
     """`arm` with `svc_over_model`: its service CPU a turn over its model process's (None without both)."""
     svc, model = arm.get("service_cpu_ms_per_turn"), arm.get("model_process_cpu_ms_per_turn")
     return {**arm, "svc_over_model": svc / model if svc is not None and model else None}
+
+
+def with_model_busy(arm: dict[str, Any]) -> dict[str, Any]:
+    """`arm` with `model_busy`: its model process's CPU over its wall, turns/s times the CPU a turn (None
+    without both; computed here, so a base revision whose load run does not report it has it too)."""
+    rate, model = arm.get("turns_per_s"), arm.get("model_process_cpu_ms_per_turn")
+    return {**arm, "model_busy": rate * model / 1e3 if rate is not None and model is not None else None}
 
 
 def summarize(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
@@ -167,12 +177,12 @@ def checked_out(rev: str, into: Path) -> Iterator[Path]:
 
 
 _ROW_KEYS = ("turns_per_s", "p99_ms", "model_process_cpu_ms_per_turn", "prefill_many_ms", "decode_many_ms",
-             "service_cpu_ms_per_turn", "svc_over_model")  # fmt: skip
+             "service_cpu_ms_per_turn", "svc_over_model", "model_busy")  # fmt: skip
 
 
 _HEADS = {"turns_per_s": "turns/s", "p99_ms": "p99 ms", "model_process_cpu_ms_per_turn": "model ms/t",
           "prefill_many_ms": "prefill", "decode_many_ms": "decode", "service_cpu_ms_per_turn": "svc ms/t",
-          "svc_over_model": "svc/model", "c1_p50_ms": "c1 p50 ms"}  # fmt: skip
+          "svc_over_model": "svc/model", "model_busy": "busy", "c1_p50_ms": "c1 p50 ms"}  # fmt: skip
 
 
 def _row(pair: int, arm: str, r: dict[str, Any], keys: Sequence[str] = _ROW_KEYS) -> str:

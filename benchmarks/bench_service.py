@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'run':<22s} {'turns':>6s} {'turns/s':>8s} {'p50 ms':>9s} {'p99 ms':>9s} {'ttft p99':>9s} "
             f"{'qwait ms':>9s} {'dec tok/s':>10s} {'dec/step':>9s} {'step cpu ms/turn':>17s} "
-            f"{'wall/cpu':>9s} {'svc cpu ms/turn':>16s} {'model cpu ms/turn':>18s}",
+            f"{'wall/cpu':>9s} {'svc cpu ms/turn':>16s} {'model cpu ms/turn':>18s} {'model busy':>11s}",
             file=out,
         )
 
@@ -831,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['p99_ms']:>9.0f} {r['engine_ttft_p99_ms']:>9.0f} {r['queue_wait_mean_ms']:>9.1f} "
                 f"{r['decode_tokens_per_s']:>10.1f} {opt(r['decodes_per_step'], '9.1f')} "
                 f"{opt(r['step_cpu_ms_per_turn'], '17.1f')} {opt(r['step_wall_over_cpu'], '9.2f')} "
-                f"{r['service_cpu_ms_per_turn']:>16.1f} {opt(r['model_process_cpu_ms_per_turn'], '18.1f')}",
+                f"{r['service_cpu_ms_per_turn']:>16.1f} {opt(r['model_process_cpu_ms_per_turn'], '18.1f')} "
+                f"{opt(r['model_process_busy'], '11.3f')}",
                 file=out,
             )
     if load_rounds is not None:

@@ -211,20 +211,24 @@ def _run(
         # process's (None: not tuned, or no model process)
         "frozen_objects": tuned.objects if tuned is not None else None,
         "model_process_frozen_objects": model0.get("frozen_objects") if model0 is not None else None,
-        **_model_process_cpu(model0, model1, len(latencies)),
+        **_model_process_cpu(model0, model1, len(latencies), wall),
     }
 
 
-def _model_process_cpu(before: dict | None, after: dict | None, turns: int) -> dict[str, Any]:
-    """The model process's CPU per turn over the run, in all and by operation (`ProcessCompute.stats`;
-    None without a model process)."""
+def _model_process_cpu(before: dict | None, after: dict | None, turns: int, wall_s: float) -> dict[str, Any]:
+    """The model process's CPU per turn over the run, in all and by operation (`ProcessCompute.stats`),
+    and its CPU over the run's wall (`model_process_busy`: with the model process on one CPU of its own,
+    the share of the run it computed; the batched arm's turns/s is its CPU a turn's inverse times this);
+    None without a model process."""
     if before is None or after is None:
-        return {"model_process_cpu_ms_per_turn": None, "model_ops_cpu_ms_per_turn": None}
+        return {"model_process_cpu_ms_per_turn": None, "model_ops_cpu_ms_per_turn": None,
+                "model_process_busy": None}  # fmt: skip
     ops = {
         op: (cpu - before["ops"].get(op, (0, 0.0, 0.0))[1]) / turns * 1e3
         for op, (_, cpu, _) in after["ops"].items()
     }
     return {
         "model_process_cpu_ms_per_turn": (after["process_cpu_s"] - before["process_cpu_s"]) / turns * 1e3,
+        "model_process_busy": (after["process_cpu_s"] - before["process_cpu_s"]) / wall_s if wall_s else None,
         "model_ops_cpu_ms_per_turn": {op: ms for op, ms in sorted(ops.items(), key=lambda kv: -kv[1]) if ms},
     }

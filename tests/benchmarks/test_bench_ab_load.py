@@ -65,3 +65,12 @@ def test_the_service_cost_over_the_model_cost_of_an_arm() -> None:
     # an arm without a model process (or its figure) has none
     assert with_svc_over_model({"service_cpu_ms_per_turn": 5.0})["svc_over_model"] is None
     assert with_svc_over_model({**arm, "model_process_cpu_ms_per_turn": None})["svc_over_model"] is None
+
+
+def test_model_busy_is_the_model_process_cpu_over_the_wall() -> None:
+    from benchmarks.bench_ab_load import with_model_busy
+
+    arm = {"turns_per_s": 125.0, "model_process_cpu_ms_per_turn": 7.6}
+    assert with_model_busy(arm) == {**arm, "model_busy": pytest.approx(0.95)}
+    assert with_model_busy({"turns_per_s": 125.0})["model_busy"] is None
+    assert with_model_busy({**arm, "turns_per_s": None})["model_busy"] is None

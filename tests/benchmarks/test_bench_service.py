@@ -86,6 +86,10 @@ def test_main_runs_every_part_and_writes_the_headline(tmp_path, capsys) -> None:
         assert run["service_cpu_ms_per_turn"] > 0, name
         if run["model_process"] == "separate":
             ops = run["model_ops_cpu_ms_per_turn"]
+            assert run["model_process_busy"] > 0, name
+            if run["model_process_cpus"] and len(run["model_process_cpus"]) == 1:
+                # pinned to one CPU: its CPU over the wall is the share of the run it computed
+                assert run["model_process_busy"] <= 1.05, name
             assert run["model_process_cpu_ms_per_turn"] >= sum(ops.values()) * 0.9, name
             assert "decode_many" in ops or "decode" in ops, name
         else:
