@@ -227,8 +227,9 @@ def _model_process_cpu(before: dict | None, after: dict | None, turns: int, wall
         op: (cpu - before["ops"].get(op, (0, 0.0, 0.0))[1]) / turns * 1e3
         for op, (_, cpu, _) in after["ops"].items()
     }
+    cpu_s = after["process_cpu_s"] - before["process_cpu_s"]
     return {
-        "model_process_cpu_ms_per_turn": (after["process_cpu_s"] - before["process_cpu_s"]) / turns * 1e3,
-        "model_process_busy": (after["process_cpu_s"] - before["process_cpu_s"]) / wall_s if wall_s else None,
+        "model_process_cpu_ms_per_turn": cpu_s / turns * 1e3,
+        "model_process_busy": cpu_s / wall_s if wall_s else None,
         "model_ops_cpu_ms_per_turn": {op: ms for op, ms in sorted(ops.items(), key=lambda kv: -kv[1]) if ms},
     }
