@@ -220,11 +220,16 @@ class ChunkWriter:
         size = self.config.chunk_tokens
         now = self._now()
         ttag, stag, mtag = tenant_tag(salt), session_tag(salt, session), model_tag(fp)
-        parent = chain_root(fp, salt)
-        parents = {0: parent}
-        for k in range(1, max(s for s, _ in ranges) // size + 1):
-            parent = self._addresses.address(parent, toks[(k - 1) * size * 4 : k * size * 4])
-            parents[k * size] = parent
+        root = chain_root(fp, salt)
+        needed = max(s for s, _ in ranges) // size
+        # the full chunks below the last range (each the parent of the next): from a kept walk of the same
+        # tokens where one holds them, the rest computed
+        chain = self._addresses.leading(root, toks, size, needed)
+        for k in range(len(chain), needed):
+            chain.append(
+                self._addresses.address(chain[-1] if chain else root, toks[k * size * 4 : (k + 1) * size * 4])
+            )
+        parents = {0: root} | {(k + 1) * size: addr for k, addr in enumerate(chain)}
         plan: list[tuple[int, int, bytes, bytes, bool, ChunkMeta | None]] = []
         new_bytes = 0
         replaced_bytes = 0

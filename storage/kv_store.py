@@ -482,11 +482,19 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             spans: list[ChunkSpan] = []
             if salt is None:
                 return LookupResult(n_tokens=0, spans=spans, miss=Miss(reason=MissReason.ABSENT, at_token=0))
-            parent = chain_root(model_fingerprint, salt)
+            root = parent = chain_root(model_fingerprint, salt)
             pos = 0
             index = self._index.meta
+            # the full chunks' addresses a kept walk of the same leading tokens holds; the rest computed
+            known = self._addresses.leading(root, toks, size, n // size)
+            walked: list[bytes] = []
             while pos + size <= n:
-                addr = self._addresses.address(parent, toks[pos * 4 : (pos + size) * 4])
+                k = len(walked)
+                addr = (
+                    known[k]
+                    if k < len(known)
+                    else self._addresses.address(parent, toks[pos * 4 : (pos + size) * 4])
+                )
                 meta = index.get(addr)
                 if meta is None:
                     break
@@ -496,8 +504,11 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                         n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
                     )
                 spans.append(ChunkSpan(address=addr, start=pos, end=pos + size))
+                walked.append(addr)
                 parent = addr
                 pos += size
+            if len(walked) > len(known):
+                self._addresses.remember_walk(root, toks, size, walked)
             for length in sorted(self._index.tail_lengths(parent), reverse=True):
                 if pos + length > n:
                     continue

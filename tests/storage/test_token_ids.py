@@ -78,3 +78,57 @@ def test_chain_addresses_equal_chunk_address_on_random_chains(capacity) -> None:
 def test_chain_addresses_refuse_a_negative_capacity() -> None:
     with pytest.raises(ValueError, match="capacity_bytes must be >= 0, got -1"):
         ChainAddresses(-1)
+
+
+@pytest.mark.parametrize("walk_capacity", [0, 2 * 3 * 64 * 4, 32 << 20])
+def test_kept_walks_give_chunk_address_chains_on_random_histories(walk_capacity) -> None:
+    """Histories that grow at their end, shrink, branch inside a kept chunk and share first chunks, walked
+    as the store walks them (kept leading addresses first, the rest computed, the walk remembered):
+    every address `leading` gives is the chain's `chunk_address`, and the kept bytes stay bounded."""
+    rng = random.Random(secrets.randbits(64))
+    memo = ChainAddresses(walk_capacity_bytes=walk_capacity)
+    size = 64
+    roots = [secrets.token_bytes(32) for _ in range(2)]
+    histories = [[rng.randrange(2**17) for _ in range(rng.randrange(size, 6 * size))] for _ in range(3)]
+    served = 0
+    for _ in range(80):
+        hist = histories[rng.randrange(len(histories))]
+        roll = rng.random()
+        if roll < 0.4:
+            hist += [rng.randrange(2**17) for _ in range(rng.randrange(1, 2 * size))]  # grows at its end
+        elif roll < 0.55 and len(hist) > 1:
+            del hist[rng.randrange(1, len(hist)) :]  # shorter: a prefix of what was walked
+        elif roll < 0.75 and len(hist) > 1:
+            # an edit anywhere (inside a kept chunk, too): the same first chunk or not, other bytes after it
+            at = rng.randrange(len(hist))
+            histories.append(hist[:at] + [(hist[at] + 1) % 2**17] + hist[at + 1 :])
+            hist = histories[-1]
+        toks, root = token_bytes(hist), rng.choice(roots)
+        full = len(hist) // size
+        limit = rng.randrange(full + 1)
+        known = memo.leading(root, toks, size, limit)
+        assert len(known) <= limit
+        chain, parent = [], root
+        for k in range(full):
+            parent = chunk_address(parent, toks[k * size * 4 : (k + 1) * size * 4])
+            chain.append(parent)
+        assert known == chain[: len(known)]
+        served += len(known)
+        memo.remember_walk(root, toks, size, chain[: rng.randrange(full + 1)])
+        assert memo.walk_bytes <= walk_capacity
+    # a memo with room for every walk serves walks again (a small one may have evicted each in between);
+    # one without room keeps nothing
+    assert served > 0 if walk_capacity >= 1 << 20 else served == 0 or walk_capacity > 0
+
+
+def test_a_walk_of_mutable_bytes_is_not_kept() -> None:
+    """Only immutable bytes are kept: a buffer could change under the addresses kept for it."""
+    memo, root = ChainAddresses(), secrets.token_bytes(32)
+    buf = bytearray(token_bytes(list(range(128))))
+    memo.remember_walk(root, buf, 64, [chunk_address(root, bytes(buf[: 64 * 4]))])  # type: ignore[arg-type]
+    assert memo.walk_bytes == 0 and memo.leading(root, bytes(buf), 64, 2) == []
+
+
+def test_chain_addresses_refuse_a_negative_walk_capacity() -> None:
+    with pytest.raises(ValueError, match="walk_capacity_bytes must be >= 0, got -1"):
+        ChainAddresses(walk_capacity_bytes=-1)
