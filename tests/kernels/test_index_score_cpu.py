@@ -44,6 +44,30 @@ def test_compiled_scores_equal_the_reference_bit_for_bit(d: int) -> None:
             assert torch.equal(_bits(got), _bits(want)), (seed, d, b, t, h, n, vis is None)
 
 
+def _wide(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values with random signs over 2^-6..2^6: a sum's order shows in its last bit far more often
+    than with normal values (and survives the bf16 rounding of each head's score)."""
+    exponent = torch.randint(-6, 7, shape, generator=g).float()
+    sign = torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+    return (sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))).bfloat16()
+
+
+@pytest.mark.parametrize("d", [16, 32, 64])
+def test_wide_range_scores_show_the_order_and_equal_the_reference(d: int) -> None:
+    """Wide-range inputs on the blocked loop's shapes (whole and short key blocks, rows that see part of
+    a block): every score's bits equal the reference's. Normal inputs hide most reorderings of a sum
+    after the bf16 rounding; these do not (a swapped lane pair of the D = 32 sums failed here)."""
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        t, n = int(torch.randint(2, 33, (1,), generator=g)), int(torch.randint(1, 600, (1,), generator=g))
+        q, k, w = _wide(g, 1, t, 2, d), _wide(g, 1, n, d), _wide(g, 1, t, 2)
+        visible = torch.randint(0, n + 1, (t,), generator=g)
+        want = index_score_reference(q, k, w, visible=visible)
+        got = cpu.index_score_cpu(q, k, w, visible)
+        assert got is not None and torch.equal(_bits(got), _bits(want)), (seed, d, t, n)
+
+
 def test_views_of_larger_tensors_score_each_batch_row_as_its_own() -> None:
     """Each batch row's pointers are the tensors' base plus i strides (no per-row select): inputs that are
     views with a storage offset, or strided and copied by `.contiguous()`, give every row the reference's
