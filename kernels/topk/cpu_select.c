@@ -8,7 +8,9 @@
  * every NaN gets +inf's bits plus one, above every score), shifted left 16, with 65535 - j in the low
  * bits. Keys are distinct, so the k largest are one set whatever the method: here a min-heap of the best
  * k for few picks against many entries, else a quickselect on a scratch copy (a sort of the range left
- * where it runs long); then the picked ids sorted ascending.
+ * where it runs long); then the picked ids sorted ascending. With AVX2 the heap's scan makes 8 keys at
+ * a time and lets through only those above the heap's least (session 41: a 24-token chunk's rows over
+ * 225 entries, k = 16, 1.08 -> 0.56 us a row on an AMD EPYC), the same set as the scalar scan.
  * A pick is unusable when its id is at or past the row's visible count, (drop_neg_inf) when its score is
  * -inf, or (drop_nan) when it is NaN (a candidate pool keeps only blocks whose score is above -inf); the
  * row's kept ids come first, ascending, then -1 for the unusable ones.
@@ -18,6 +20,9 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define BF16_NEG_INF 0xFF80u
 #define BF16_NAN_KEY 0x7F81 /* +inf's bits plus one */
@@ -102,7 +107,39 @@ static void top_k_heap(const uint16_t *row, int64_t n, int64_t k, int32_t *heap)
             i = (i - 1) / 2;
         }
     }
-    for (int64_t j = k; j < n; j++) {
+    int64_t j = k;
+#ifdef __AVX2__
+    /* 8 entries at a time: their keys made as `rank_key` makes them and compared with the heap's least;
+     * only those above it go through the heap (in order, each compared again with the heap's least of
+     * the moment, which only rises: the set kept is the scalar loop's). */
+    const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFF), inf_bits = _mm256_set1_epi32(0x7F80);
+    const __m256i neg_zero = _mm256_set1_epi32(0x8000), nan_key = _mm256_set1_epi32(BF16_NAN_KEY);
+    const __m256i top_id = _mm256_set1_epi32(65535), zero = _mm256_setzero_si256();
+    for (; j + 8 <= n; j += 8) {
+        const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + j)));
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf_bits);
+        const __m256i plain = _mm256_andnot_si256(_mm256_cmpeq_epi32(bits, neg_zero), bits); /* -0 -> +0 */
+        const __m256i s = _mm256_srai_epi32(_mm256_slli_epi32(plain, 16), 16);              /* as int16 */
+        __m256i mono = _mm256_blendv_epi8(s, _mm256_xor_si256(s, magnitude), _mm256_cmpgt_epi32(zero, s));
+        mono = _mm256_blendv_epi8(mono, nan_key, nan);
+        const __m256i ids = _mm256_sub_epi32(top_id, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lane_ids));
+        const __m256i keys = _mm256_or_si256(_mm256_slli_epi32(mono, 16), ids);
+        unsigned above = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(heap[0]))));
+        if (!above) continue;
+        int32_t lane_keys[8];
+        _mm256_storeu_si256((__m256i *)lane_keys, keys);
+        while (above) {
+            const int lane = __builtin_ctz(above);
+            above &= above - 1;
+            if (lane_keys[lane] > heap[0]) {
+                heap[0] = lane_keys[lane];
+                sift_down(heap, k);
+            }
+        }
+    }
+#endif
+    for (; j < n; j++) {
         int32_t key = rank_key(row[j], j);
         if (key > heap[0]) {
             heap[0] = key;

@@ -51,6 +51,28 @@ def test_compiled_selection_equals_the_torch_ops_on_fresh_scores() -> None:
             assert torch.equal(got, want), (seed, trial, b, t, n, k, drop)
 
 
+def test_few_picks_whose_last_falls_among_signed_zeros() -> None:
+    """The min-heap's rows (k at most n / 8, scanned 8 entries at a time) where the k-th pick lies in a
+    run of +0 and -0: they tie, so ids decide, whatever the sign; fewer positives than k, a sprinkle of
+    NaN, +inf and -inf, and every row width mod 8 (the scan's tail)."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    for trial in range(60):
+        t, n = rng.randint(1, 6), rng.randint(16, 700)
+        k = rng.randint(1, n // 8)
+        u = torch.rand(1, t, n, generator=g)
+        scores = torch.where(u < 0.5, torch.tensor(0.0), torch.tensor(-0.0)).bfloat16()
+        scores[u > 0.9] = -1.0
+        scores[u > 0.97] = -torch.inf
+        picks = torch.rand(1, t, n, generator=g)
+        scores[picks < (k / 2) / n] = 2.0  # about k / 2 positives a row
+        scores[picks > 1 - 0.5 / n] = float("nan")
+        scores[(picks > 0.3) & (picks < 0.3 + 0.5 / n)] = torch.inf
+        for drop in (True, False):
+            got, want = _both(scores, k, rng.randint(0, n + 2), drop)
+            assert torch.equal(got, want), (seed, trial, t, n, k, drop)
+
+
 def test_rows_of_the_widest_key_and_strided_scores() -> None:
     """2^16 entries (the id field's whole range), a non-contiguous view, and all-equal rows (the order
     is then the ids alone)."""
