@@ -21,9 +21,10 @@
  * (`transpose_keys`: bits moved, nothing computed), at D = 32 (the models' index head dim) the sums are
  * written out with D known (`dot_block_32`), and a block a row sees whole is stored as 8 packed bf16: at
  * 24 rows x 2 heads over 450 keys, 96 -> 42 us a call (AMD EPYC, session 41), the same bits. Where a key
- * serves only a few (row, head) products (a decode row: one row,
- * two heads), the transposition costs more than they do, and each key's sums run on it directly,
- * vectorized across the dimension with each lane holding what that lane holds above (`dot_direct`).
+ * of 64 or more dimensions serves only a few (row, head) products (a decode row: one row, two heads), the
+ * transposition costs more than they do, and each key's sums run on it directly, vectorized across the
+ * dimension with each lane holding what that lane holds above (`dot_direct`); at D = 16 and 32 a decode
+ * row is faster blocked.
  * Built without fast-math and with -ffp-contract=off (kernels/native), so
  * the only fused operations are the explicit _mm256_fmadd_ps, where ATen fuses too (measured: products
  * whose fp32 rounding is visible, subnormal ones, match only fused). Needs AVX2 and FMA, which the
@@ -47,8 +48,12 @@
 #define LANES 8  /* ATen's fp32 vector width at the AVX2 level */
 #define REGS 8   /* ATen's accumulator registers per 64-wide chunk */
 /* (row, head) products a key up to which each key's products run on it directly (`scores_direct`) rather
- * than on a transposed block of 8 keys: measured on the Zen 4 VM, a decode row's 2 heads at D = 32 */
+ * than on a transposed block of 8 keys, for head dims above DIRECT_MIN_D: measured on the Zen 4 VM (session
+ * 32), a decode row's 2 heads. Since the blocks are transposed with shuffles (session 41, AMD EPYC), a
+ * decode row at D = 32 is faster blocked (2 heads over 450 keys 5.1-5.3 against 7.8-8.3 us; D = 16 4.6-4.8
+ * against 8.4-8.6), while at D = 64 and 128 the direct loop stays faster (9.1-9.4 against 12.5-14.6 us). */
 #define DIRECT_MAX_PRODUCTS 4
+#define DIRECT_MIN_D 64
 
 static inline __m256 round_bf16(__m256 x) { return _mm256_castsi256_ps(round_bf16_bits(x)); }
 
@@ -216,7 +221,7 @@ int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, in
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t n = computed; n < n_keys; n++) out[r * n_keys + n] = 0xFF80;
-    if (rows * heads <= DIRECT_MAX_PRODUCTS) {
+    if (rows * heads <= DIRECT_MAX_PRODUCTS && d >= DIRECT_MIN_D) {
         scores_direct(qf, wf, k, rows, heads, d, computed, n_keys, visible, (float *)kt, out);
         free(qf);
         free(wf);

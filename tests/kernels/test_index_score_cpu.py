@@ -32,7 +32,7 @@ def _inputs(g: torch.Generator, b: int, t: int, h: int, d: int, n: int, *, scale
 def test_compiled_scores_equal_the_reference_bit_for_bit(d: int) -> None:
     seed = random.SystemRandom().randrange(2**31)  # fresh inputs every run; the seed is in the message
     g = torch.Generator().manual_seed(seed)
-    # (a decode row's few products take the C file's direct loop, the others its blocks of 8 keys)
+    # (a decode row's few products take the C file's direct loop at D >= 64, the others its blocks of 8 keys)
     for b, t, h, n in [(1, 80, 4, 2053), (2, 3, 4, 517), (1, 1, 4, 9), (1, 5, 1, 300), (3, 2, 2, 1),
                        (5, 1, 2, 701), (2, 2, 1, 333), (1, 1, 3, 64)]:  # fmt: skip
         q, k, w = _inputs(g, b, t, h, d, n)
@@ -55,12 +55,13 @@ def _wide(g: torch.Generator, *shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("d", [16, 32, 64])
 def test_wide_range_scores_show_the_order_and_equal_the_reference(d: int) -> None:
     """Wide-range inputs on the blocked loop's shapes (whole and short key blocks, rows that see part of
-    a block): every score's bits equal the reference's. Normal inputs hide most reorderings of a sum
+    a block, a decode row's one row at D = 16 and 32, the direct loop's at 64): every score's bits equal
+    the reference's. Normal inputs hide most reorderings of a sum
     after the bf16 rounding; these do not (a swapped lane pair of the D = 32 sums failed here)."""
     seed = random.SystemRandom().randrange(2**31)
     g = torch.Generator().manual_seed(seed)
     for _ in range(40):
-        t, n = int(torch.randint(2, 33, (1,), generator=g)), int(torch.randint(1, 600, (1,), generator=g))
+        t, n = int(torch.randint(1, 33, (1,), generator=g)), int(torch.randint(1, 600, (1,), generator=g))
         q, k, w = _wide(g, 1, t, 2, d), _wide(g, 1, n, d), _wide(g, 1, t, 2)
         visible = torch.randint(0, n + 1, (t,), generator=g)
         want = index_score_reference(q, k, w, visible=visible)
