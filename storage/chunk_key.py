@@ -88,6 +88,13 @@ def chunk_address(parent: bytes, tokens: bytes) -> bytes:
     return hashlib.sha256(parent + _U32.pack(len(tokens) // 4) + tokens).digest()
 
 
+def _first_difference(a: bytes, b: bytes, n: int) -> int:
+    """The first byte offset below n where a and b differ (n when none does; both at least n long)."""
+    x, y = np.frombuffer(a, dtype=np.uint8, count=n), np.frombuffer(b, dtype=np.uint8, count=n)
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if differ.size else n
+
+
 class ChainAddresses:
     """`chunk_address` with the addresses already computed kept by (parent, chunk length): a store walks a
     session's whole chain two or three times a turn (its lookups, a put's parents), about 790 sha256 a
@@ -99,10 +106,12 @@ class ChainAddresses:
     (the oldest entries go first). Not thread-safe: the store calls it under its lock.
 
     Whole walks are kept too (`remember_walk`, `leading`): the full-chunk addresses of a history walked
-    from a root, with the history's bytes. A later walk whose tokens start with the same bytes (one
-    comparison over the kept part) takes those addresses as they are, instead of a slice, a memo key and
-    a chunk comparison per chunk (a lookup at a 64K-token history walked 250 chunks that way, about
-    0.5 ms, twice a turn). At most `walk_capacity_bytes` of history bytes are held for walks.
+    from a root, with the history's bytes, one walk per first chunk. A later walk whose tokens start with
+    the same bytes (one comparison over the kept part) takes those addresses as they are, instead of a
+    slice, a memo key and a chunk comparison per chunk (a lookup at a 64K-token history walked 250 chunks
+    that way, about 0.5 ms, twice a turn); one that differs further on takes the whole chunks before the
+    first differing byte. Sessions that share their first chunk share one kept walk, so each gets only
+    the common part of the last one kept. At most `walk_capacity_bytes` of history bytes are held.
     """
 
     def __init__(self, capacity_bytes: int = 16 << 20, walk_capacity_bytes: int = 32 << 20) -> None:
@@ -159,7 +168,11 @@ class ChainAddresses:
         count = min(limit, len(addresses), len(toks) // head)
         # one comparison of the kept part: equal bytes have equal chunk addresses
         if not toks.startswith(memoryview(kept_toks)[: count * head]):
-            return []
+            # another history that starts the same (sessions sharing a prompt, an edit further on): the
+            # whole chunks before the first differing byte still have the kept addresses
+            count = _first_difference(toks, kept_toks, count * head) // head
+            if count == 0:
+                return []
         self._walks[key] = self._walks.pop(key)  # most recently used last
         self.walk_hits += 1
         return addresses[:count]

@@ -121,6 +121,25 @@ def test_kept_walks_give_chunk_address_chains_on_random_histories(walk_capacity)
     assert served > 0 if walk_capacity >= 1 << 20 else served == 0 or walk_capacity > 0
 
 
+def test_a_history_that_differs_further_on_takes_the_chunks_before_the_difference() -> None:
+    """Two sessions that share a prompt, or an edit further on: a kept walk serves the whole chunks before
+    the first differing byte, and none after it (an edit in the last byte of chunk 3 keeps chunks 0-2)."""
+    rng = random.Random(secrets.randbits(64))
+    memo, root, size = ChainAddresses(), secrets.token_bytes(32), 64
+    first = [rng.randrange(2**17) for _ in range(6 * size + 5)]
+    toks = token_bytes(first)
+    chain, parent = [], root
+    for k in range(6):
+        parent = chunk_address(parent, toks[k * size * 4 : (k + 1) * size * 4])
+        chain.append(parent)
+    memo.remember_walk(root, toks, size, chain)
+    for at in (size, 3 * size + size - 1, 5 * size, rng.randrange(size, 6 * size)):
+        other = list(first)
+        other[at] = (other[at] + 1) % 2**17
+        assert memo.leading(root, token_bytes(other), size, 6) == chain[: at // size], at
+    assert memo.leading(root, token_bytes(first[:200] + [7] * 300), size, 6) == chain[:3]
+
+
 def test_a_walk_of_mutable_bytes_is_not_kept() -> None:
     """Only immutable bytes are kept: a buffer could change under the addresses kept for it."""
     memo, root = ChainAddresses(), secrets.token_bytes(32)
