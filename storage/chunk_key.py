@@ -129,7 +129,6 @@ class ChainAddresses:
         self._walk_bytes = 0
         self.hits = 0
         self.misses = 0
-        self.walk_hits = 0
 
     def address(self, parent: bytes, tokens: bytes) -> bytes:
         """`chunk_address(parent, tokens)`."""
@@ -174,7 +173,6 @@ class ChainAddresses:
             if count == 0:
                 return []
         self._walks[key] = self._walks.pop(key)  # most recently used last
-        self.walk_hits += 1
         return addresses[:count]
 
     def remember_walk(self, root: bytes, toks: bytes, size: int, addresses: list[bytes]) -> None:

@@ -487,9 +487,8 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
             index = self._index.meta
             # the full chunks' addresses a kept walk of the same leading tokens holds; the rest computed
             known = self._addresses.leading(root, toks, size, n // size)
-            walked: list[bytes] = []
             while pos + size <= n:
-                k = len(walked)
+                k = pos // size
                 addr = (
                     known[k]
                     if k < len(known)
@@ -504,11 +503,10 @@ class GlobalKVStore(ChunkWriter, RetentionOps, AuditDelivery):
                         n_tokens=pos, spans=spans, miss=Miss(reason=MissReason.EXPIRED, at_token=pos)
                     )
                 spans.append(ChunkSpan(address=addr, start=pos, end=pos + size))
-                walked.append(addr)
                 parent = addr
                 pos += size
-            if len(walked) > len(known):
-                self._addresses.remember_walk(root, toks, size, walked)
+            if len(spans) > len(known):
+                self._addresses.remember_walk(root, toks, size, [span.address for span in spans])
             for length in sorted(self._index.tail_lengths(parent), reverse=True):
                 if pos + length > n:
                     continue

@@ -116,7 +116,6 @@ static inline float dot_direct(const float *qv, const float *kv, int d) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));                    /* + (j + 1) */
 }
 
-
 /* dot_block for d == 32 (no 64-wide chunk): lane j is the fused chain over elements j, j + 8, j + 16,
  * j + 24 from zero, then the lanes summed pairwise (j + 4, then + 2, then + 1): `dot_block`'s order,
  * written out with d known. */
@@ -132,7 +131,6 @@ static inline __m256 dot_block_32(const float *qv, const __m256 *kt) {
     const __m256 a2 = _mm256_add_ps(s[2], s[6]), a3 = _mm256_add_ps(s[3], s[7]);
     return _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
 }
-
 
 /* kt[l] = (k[0][l], ..., k[7][l]) as fp32 for l < d, from 8 whole keys of d bf16 each (d a multiple of 8):
  * each key's 8-dimension pieces converted (bf16 -> fp32 is the bits shifted up, exact) and 8 x 8 blocks
@@ -243,7 +241,8 @@ int index_score_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *w, in
         for (int64_t r = 0; r < rows; r++) {
             __m256 total = zero; /* the head sum starts at +0, as torch's fp32 sum does */
             for (int h = 0; h < heads; h++) {
-                __m256 s = round_bf16(d == 32 ? dot_block_32(qf + (r * heads + h) * d, kt) : dot_block(qf + (r * heads + h) * d, kt, d));
+                const float *qv = qf + (r * heads + h) * d;
+                __m256 s = round_bf16(d == 32 ? dot_block_32(qv, kt) : dot_block(qv, kt, d));
                 /* relu keeps -0 and NaN (x < 0 ? +0 : x), as torch's does */
                 s = _mm256_blendv_ps(s, zero, _mm256_cmp_ps(s, zero, _CMP_LT_OQ));
                 total = _mm256_add_ps(total, round_bf16(_mm256_mul_ps(s, _mm256_set1_ps(wf[r * heads + h]))));

@@ -123,9 +123,10 @@ static void top_k_heap(const uint16_t *row, int64_t n, int64_t k, int32_t *heap)
         const __m256i s = _mm256_srai_epi32(_mm256_slli_epi32(plain, 16), 16);              /* as int16 */
         __m256i mono = _mm256_blendv_epi8(s, _mm256_xor_si256(s, magnitude), _mm256_cmpgt_epi32(zero, s));
         mono = _mm256_blendv_epi8(mono, nan_key, nan);
-        const __m256i ids = _mm256_sub_epi32(top_id, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lane_ids));
-        const __m256i keys = _mm256_or_si256(_mm256_slli_epi32(mono, 16), ids);
-        unsigned above = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, _mm256_set1_epi32(heap[0]))));
+        const __m256i j_lanes = _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lane_ids);
+        const __m256i keys = _mm256_or_si256(_mm256_slli_epi32(mono, 16), _mm256_sub_epi32(top_id, j_lanes));
+        const __m256i passing = _mm256_cmpgt_epi32(keys, _mm256_set1_epi32(heap[0]));
+        unsigned above = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(passing));
         if (!above) continue;
         int32_t lane_keys[8];
         _mm256_storeu_si256((__m256i *)lane_keys, keys);
