@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.sparse_attn.cpu import sparse_attn_compiled
 from model.ragged_mixes import lone_runs
 
 __all__ = ["ragged_sparse_attn"]
@@ -50,6 +51,12 @@ def ragged_sparse_attn(
 
     def exp(x: torch.Tensor) -> torch.Tensor:  # [1, S, ...]: each sequence's rows one lone run
         return lone_runs(torch.exp, x[0], runs).unsqueeze(0)
+
+    # the compiled loop (kernels/sparse_attn/cpu.py) where it runs: the same ops but for the two products,
+    # which read the indexed rows where they lie; else the loop below
+    compiled = sparse_attn_compiled(q, kv, attn_sink, topk_idxs, softmax_scale, exp)
+    if compiled is not None:
+        return compiled
 
     k = topk_idxs.size(-1)
     device = q.device

@@ -1,14 +1,17 @@
 """Sparse attention over gathered KV rows with a per-head sink: `sparse_attn(..., backend=)`.
 
-`reference.py` is the ground truth (bitwise equal to the official CPU port); `triton.py` is the CUDA
-kernel (also runs under TRITON_INTERPRET=1), equal to the reference up to exp/summation order.
+`reference.py` is the ground truth (bitwise equal to the official CPU port); `cpu.py` is its compiled
+CPU twin (bitwise equal to it; the torch backend takes it wherever its first-use probe finds torch's
+products summed in its order); `triton.py` is the CUDA kernel (also runs under TRITON_INTERPRET=1),
+equal to the reference up to exp/summation order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sparse_attn.reference import SPARSE_ATTN_BLOCK, sparse_attn_reference
+from kernels.sparse_attn.cpu import sparse_attn_compiled
+from kernels.sparse_attn.reference import SPARSE_ATTN_BLOCK, exp_alone, sparse_attn_reference
 
 __all__ = ["SPARSE_ATTN_BLOCK", "sparse_attn"]
 
@@ -70,6 +73,12 @@ def sparse_attn(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     _check_inputs(q, kv, attn_sink, topk_idxs)
     if backend == "torch":
+        # the compiled loop where this process's torch sums as it does (its first-use probe), else the
+        # reference's ops; the same bits either way
+        exp = exp_alone if rowwise and q.size(0) > 1 else torch.exp
+        out = sparse_attn_compiled(q, kv, attn_sink, topk_idxs, softmax_scale, exp)
+        if out is not None:
+            return out
         return sparse_attn_reference(q, kv, attn_sink, topk_idxs, softmax_scale, rowwise=rowwise)
     # imported here so that importing kernels never imports triton (the interpreter flag must be set first)
     from kernels.sparse_attn.triton import sparse_attn_triton

@@ -1,0 +1,184 @@
+"""The compiled CPU path of the sparse attention (cpu_sparse_attn.c): the reference's block loop with its
+two products compiled, the indexed KV rows read where they lie instead of gathered, converted and masked
+as tensors first; every other op of the loop (the running max, the exponentials, the sums, the bf16
+rounding of the probabilities, the final division) is the reference's own torch op on the same shapes.
+
+Its slow twin is `reference.sparse_attn_reference`: `sparse_attn_compiled` equals it bit for bit (NaN
+payloads aside) wherever it runs. The products' order is fixed in the C file (a fused chain per output in
+index order, what MKL's strict CNR mode computes); whether this process's torch sums that way is not
+assumed but probed at first use per shape (`takes`), on wide-range inputs with subnormal and overflowing
+products and masked ids, and where it does not (the portable profile's MKL kernels here, a torch built
+without MKL), or the library does not build, `sparse_attn_compiled` returns None and callers keep the
+reference's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import random
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.native import load_functions
+from kernels.sparse_attn.reference import RUNNING_MAX_INIT, SPARSE_ATTN_BLOCK, sparse_attn_reference
+
+__all__ = ["sparse_attn_compiled", "takes"]
+
+_SOURCE = Path(__file__).with_name("cpu_sparse_attn.c")
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+# the C file's stack buffers: a row's query (H x D floats) and a block's transposed keys (D vectors)
+_MAX_WIDTH = 1024
+_COMMON = [_P, _I64, _I64, _I64, _I64, _INT, _INT, _I64]  # ids, ids_stride, rows, per batch, n_kv, H, D, blk
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    return load_functions(
+        _SOURCE,
+        {
+            "sparse_scores": ([_P, _P, *_COMMON, ctypes.c_float, _P], _I64),
+            "sparse_accumulate": ([_P, _P, _P, *_COMMON, _P], _I64),
+        },
+    )
+
+
+def _shape_covered(heads: int, head_dim: int) -> bool:
+    return head_dim % 8 == 0 and 0 < head_dim <= _MAX_WIDTH and 0 < heads * head_dim <= _MAX_WIDTH
+
+
+def _wide(g: torch.Generator, *shape: int, low: int, high: int) -> torch.Tensor:
+    """bf16 values of random sign with exponents in [low, high]: products that underflow fp32's normal
+    range (they tell a fused chain from rounded products) and overflow it, beside ordinary ones."""
+    exponent = torch.randint(low, high + 1, shape, generator=g).float()
+    sign = torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+    return (sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))).bfloat16()
+
+
+# Row counts the probe runs: MKL may pick its kernel by the batch's size (under the portable profile on an
+# Intel Xeon with AVX-512 these products match the C order at 64 rows and not at 852), so one size cannot
+# vouch for the others; under the strict profile no row count changed a bit (session 42).
+_PROBE_ROWS = (1, 3, 64, 1000)
+# (q's exponents, kv's exponents): ordinary values; score products below fp32's normal range; huge queries
+# on tiny values, so that probabilities spread over 2^-14..1 multiply values near bf16's least, products
+# below fp32's normal range that tell a fused accumulation from rounded products; overflowing scores
+_PROBE_RANGES = (
+    ((-4, 4), (-4, 4)),
+    ((-70, -55), (-70, -55)),
+    ((120, 126), (-133, -120)),
+    ((-20, 60), (-20, 60)),
+)
+
+
+def _probe(heads: int, head_dim: int, width: int) -> bool:
+    """Whether the compiled loop equals the reference on this shape here: 1 to 1000 rows over 96 KV rows,
+    ids of `width` per row (one block or more) with masked ones, at four ranges of values."""
+    g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    n_kv = 96
+    for rows, ((q_low, q_high), (kv_low, kv_high)) in itertools.product(_PROBE_ROWS, _PROBE_RANGES):
+        q = _wide(g, 1, rows, heads, head_dim, low=q_low, high=q_high)
+        kv = _wide(g, 1, n_kv, head_dim, low=kv_low, high=kv_high)
+        ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
+        sink = torch.randn(heads, generator=g)
+        want = sparse_attn_reference(q, kv, sink, ids, head_dim**-0.5)
+        got = _compiled(q, kv, sink, ids, head_dim**-0.5, torch.exp)
+        if got is None or not torch.equal(got.isnan(), want.isnan()):
+            return False
+        finite = ~want.isnan()
+        if not torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16)):
+            return False
+    return True
+
+
+@cache
+def takes(heads: int, head_dim: int, width: int) -> bool:
+    """Whether `sparse_attn_compiled` runs for H heads of D dims over `width` ids a row: the library
+    builds, the shape is covered, and the probe found every bit of the reference (checked once a shape
+    and process; the block width is part of the shape, since MKL's order may change with it)."""
+    if not _shape_covered(heads, head_dim) or width <= 0 or _library() is None:
+        return False
+    blocks = {min(SPARSE_ATTN_BLOCK, width - s) for s in range(0, width, SPARSE_ATTN_BLOCK)}
+    with torch.inference_mode():
+        return all(_probe(heads, head_dim, b) for b in sorted(blocks))
+
+
+def _check(code: int, ids: torch.Tensor, n_kv: int) -> None:
+    if code:
+        flat = ids.reshape(-1, ids.size(-1))
+        row, col = divmod(code - 1, flat.size(-1))
+        raise IndexError(f"sparse attention id {int(flat[row, col])} out of range [-1, {n_kv}) "
+                         f"(row {row}, slot {col})")  # fmt: skip
+
+
+def _compiled(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    topk_idxs: torch.Tensor,
+    softmax_scale: float,
+    exp: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor | None:
+    lib = _library()
+    if lib is None:
+        return None
+    b, t, h, d = q.shape
+    n_kv, k = kv.size(1), topk_idxs.size(-1)
+    rows = b * t
+    qc, kvc = q.contiguous(), kv.contiguous()
+    ids = topk_idxs.to(torch.int32).contiguous()
+    device = q.device
+    acc_o = torch.zeros(b, t, h, d, dtype=torch.float32, device=device)
+    sum_exp = torch.zeros(b, t, h, dtype=torch.float32, device=device)
+    running_max = torch.full((b, t, h), RUNNING_MAX_INIT, dtype=torch.float32, device=device)
+    for start in range(0, k, SPARSE_ATTN_BLOCK):
+        blk = min(SPARSE_ATTN_BLOCK, k - start)
+        at = ids.data_ptr() + start * ids.element_size()
+        shape = (k, rows, t, n_kv, h, d, blk)  # ids_stride, rows, rows_per_batch, n_kv, H, D, blk
+        scores = torch.empty(b, t, h, blk, dtype=torch.float32, device=device)
+        _check(lib.sparse_scores(qc.data_ptr(), kvc.data_ptr(), at, *shape, softmax_scale, scores.data_ptr()),
+               ids, n_kv)  # fmt: skip
+        # the reference's ops from here to the products, on the same shapes
+        prev_max = running_max
+        running_max = torch.maximum(prev_max, scores.amax(dim=-1))
+        rescale = exp(prev_max - running_max)
+        p = exp(scores - running_max.unsqueeze(-1))
+        sum_exp = sum_exp * rescale + p.sum(dim=-1)
+        p_bf16 = p.to(torch.bfloat16).contiguous()
+        rescale = rescale.contiguous()
+        _check(lib.sparse_accumulate(p_bf16.data_ptr(), rescale.data_ptr(), kvc.data_ptr(), at, *shape,
+                                     acc_o.data_ptr()), ids, n_kv)  # fmt: skip
+    sum_exp = sum_exp + exp(attn_sink.float() - running_max)
+    return (acc_o / sum_exp.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def sparse_attn_compiled(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    topk_idxs: torch.Tensor,
+    softmax_scale: float,
+    exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp,
+) -> torch.Tensor | None:
+    """`sparse_attn_reference(q, kv, attn_sink, topk_idxs, softmax_scale)` bit for bit (NaN payloads
+    aside), its exponentials taken by `exp` (the reference's `torch.exp`, or a row-apart variant, applied
+    to the same tensors), or None where the compiled loop does not run (`takes`): the caller then runs the
+    reference's ops.
+
+    q [B, T, H, D] bf16, kv [B, N, D] bf16, attn_sink [H] fp32, topk_idxs [B, T, K] int ids in [-1, N), all
+    CPU (the caller validates shapes and dtypes).
+
+    Raises:
+        IndexError: an id outside [-1, N), as the reference's gather raises (nothing read past kv).
+    """
+    if q.device.type != "cpu" or kv.device.type != "cpu" or topk_idxs.size(-1) == 0:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad):
+        return None
+    if not takes(q.size(2), q.size(3), topk_idxs.size(-1)):
+        return None
+    return _compiled(q, kv, attn_sink, topk_idxs, softmax_scale, exp)

@@ -1,0 +1,147 @@
+/* The two products of the sparse attention's block loop (kernels/sparse_attn/reference.py), compiled: the
+ * gather, fp32 conversion and masking of the indexed KV rows fused into each product, so a block's KV rows
+ * are never gathered into a tensor of their own.
+ *
+ * scores: out[r, h, j] = (ids[r, j] != -1 ? q[r, h] . kv[row_j] : -inf) * scale, what the reference's
+ *         `torch.where(valid, einsum("bmhd,bmkd->bmhk", q, kv_blk), -inf) * scale` gives;
+ * accumulate: acc[r, h, :] = acc[r, h, :] * rescale[r, h] + sum_j p[r, h, j] * kv_blk[r, j, :], what its
+ *         `acc_o * rescale.unsqueeze(-1) + einsum("bmhk,bmkd->bmhd", p_bf16.float(), kv_blk)` gives,
+ *         where kv_blk[r, j] = kv[row_j] * (ids[r, j] != -1): an id of -1 reads row 0, which the reference
+ *         zeroes by a multiply. Here row 0 is used as it is, with the same bits: a masked slot's
+ *         probability is exp(-inf - running max), +0 or NaN, and +0 * x equals +0 * (x * 0) for every x
+ *         (a zero of x's sign when x is finite, NaN for an infinity or NaN), NaN * anything is NaN.
+ * row_j = max(ids[r, j], 0), in the kv rows of row r's batch row (r / rows_per_batch).
+ *
+ * The order of the sums is the one parameter: each product an fp32 fused multiply-add chain from +0 in
+ * index order (over the head dim for the scores, over the block's indices for the accumulation). Both
+ * operands are bf16 values, so every product is exact unless it leaves fp32's normal range; then only a
+ * fused chain matches. That is what MKL's strict CNR mode computes for these batched products (read off
+ * at the model's shapes, orchestrator/README.md, session 42); under other modes the caller's first-use
+ * probe (cpu.py) finds the bits differ and keeps the torch ops. Built without fast-math and with
+ * -ffp-contract=off (kernels/native), so the only fused operations are the explicit _mm256_fmadd_ps.
+ *
+ * Vectorized across keys for the scores (a block of 8 keys converted and transposed with shuffles, one
+ * AVX2 vector per dimension, each lane its key's chain) and across the head dim for the accumulation
+ * (each lane its output's chain): vectorizing never reassociates within one output's sums.
+ *
+ * Returns 0, or 1 + the flat position of the first id outside [-1, n_kv) (nothing read past the rows).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "../native/bf16.h"
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "cpu_sparse_attn.c needs AVX2 and FMA (the portable profile's instruction set)"
+#endif
+
+#define KEYS 8 /* keys per transposed block: one fp32 AVX2 vector per dimension */
+
+static const uint16_t ZERO_ROW[1024]; /* a padding lane's key: read, never stored */
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+/* kt[l] = (key_0[l], ..., key_7[l]) as fp32 for l < d (d a multiple of 8): bits moved, nothing computed. */
+static inline void transpose_keys(const uint16_t *const *key, int d, __m256 *kt) {
+    for (int c = 0; c < d; c += 8) {
+        __m256 r[KEYS];
+        for (int n = 0; n < KEYS; n++) r[n] = bf16x8(key[n] + c);
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+        kt[c + 0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+        kt[c + 1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+        kt[c + 2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+        kt[c + 3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+        kt[c + 4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+        kt[c + 5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+        kt[c + 6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+        kt[c + 7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+    }
+}
+
+/* The ids of one row's block checked against [-1, n_kv): 0, or 1 + the first bad position in the row. */
+static inline int64_t check_ids(const int32_t *id, int64_t blk, int64_t n_kv) {
+    for (int64_t j = 0; j < blk; j++)
+        if (id[j] < -1 || id[j] >= n_kv) return 1 + j;
+    return 0;
+}
+
+/* q [R, H, D] bf16, kv [B, n_kv, D] bf16, ids: row r's block at ids + r * ids_stride (blk int32),
+ * out [R, H, blk] fp32. D a multiple of 8, at most 1024 (the caller checks). */
+int64_t sparse_scores(const uint16_t *q, const uint16_t *kv, const int32_t *ids, int64_t ids_stride,
+                      int64_t rows, int64_t rows_per_batch, int64_t n_kv, int heads, int d, int64_t blk,
+                      float scale, float *out) {
+    __m256 kt[1024];
+    float qf[1024];
+    const float masked = -INFINITY * scale;
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *id = ids + r * ids_stride;
+        const int64_t bad = check_ids(id, blk, n_kv);
+        if (bad) return 1 + r * blk + (bad - 1);
+        const uint16_t *base = kv + (r / rows_per_batch) * n_kv * d;
+        for (int l = 0; l < heads * d; l++) qf[l] = bf16_to_f32(q[r * heads * d + l]);
+        for (int64_t j0 = 0; j0 < blk; j0 += KEYS) {
+            const uint16_t *key[KEYS];
+            for (int n = 0; n < KEYS; n++) {
+                const int64_t j = j0 + n;
+                /* an id of -1 is masked below whatever its row holds; padding lanes read zeros */
+                key[n] = (j < blk && id[j] >= 0) ? base + (int64_t)id[j] * d : ZERO_ROW;
+            }
+            transpose_keys(key, d, kt);
+            for (int h = 0; h < heads; h++) {
+                const float *qh = qf + h * d;
+                __m256 acc = _mm256_setzero_ps();
+                for (int l = 0; l < d; l++) acc = _mm256_fmadd_ps(_mm256_set1_ps(qh[l]), kt[l], acc);
+                float lane[KEYS];
+                _mm256_storeu_ps(lane, acc);
+                float *o = out + (r * heads + h) * blk;
+                for (int n = 0; n < KEYS && j0 + n < blk; n++)
+                    o[j0 + n] = id[j0 + n] != -1 ? lane[n] * scale : masked;
+            }
+        }
+    }
+    return 0;
+}
+
+/* p [R, H, blk] bf16 (the rounded probabilities), rescale [R, H] fp32, kv / ids as above, acc [R, H, D]
+ * fp32 updated in place. */
+int64_t sparse_accumulate(const uint16_t *p, const float *rescale, const uint16_t *kv, const int32_t *ids,
+                          int64_t ids_stride, int64_t rows, int64_t rows_per_batch, int64_t n_kv, int heads,
+                          int d, int64_t blk, float *acc) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *id = ids + r * ids_stride;
+        const int64_t bad = check_ids(id, blk, n_kv);
+        if (bad) return 1 + r * blk + (bad - 1);
+        const uint16_t *base = kv + (r / rows_per_batch) * n_kv * d;
+        for (int h = 0; h < heads; h++) {
+            const uint16_t *ph = p + (r * heads + h) * blk;
+            const __m256 scale = _mm256_set1_ps(rescale[r * heads + h]);
+            float *a = acc + (r * heads + h) * d;
+            for (int l = 0; l < d; l += 8) {
+                __m256 sum = zero;
+                for (int64_t j = 0; j < blk; j++) {
+                    const int32_t at = id[j] < 0 ? 0 : id[j];
+                    const __m256 v = bf16x8(base + (int64_t)at * d + l);
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_f32(ph[j])), v, sum);
+                }
+                _mm256_storeu_ps(a + l, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a + l), scale), sum));
+            }
+        }
+    }
+    return 0;
+}

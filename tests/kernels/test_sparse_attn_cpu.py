@@ -1,0 +1,137 @@
+"""The compiled sparse attention (kernels/sparse_attn/cpu.py) against its slow twin, the torch reference:
+every bit on fresh inputs (normal and wide-range values, subnormal and overflowing products, masked ids,
+one block and several, several batch rows with row-apart exponentials), the ids it must refuse, and the
+profile where its order is known to be torch's (MKL's strict mode), where it must run."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+from kernels import sparse_attn
+from kernels.sparse_attn import cpu
+from kernels.sparse_attn.reference import exp_alone, sparse_attn_reference
+
+
+def _seeded() -> tuple[torch.Generator, int]:
+    seed = random.SystemRandom().randrange(2**31)  # fresh inputs every run; the seed is in the messages
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaNs differ"
+    finite = ~want.isnan()
+    bits_got, bits_want = got[finite].view(torch.int16), want[finite].view(torch.int16)
+    assert torch.equal(bits_got, bits_want), (
+        f"{what}: {int((bits_got != bits_want).sum())} of {bits_want.numel()} outputs differ"
+    )
+
+
+def _runs_here(heads: int = 2, head_dim: int = 64, width: int = 32) -> bool:
+    return cpu.takes(heads, head_dim, width)
+
+
+def test_under_the_strict_profile_the_compiled_loop_runs() -> None:
+    """MKL's strict CNR mode sums these products in the C file's order (session 42): there the probe must
+    pass, so a kernel that broke its bits would fail here instead of silently falling back."""
+    if "STRICT" not in os.environ.get("MKL_CBWR", "") or cpu._library() is None:
+        pytest.skip("not the strict profile (MKL_CBWR without STRICT) or no C compiler: the probe decides")
+    for width in (1, 16, 17, 32, 64, 65, 130):
+        assert cpu.takes(2, 64, width), f"the probe refused H=2, D=64 over {width} ids under strict MKL"
+    # (one head is a matrix-vector product per row, summed another way: the probe refuses it there)
+    assert cpu.takes(2, 128, 32) and cpu.takes(4, 32, 24)
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "width"), [(2, 64, 16), (2, 64, 32), (2, 128, 48), (4, 32, 100)]
+)
+def test_compiled_equals_the_reference_bit_for_bit(heads: int, head_dim: int, width: int) -> None:
+    if not _runs_here(heads, head_dim, width):
+        pytest.skip("the compiled loop does not run here (its probe or build refused): the reference runs")
+    g, seed = _seeded()
+    for (rows, n_kv), ((q_low, q_high), (kv_low, kv_high)) in itertools.product(
+        [(1, 40), (7, 300), (300, 1000), (24, 50)], cpu._PROBE_RANGES
+    ):
+        q = cpu._wide(g, 1, rows, heads, head_dim, low=q_low, high=q_high)
+        kv = cpu._wide(g, 1, n_kv, head_dim, low=kv_low, high=kv_high)
+        ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
+        ids[0, 0, :] = -1  # a row with nothing to attend: zeros
+        sink = torch.randn(heads, generator=g)
+        want = sparse_attn_reference(q, kv, sink, ids, head_dim**-0.5)
+        got = cpu.sparse_attn_compiled(q, kv, sink, ids.long(), head_dim**-0.5)
+        assert got is not None
+        what = f"seed {seed}, {rows} rows over {n_kv}, exponents q {q_low, q_high} kv {kv_low, kv_high}"
+        _same(got, want, what)
+
+
+def test_nan_and_infinity_in_the_masked_row_zero_reach_the_output_as_in_the_reference() -> None:
+    """An id of -1 reads row 0 and multiplies it by zero: a NaN or infinity there makes NaN in the
+    accumulation (0 * inf), which the reference keeps; the compiled loop must too."""
+    if not _runs_here(2, 64, 16):
+        pytest.skip("the compiled loop does not run here")
+    g, seed = _seeded()
+    q = torch.randn(1, 6, 2, 64, generator=g).bfloat16()
+    kv = torch.randn(1, 20, 64, generator=g).bfloat16()
+    kv[0, 0, 3], kv[0, 0, 9] = float("inf"), float("nan")
+    kv[0, 5, 1] = -float("inf")
+    ids = torch.randint(0, 20, (1, 6, 16), generator=g, dtype=torch.int32)
+    ids[0, 1, 4] = -1
+    ids[0, 2, :8] = -1
+    ids[0, 3, 7] = 5
+    sink = torch.randn(2, generator=g)
+    want = sparse_attn_reference(q, kv, sink, ids, 0.125)
+    assert want.isnan().any(), "the case must exercise NaN"
+    got = cpu.sparse_attn_compiled(q, kv, sink, ids, 0.125)
+    assert got is not None
+    _same(got, want, f"seed {seed}")
+
+
+def test_batch_rows_with_row_apart_exponentials_equal_each_rows_lone_call() -> None:
+    """A batched decode's call: B sequences of one row each, every kv its own, `rowwise`; each output row
+    equals that sequence's lone call (through the package's dispatcher, which takes the compiled loop)."""
+    if not _runs_here(2, 64, 24):
+        pytest.skip("the compiled loop does not run here")
+    g, seed = _seeded()
+    b, n = 9, 70
+    q = torch.randn(b, 1, 2, 64, generator=g).bfloat16()
+    kv = torch.randn(b, n, 64, generator=g).bfloat16()
+    ids = torch.randint(-1, n, (b, 1, 24), generator=g, dtype=torch.int32)
+    sink = torch.randn(2, generator=g)
+    got = sparse_attn(q, kv, sink, ids, 0.125, rowwise=True)
+    _same(got, sparse_attn_reference(q, kv, sink, ids, 0.125, rowwise=True), f"seed {seed}, batched")
+    compiled = cpu.sparse_attn_compiled(q, kv, sink, ids, 0.125, exp_alone)
+    assert compiled is not None
+    _same(compiled, got, f"seed {seed}, compiled")
+    for i in range(b):
+        alone = sparse_attn_reference(q[i : i + 1], kv[i : i + 1], sink, ids[i : i + 1], 0.125)
+        _same(got[i : i + 1], alone, f"seed {seed}, sequence {i}")
+
+
+@pytest.mark.parametrize("bad", [-2, 20, 2**20])
+def test_an_id_out_of_range_is_refused_naming_it(bad: int) -> None:
+    if not _runs_here(2, 64, 16):
+        pytest.skip("the compiled loop does not run here")
+    q = torch.randn(1, 3, 2, 64).bfloat16()
+    kv = torch.randn(1, 20, 64).bfloat16()
+    ids = torch.zeros(1, 3, 16, dtype=torch.int32)
+    ids[0, 2, 5] = bad
+    with pytest.raises(IndexError, match=rf"id {bad} out of range \[-1, 20\) \(row 2, slot 5\)"):
+        cpu.sparse_attn_compiled(q, kv, torch.zeros(2), ids, 0.125)
+
+
+def test_what_it_leaves_to_the_reference() -> None:
+    q = torch.randn(1, 3, 2, 64).bfloat16()
+    kv = torch.randn(1, 20, 64).bfloat16()
+    none = torch.zeros(1, 3, 0, dtype=torch.int32)
+    # no ids: the reference's zeros
+    assert cpu.sparse_attn_compiled(q, kv, torch.zeros(2), none, 0.125) is None
+    assert not cpu.takes(2, 60, 16)  # a head dim not a multiple of 8
+    assert not cpu.takes(4, 512, 16)  # a query row wider than the C file's buffer
+    with torch.enable_grad():
+        qg = q.float().requires_grad_().bfloat16()
+        ids = torch.zeros(1, 3, 4, dtype=torch.int32)
+        assert cpu.sparse_attn_compiled(qg, kv, torch.zeros(2), ids, 0.1) is None
