@@ -15,9 +15,8 @@ reference's ops.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from kernels.native import load_functions
 from kernels.sparse_attn.reference import RUNNING_MAX_INIT, SPARSE_ATTN_BLOCK, sparse_attn_reference
 
-__all__ = ["sparse_attn_compiled", "takes"]
+__all__ = ["prepare", "sparse_attn_compiled", "takes"]
 
 _SOURCE = Path(__file__).with_name("cpu_sparse_attn.c")
 _P = ctypes.c_void_p
@@ -60,27 +59,29 @@ def _wide(g: torch.Generator, *shape: int, low: int, high: int) -> torch.Tensor:
     return (sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))).bfloat16()
 
 
-# Row counts the probe runs: MKL may pick its kernel by the batch's size (under the portable profile on an
-# Intel Xeon with AVX-512 these products match the C order at 64 rows and not at 852), so one size cannot
-# vouch for the others; under the strict profile no row count changed a bit (session 42).
-_PROBE_ROWS = (1, 3, 64, 1000)
-# (q's exponents, kv's exponents): ordinary values; score products below fp32's normal range; huge queries
-# on tiny values, so that probabilities spread over 2^-14..1 multiply values near bf16's least, products
-# below fp32's normal range that tell a fused accumulation from rounded products; overflowing scores
-_PROBE_RANGES = (
-    ((-4, 4), (-4, 4)),
-    ((-70, -55), (-70, -55)),
-    ((120, 126), (-133, -120)),
-    ((-20, 60), (-20, 60)),
+# The probe's cases, (rows, (q's exponents, kv's exponents)). Rows: MKL may pick its kernel by the batch's
+# size (under the portable profile on an Intel Xeon with AVX-512 these products match the C order up to 100
+# rows and not from 128 on), so one size cannot vouch for the others; under the strict profile no row count
+# changed a bit (session 42). Values: ordinary ones; score products below fp32's normal range; huge queries
+# on tiny values, so that probabilities spread over 2^-14..1 multiply values near bf16's least and the
+# products underflow (they tell a fused accumulation from rounded products); overflowing scores.
+_ORDINARY = ((-4, 4), (-4, 4))
+_PROBE_CASES = (
+    (1, _ORDINARY),
+    (64, _ORDINARY),
+    (300, _ORDINARY),
+    (64, ((-70, -55), (-70, -55))),
+    (64, ((120, 126), (-133, -120))),
+    (64, ((-20, 60), (-20, 60))),
 )
 
 
 def _probe(heads: int, head_dim: int, width: int) -> bool:
-    """Whether the compiled loop equals the reference on this shape here: 1 to 1000 rows over 96 KV rows,
-    ids of `width` per row (one block or more) with masked ones, at four ranges of values."""
+    """Whether the compiled loop equals the reference on this shape here: `_PROBE_CASES` over 96 KV rows,
+    `width` ids a row (one block) with masked ones."""
     g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     n_kv = 96
-    for rows, ((q_low, q_high), (kv_low, kv_high)) in itertools.product(_PROBE_ROWS, _PROBE_RANGES):
+    for rows, ((q_low, q_high), (kv_low, kv_high)) in _PROBE_CASES:
         q = _wide(g, 1, rows, heads, head_dim, low=q_low, high=q_high)
         kv = _wide(g, 1, n_kv, head_dim, low=kv_low, high=kv_high)
         ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
@@ -96,15 +97,27 @@ def _probe(heads: int, head_dim: int, width: int) -> bool:
 
 
 @cache
+def _takes_block(heads: int, head_dim: int, block: int) -> bool:
+    with torch.inference_mode():
+        return _probe(heads, head_dim, block)
+
+
 def takes(heads: int, head_dim: int, width: int) -> bool:
     """Whether `sparse_attn_compiled` runs for H heads of D dims over `width` ids a row: the library
-    builds, the shape is covered, and the probe found every bit of the reference (checked once a shape
-    and process; the block width is part of the shape, since MKL's order may change with it)."""
+    builds, the shape is covered, and the probe found every bit of the reference for each block width the
+    loop takes (checked once a block width, head shape and process: MKL's order may change with the
+    width)."""
     if not _shape_covered(heads, head_dim) or width <= 0 or _library() is None:
         return False
-    blocks = {min(SPARSE_ATTN_BLOCK, width - s) for s in range(0, width, SPARSE_ATTN_BLOCK)}
-    with torch.inference_mode():
-        return all(_probe(heads, head_dim, b) for b in sorted(blocks))
+    widths = {min(SPARSE_ATTN_BLOCK, width - s) for s in range(0, width, SPARSE_ATTN_BLOCK)}
+    return all(_takes_block(heads, head_dim, w) for w in sorted(widths))
+
+
+def prepare(heads: int, head_dim: int, widths: Iterable[int]) -> bool:
+    """Probe these widths of ids a row for this head shape now (a model's: its window, and its window plus
+    its selection), so that no served pass pays a probe (about 17 ms a width on the 2-core VMs) in the
+    middle of serving; whether the compiled loop runs for all of them."""
+    return all([takes(heads, head_dim, w) for w in widths])
 
 
 def _check(code: int, ids: torch.Tensor, n_kv: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.sparse_attn.cpu import prepare as prepare_sparse_attn
 from model import (
     KERNEL_BACKENDS,
     MATH_MODES,
@@ -242,6 +243,11 @@ def load_served(
     root = repo_root()
     # released weights are read once on the CPU (the fingerprint hashes the same bytes wherever they are)
     model = _load_weights(spec, device if hold_weights else "cpu", kernel_backend)
+    if hold_weights and device == "cpu" and kernel_backend == "torch":
+        # the compiled sparse attention's first-use probes of the widths every pass takes (the window, and
+        # the window plus the selection), now rather than in the first turns served (kernels/README.md)
+        cfg = model.cfg
+        prepare_sparse_attn(cfg.n_heads, cfg.head_dim, (cfg.window_size, cfg.window_size + cfg.index_topk))
     if spec.checkpoint is not None:
         candidates = [
             spec.checkpoint / "tokenizer.json",

@@ -54,7 +54,7 @@ def test_compiled_equals_the_reference_bit_for_bit(heads: int, head_dim: int, wi
         pytest.skip("the compiled loop does not run here (its probe or build refused): the reference runs")
     g, seed = _seeded()
     for (rows, n_kv), ((q_low, q_high), (kv_low, kv_high)) in itertools.product(
-        [(1, 40), (7, 300), (300, 1000), (24, 50)], cpu._PROBE_RANGES
+        [(1, 40), (7, 300), (300, 1000), (24, 50)], sorted({r for _, r in cpu._PROBE_CASES})
     ):
         q = cpu._wide(g, 1, rows, heads, head_dim, low=q_low, high=q_high)
         kv = cpu._wide(g, 1, n_kv, head_dim, low=kv_low, high=kv_high)

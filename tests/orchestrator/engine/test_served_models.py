@@ -198,3 +198,26 @@ def test_a_node_whose_models_compute_in_a_model_process_keeps_their_fingerprints
         assert torch.equal(out.logits, want.logits)
     finally:
         node.close()
+
+
+def test_load_served_probes_the_compiled_sparse_attention_before_serving() -> None:
+    """The compiled sparse attention's first-use probe runs at load for the widths every pass takes (the
+    window, the window plus the selection), not in the first turns served; a model whose weights live
+    elsewhere (a service beside a model process) probes nothing."""
+    from kernels.sparse_attn import cpu as sparse_cpu
+
+    spec = ServedModelSpec(name="x", config="v41-tiny", seed=3)
+    cfg = load_preset("v41-tiny")
+    widths = {cfg.window_size, cfg.window_size + cfg.index_topk}
+    assert all(w <= 64 for w in widths), "one block a width, so one probe each"
+    sparse_cpu._takes_block.cache_clear()
+    load_served(spec, hold_weights=False)
+    assert sparse_cpu._takes_block.cache_info().currsize == 0
+    load_served(spec)
+    if sparse_cpu._library() is None:
+        return  # no compiler: nothing to probe, the reference serves
+    probed = sparse_cpu._takes_block.cache_info()
+    assert probed.currsize == len(widths)
+    for w in widths:  # answered from the cache: no probe left for a pass to pay
+        sparse_cpu.takes(cfg.n_heads, cfg.head_dim, w)
+    assert sparse_cpu._takes_block.cache_info().misses == probed.misses
