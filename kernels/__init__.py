@@ -42,6 +42,8 @@ from kernels.mhc import sinkhorn, sinkhorn_reference
 from kernels.native.blocks import available as copy_blocks_available
 from kernels.native.blocks import copy_blocks
 from kernels.sparse_attn import sparse_attn
+from kernels.sparse_attn.cpu import prepare as prepare_sparse_attn
+from kernels.sparse_attn.cpu import sparse_attn_compiled
 from kernels.topk import TIE_BREAKS, candidate_blocks, candidate_ids, pool_ids, select_topk
 
 __all__ = [
@@ -94,4 +96,6 @@ __all__ = [
     "sinkhorn_reference",
     "wide_fp32",
     "sparse_attn",
+    "sparse_attn_compiled",
+    "prepare_sparse_attn",
 ]

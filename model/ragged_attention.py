@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.sparse_attn.cpu import sparse_attn_compiled
+from kernels import sparse_attn_compiled
 from model.ragged_mixes import lone_runs
 
 __all__ = ["ragged_sparse_attn"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.sparse_attn.cpu import prepare as prepare_sparse_attn
+from kernels import prepare_sparse_attn
 from model import (
     KERNEL_BACKENDS,
     MATH_MODES,
