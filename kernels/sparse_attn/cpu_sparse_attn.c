@@ -20,9 +20,10 @@
  * probe (cpu.py) finds the bits differ and keeps the torch ops. Built without fast-math and with
  * -ffp-contract=off (kernels/native), so the only fused operations are the explicit _mm256_fmadd_ps.
  *
- * Vectorized across keys for the scores (a block of 8 keys converted and transposed with shuffles, one
- * AVX2 vector per dimension, each lane its key's chain) and across the head dim for the accumulation
- * (each lane its output's chain): vectorizing never reassociates within one output's sums.
+ * Vectorized across keys for the scores (a block of 8 keys converted and transposed with shuffles,
+ * kernels/native/transpose.h: one AVX2 vector per dimension, each lane its key's chain) and across the
+ * head dim for the accumulation (each lane its output's chain): vectorizing never reassociates within
+ * one output's sums.
  *
  * Returns 0, or 1 + the flat position of the first id outside [-1, n_kv) (nothing read past the rows).
  */
@@ -31,6 +32,7 @@
 #include <stdint.h>
 
 #include "../native/bf16.h"
+#include "../native/transpose.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "cpu_sparse_attn.c needs AVX2 and FMA (the portable profile's instruction set)"
@@ -39,39 +41,6 @@
 #define KEYS 8 /* keys per transposed block: one fp32 AVX2 vector per dimension */
 
 static const uint16_t ZERO_ROW[1024]; /* a padding lane's key: read, never stored */
-
-static inline __m256 bf16x8(const uint16_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-}
-
-/* kt[l] = (key_0[l], ..., key_7[l]) as fp32 for l < d (d a multiple of 8): bits moved, nothing computed. */
-static inline void transpose_keys(const uint16_t *const *key, int d, __m256 *kt) {
-    for (int c = 0; c < d; c += 8) {
-        __m256 r[KEYS];
-        for (int n = 0; n < KEYS; n++) r[n] = bf16x8(key[n] + c);
-        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-        const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-        kt[c + 0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-        kt[c + 1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-        kt[c + 2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-        kt[c + 3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-        kt[c + 4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-        kt[c + 5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-        kt[c + 6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-        kt[c + 7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-    }
-}
 
 /* The ids of one row's block checked against [-1, n_kv): 0, or 1 + the first bad position in the row. */
 static inline int64_t check_ids(const int32_t *id, int64_t blk, int64_t n_kv) {
@@ -101,7 +70,7 @@ int64_t sparse_scores(const uint16_t *q, const uint16_t *kv, const int32_t *ids,
                 /* an id of -1 is masked below whatever its row holds; padding lanes read zeros */
                 key[n] = (j < blk && id[j] >= 0) ? base + (int64_t)id[j] * d : ZERO_ROW;
             }
-            transpose_keys(key, d, kt);
+            transpose_8_keys(key, d, kt);
             for (int h = 0; h < heads; h++) {
                 const float *qh = qf + h * d;
                 __m256 acc = _mm256_setzero_ps();
@@ -136,7 +105,7 @@ int64_t sparse_accumulate(const uint16_t *p, const float *rescale, const uint16_
                 __m256 sum = zero;
                 for (int64_t j = 0; j < blk; j++) {
                     const int32_t at = id[j] < 0 ? 0 : id[j];
-                    const __m256 v = bf16x8(base + (int64_t)at * d + l);
+                    const __m256 v = bf16x8_to_f32(base + (int64_t)at * d + l);
                     sum = _mm256_fmadd_ps(_mm256_set1_ps(bf16_to_f32(ph[j])), v, sum);
                 }
                 _mm256_storeu_ps(a + l, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a + l), scale), sum));
