@@ -35,7 +35,7 @@ from kernels.formats import (
     quantize_mxfp4,
 )
 from kernels.fp32_rows import gemv_order_takes, one_row_products, one_row_products_reference, wide_fp32
-from kernels.index_score import index_score, index_score_at
+from kernels.index_score import index_score, index_score_at, index_score_rows
 from kernels.mhc import collapse as mhc_collapse
 from kernels.mhc import expand as mhc_expand
 from kernels.mhc import sinkhorn, sinkhorn_reference
@@ -82,6 +82,7 @@ __all__ = [
     "prepared_linear",
     "index_score",
     "index_score_at",
+    "index_score_rows",
     "pool_ids",
     "qdq_fp4_e4m3",
     "qdq_fp8_ue8m0",

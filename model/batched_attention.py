@@ -26,12 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from kernels import (
     candidate_ids,
-    index_score,
     index_score_at,
+    index_score_rows,
     qdq_mxfp4,
     select_topk,
     sparse_attn,
@@ -207,8 +206,8 @@ def _select(attn: Attention, x: torch.Tensor, rows: ProjectedRows, freqs: torch.
             ids[g, : picked.size(-1)] = picked[:, 0]
     else:
         keys = [s.sources[src_layer].index_k[0] for s in states]  # [n_i, D_I] each, n_i == visible[i]
-        padded = pad_sequence(keys, batch_first=True)  # [N, N_max, D_I], zeros past each history
-        scores = index_score(q, padded, weights, visible=vis, backend=backend)  # [N, 1, N_max], -inf past
+        # as `index_score` of the keys padded to the longest history, each sequence's read where they lie
+        scores = index_score_rows(q, keys, weights, vis, backend=backend)  # [N, 1, N_max], -inf past
         if attn.is_candidate_source:
             cand = candidate_ids(scores, vis, attn.candidate_block_size, attn.candidate_topk_blocks)
             # ids a sequence alone would not have (past its own width) are -1 there

@@ -8,12 +8,15 @@ TRITON_INTERPRET=1), equal to it up to fp32 summation order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from kernels.index_score import cpu
 from kernels.index_score.reference import index_score_at_reference, index_score_reference
 
-__all__ = ["index_score", "index_score_at"]
+__all__ = ["index_score", "index_score_at", "index_score_rows"]
 
 _BACKENDS = ("torch", "triton")
 
@@ -88,6 +91,52 @@ def index_score(
     from kernels.index_score.triton import index_score_triton
 
     return index_score_triton(q, k, weights, visible=visible, candidates=candidates)
+
+
+def index_score_rows(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """`index_score(q, pad_sequence(keys, batch_first=True), weights, visible=visible)` bit for bit, for B
+    sequences whose keys have different lengths (a batched decode's): on CPU with the compiled kernel each
+    sequence's row reads its own keys where they lie, instead of a [B, N_max, D] copy padded with zeros.
+
+    Args:
+        q: [B, T, H, D] bf16; weights: [B, T, H] bf16 (as `index_score`).
+        keys: B tensors [n_i, D] bf16, sequence i's index keys.
+        visible: [B, T] int, each at most its sequence's n_i (-inf at and past it, as `index_score`).
+
+    Returns:
+        [B, T, max n_i] bf16 scores.
+
+    Raises:
+        ValueError: bad shapes or dtypes, keys of another number or head dim than q's, or a visible
+            count past its sequence's keys.
+    """
+    b = q.size(0) if q.dim() == 4 else -1
+    if len(keys) != b or b == 0 or any(k.dim() != 2 or k.size(1) != q.size(3) for k in keys):
+        raise ValueError(f"index_score_rows needs one [n_i, D] key tensor per batch row of q [B={b}, ...], "
+                         f"got {[tuple(k.shape) for k in keys]}")  # fmt: skip
+    if visible.dim() != 2 or visible.size(0) != b:
+        raise ValueError(f"visible must be [B={b}, T], got shape {tuple(visible.shape)}")
+    most = visible.amax(dim=1).tolist() if visible.size(1) else [0] * b
+    over = [i for i, (v, k) in enumerate(zip(most, keys, strict=True)) if v > k.size(0)]
+    if over:
+        i = over[0]
+        raise ValueError(f"visible count {most[i]} of sequence {i} is past its {keys[i].size(0)} keys")
+    if backend == "torch" and all(k.device.type == "cpu" and k.dtype == torch.bfloat16 for k in keys):
+        first = keys[0].unsqueeze(0)
+        if cpu.usable(q, first):
+            _check_inputs(q, first.expand(b, -1, -1), weights, visible, None)
+            scores = cpu.index_score_cpu_rows(q, keys, weights, visible)
+            if scores is not None:
+                return scores
+    padded = pad_sequence(list(keys), batch_first=True)
+    return index_score(q, padded, weights, visible=visible, backend=backend)
 
 
 def index_score_at(

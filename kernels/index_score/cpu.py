@@ -10,6 +10,7 @@ reference's shapes. The C file is built on first use by `kernels.native.load_fun
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -78,5 +79,34 @@ def index_score_cpu(
             qi, ki, wi, t, h, d, n, None if seen is None else seen_at + i * seen_step, oi
         )
         if failed:
+            return None
+    return out
+
+
+def index_score_cpu_rows(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], weights: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor | None:
+    """`index_score_cpu(q, pad_sequence(keys, batch_first=True), weights, visible)` without the padded
+    copy: batch row i's call reads sequence i's own keys where they lie. The kernel reads no key at or past
+    a row's visible count (it fills those with -inf), so a sequence's keys need only reach its rows'
+    largest visible count, which the caller guarantees (`index_score_rows` checks it).
+
+    q [B, T, H, D], keys B tensors [n_i, D], weights [B, T, H] bf16 on CPU; visible [B, T] integers.
+    """
+    lib = _library()
+    assert lib is not None
+    b, t, h, d = q.shape
+    n = max(k.size(0) for k in keys)
+    q, weights = q.contiguous(), weights.contiguous()
+    seen = visible.to(torch.int64).expand(b, t).contiguous()
+    out = torch.empty(b, t, n, dtype=torch.bfloat16)
+    if n == 0 or t == 0:
+        return out
+    keys = [k if k.is_contiguous() else k.contiguous() for k in keys]
+    bases = [x.data_ptr() for x in (q, weights, seen, out)]
+    steps = [x.stride(0) * x.element_size() for x in (q, weights, seen, out)]
+    for i, k in enumerate(keys):
+        qi, wi, si, oi = (base + i * step for base, step in zip(bases, steps, strict=True))
+        if lib.index_score_bf16(qi, k.data_ptr(), wi, t, h, d, n, si, oi):
             return None
     return out

@@ -110,3 +110,28 @@ def test_index_score_takes_the_compiled_path_only_where_it_is_covered() -> None:
         visible = torch.randint(0, 778, (t,), generator=g)
         want = index_score_reference(q, k, w, visible=visible)
         assert torch.equal(_bits(index_score(q, k, w, visible=visible)), _bits(want)), (d, t, h)
+
+
+def test_scores_of_unequal_key_rows_equal_the_padded_call() -> None:
+    """`index_score_rows` (a batched decode's keys, each sequence's read where they lie) against
+    `index_score` of the same keys padded to the longest: every bit, at visible counts below and at each
+    sequence's own length; a count past its keys is refused."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from kernels import index_score, index_score_rows
+
+    seed = random.SystemRandom().randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    for d, lengths in [(32, [5, 300, 17, 1, 64]), (16, [40, 41]), (64, [9, 200, 3])]:
+        b = len(lengths)
+        q = torch.randn(b, 1, 2, d, generator=g).bfloat16()
+        w = torch.randn(b, 1, 2, generator=g).bfloat16()
+        # each sequence's keys a view into a longer buffer, as a state's append buffer hands them out
+        keys = [torch.randn(n + 7, d, generator=g).bfloat16()[:n] for n in lengths]
+        for visible in ([[n] for n in lengths], [[max(0, n - 3)] for n in lengths]):
+            vis = torch.tensor(visible)
+            want = index_score(q, pad_sequence(keys, batch_first=True), w, visible=vis)
+            got = index_score_rows(q, keys, w, vis)
+            assert _bits(got).equal(_bits(want)), f"seed {seed}, D={d}, lengths {lengths}, visible {visible}"
+    with pytest.raises(ValueError, match="visible count 6 of sequence 1 is past its 5 keys"):
+        index_score_rows(q[:2], [keys[0], keys[0][:5]], w[:2], torch.tensor([[3], [6]]))
