@@ -1,8 +1,9 @@
 """The compiled CPU kernels of the model's hot small ops against their torch twins, side by side in one
 process: the bf16 linear (kernels/bf16_gemm) at the served models' widths, the mHC Sinkhorn normalization
-(kernels/mhc) at 1, 64 and 240 combs, then v41-sib-s's passes with every compiled path on and off on
-the same states (a lone `decode`, `prefill_many` of ragged 16-32-token chunks, `decode_many` of many
-sequences).
+(kernels/mhc) at 1, 64 and 240 combs, the sparse attention (kernels/sparse_attn, where its probe takes
+v41-sib-s's shape) at a chunk's, a decode step's and a 36-chunk step's rows, then v41-sib-s's passes with
+every compiled path on and off on the same states (a lone `decode`, `prefill_many` of ragged 16-32-token
+chunks, `decode_many` of many sequences).
 
 Run: `python -m benchmarks.bench_cpu_kernels [--checkpoint checkpoints/v41-sib-s] [--sequences 64]
 [--chunks 10] [--repeats 30] [--json PATH|-]`. Before timing, every result is checked bit for bit against
@@ -78,14 +79,54 @@ def sinkhorns(repeats: int) -> list[dict]:
     return rows
 
 
-# the dispatchers' `usable` checks, by module and name: switching them off runs every torch twin
-_SWITCHES = (("kernels.bf16_gemm", "usable"), ("kernels.mhc", "usable"), ("kernels.mhc", "lanes_usable"))
+# (rows, ids a row) of the sparse attention, H = 2, D = 64 (v41-sib-s): a 24-token chunk, a 48-sequence
+# decode step, a 36-chunk prefill step's stack
+ATTENTION_SHAPES = ((24, 32), (48, 32), (852, 32))
+
+
+def sparse_attentions(repeats: int) -> list[dict]:
+    import torch
+
+    from kernels import sparse_attn_compiled
+    from kernels.sparse_attn.reference import sparse_attn_reference
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for t, k in ATTENTION_SHAPES:
+        q = torch.randn(1, t, 2, 64, generator=gen).bfloat16()
+        kv = torch.randn(1, 13 * t, 64, generator=gen).bfloat16()
+        ids = torch.randint(-1, kv.size(1), (1, t, k), generator=gen, dtype=torch.int32)
+        sink = torch.randn(2, generator=gen)
+        got = sparse_attn_compiled(q, kv, sink, ids, 0.125)
+        if got is None:
+            return []  # the probe refused this profile's products here: nothing compiled to time
+        want = sparse_attn_reference(q, kv, sink, ids, 0.125)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise SystemExit(f"the compiled sparse attention differs from the reference at {(t, k)}")
+        t_torch = _median_s(lambda: sparse_attn_reference(q, kv, sink, ids, 0.125), repeats)  # noqa: B023
+        t_ours = _median_s(lambda: sparse_attn_compiled(q, kv, sink, ids, 0.125), repeats)  # noqa: B023
+        rows.append({"rows": t, "ids": k, "torch_us": t_torch * 1e6, "compiled_us": t_ours * 1e6,
+                     "speedup": t_torch / t_ours})  # fmt: skip
+    return rows
+
+
+# the dispatchers' checks, by module and name: switching them off runs every torch twin
+_SWITCHES = (
+    ("kernels.bf16_gemm", "usable"),
+    ("kernels.mhc", "usable"),
+    ("kernels.mhc", "lanes_usable"),
+    ("kernels.sparse_attn.cpu", "takes"),
+)
+
+
+def _never(*args: object, **kwargs: object) -> bool:
+    return False
 
 
 def _compiled(on: bool, usable: dict) -> None:
     """Switch every compiled path on or off."""
     for name, attr in _SWITCHES:
-        setattr(sys.modules[name], attr, usable[(name, attr)] if on else (lambda: False))
+        setattr(sys.modules[name], attr, usable[(name, attr)] if on else _never)
 
 
 def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
@@ -95,6 +136,7 @@ def passes(checkpoint: Path, sequences: int, chunks: int, steps: int) -> dict:
 
     import kernels.bf16_gemm  # noqa: F401 - registers the modules _SWITCHES names
     import kernels.mhc  # noqa: F401
+    import kernels.sparse_attn.cpu  # noqa: F401
     from benchmarks.bench_decode_step import _states
     from model import decode, decode_many, load_model, prefill_many
 
@@ -159,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the compiled bf16 linear is not usable here (kernels/README.md): nothing to time")
     out = table_stream(args.json)
     passes_doc = passes(args.checkpoint, args.sequences, args.chunks, args.steps)
-    doc = {"products": products(args.repeats), "sinkhorn": sinkhorns(args.repeats), "passes": passes_doc,
+    doc = {"products": products(args.repeats), "sinkhorn": sinkhorns(args.repeats),
+           "sparse_attention": sparse_attentions(args.repeats), "passes": passes_doc,
            "threads": 1, "cpu": cpu_model(), "numerics": numerics_record()}  # fmt: skip
     print(f"bench_cpu_kernels: 1 thread, {doc['cpu']}", file=out)
     print("bf16 linear (kernels/bf16_gemm)", file=out)
@@ -171,6 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     for r in doc["sinkhorn"]:
         print(f"{r['combs']:>5} combs: torch {r['torch_us']:.0f} us, compiled {r['compiled_us']:.0f} us: "
               f"{r['speedup']:.1f}x", file=out)  # fmt: skip
+    if doc["sparse_attention"]:
+        print("sparse attention, 2 heads of 64 (kernels/sparse_attn)", file=out)
+    else:
+        print("sparse attention: its probe refused this profile's products (the reference serves)", file=out)
+    for r in doc["sparse_attention"]:
+        print(f"{r['rows']:>5} rows x {r['ids']} ids: torch {r['torch_us']:.0f} us, compiled "
+              f"{r['compiled_us']:.0f} us: {r['speedup']:.1f}x", file=out)  # fmt: skip
     for kind, r in doc["passes"].items():
         print(f"{kind} of {r['sequences']} sequences (v41-sib-s): torch {r['torch_ms']:.1f} ms, compiled "
               f"{r['compiled_ms']:.1f} ms: {r['speedup']:.2f}x", file=out)  # fmt: skip

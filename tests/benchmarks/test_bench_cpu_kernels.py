@@ -4,6 +4,7 @@ timing, the on/off switches restored after), not its figures."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -11,13 +12,15 @@ import torch
 import benchmarks.bench_cpu_kernels as bench
 import kernels.bf16_gemm
 import kernels.mhc
+import kernels.sparse_attn.cpu  # noqa: F401 - the module the switches name
 from kernels.bf16_gemm import cpu
 
 
 @pytest.mark.skipif(not cpu.usable(), reason="the compiled bf16 linear is not usable here")
 def test_main_checks_times_and_restores_the_compiled_paths(tmp_path, capsys) -> None:
     before = torch.get_num_threads()
-    switches = [kernels.bf16_gemm.usable, kernels.mhc.usable, kernels.mhc.lanes_usable]
+    sparse = sys.modules["kernels.sparse_attn.cpu"]
+    switches = [kernels.bf16_gemm.usable, kernels.mhc.usable, kernels.mhc.lanes_usable, sparse.takes]
     path = tmp_path / "kernels.json"
     try:
         bench.main(
@@ -31,4 +34,5 @@ def test_main_checks_times_and_restores_the_compiled_paths(tmp_path, capsys) -> 
     assert set(doc["passes"]) == {"decode", "prefill_many", "decode_many"}
     assert all(r["speedup"] > 0 for r in doc["passes"].values())
     assert "decode_many of 2 sequences" in capsys.readouterr().out
-    assert [kernels.bf16_gemm.usable, kernels.mhc.usable, kernels.mhc.lanes_usable] == switches
+    assert [r["rows"] for r in doc["sparse_attention"]] in ([], [t for t, _ in bench.ATTENTION_SHAPES])
+    assert [kernels.bf16_gemm.usable, kernels.mhc.usable, kernels.mhc.lanes_usable, sparse.takes] == switches
