@@ -57,30 +57,9 @@ def index_score_cpu(
 
     q [B, T, H, D], k [B, N, D], weights [B, T, H] bf16 on CPU; visible None, [T] or [B, T] integers.
     """
-    lib = _library()
-    assert lib is not None
-    b, t, h, d = q.shape
-    n = k.size(1)
-    q, k, weights = q.contiguous(), k.contiguous(), weights.contiguous()
-    seen = None
-    if visible is not None:
-        seen = visible.to(torch.int64).expand(b, t).contiguous()
-    out = torch.empty(b, t, n, dtype=torch.bfloat16)
-    if n == 0 or t == 0:
-        return out
-    # batch row i's pointers as `x[i].data_ptr()` gives them (the base plus i strides), without its five
-    # dispatched selects a row: a 44-sequence decode step scored 44 rows in each of its index layers
-    bases = [x.data_ptr() for x in (q, k, weights, out)]
-    steps = [x.stride(0) * x.element_size() for x in (q, k, weights, out)]
-    seen_at, seen_step = (0, 0) if seen is None else (seen.data_ptr(), seen.stride(0) * seen.element_size())
-    for i in range(b):
-        qi, ki, wi, oi = (base + i * step for base, step in zip(bases, steps, strict=True))
-        failed = lib.index_score_bf16(
-            qi, ki, wi, t, h, d, n, None if seen is None else seen_at + i * seen_step, oi
-        )
-        if failed:
-            return None
-    return out
+    k = k.contiguous()
+    base, step = k.data_ptr(), k.stride(0) * k.element_size()
+    return _scores(q, [base + i * step for i in range(q.size(0))], k.size(1), weights, visible)
 
 
 def index_score_cpu_rows(
@@ -93,20 +72,34 @@ def index_score_cpu_rows(
 
     q [B, T, H, D], keys B tensors [n_i, D], weights [B, T, H] bf16 on CPU; visible [B, T] integers.
     """
+    keys = [k if k.is_contiguous() else k.contiguous() for k in keys]  # alive until the scores are made
+    return _scores(q, [k.data_ptr() for k in keys], max(k.size(0) for k in keys), weights, visible)
+
+
+def _scores(
+    q: torch.Tensor, key_at: Sequence[int], n: int, weights: torch.Tensor, visible: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The kernel once per batch row i, over n keys from address key_at[i] (the caller keeps them alive)."""
     lib = _library()
     assert lib is not None
     b, t, h, d = q.shape
-    n = max(k.size(0) for k in keys)
     q, weights = q.contiguous(), weights.contiguous()
-    seen = visible.to(torch.int64).expand(b, t).contiguous()
+    seen = None
+    if visible is not None:
+        seen = visible.to(torch.int64).expand(b, t).contiguous()
     out = torch.empty(b, t, n, dtype=torch.bfloat16)
     if n == 0 or t == 0:
         return out
-    keys = [k if k.is_contiguous() else k.contiguous() for k in keys]
-    bases = [x.data_ptr() for x in (q, weights, seen, out)]
-    steps = [x.stride(0) * x.element_size() for x in (q, weights, seen, out)]
-    for i, k in enumerate(keys):
-        qi, wi, si, oi = (base + i * step for base, step in zip(bases, steps, strict=True))
-        if lib.index_score_bf16(qi, k.data_ptr(), wi, t, h, d, n, si, oi):
+    # batch row i's pointers as `x[i].data_ptr()` gives them (the base plus i strides), without its five
+    # dispatched selects a row: a 44-sequence decode step scored 44 rows in each of its index layers
+    bases = [x.data_ptr() for x in (q, weights, out)]
+    steps = [x.stride(0) * x.element_size() for x in (q, weights, out)]
+    seen_at, seen_step = (0, 0) if seen is None else (seen.data_ptr(), seen.stride(0) * seen.element_size())
+    for i, ki in enumerate(key_at):
+        qi, wi, oi = (base + i * step for base, step in zip(bases, steps, strict=True))
+        failed = lib.index_score_bf16(
+            qi, ki, wi, t, h, d, n, None if seen is None else seen_at + i * seen_step, oi
+        )
+        if failed:
             return None
     return out
