@@ -6,16 +6,17 @@ rounding of the probabilities, the final division) is the reference's own torch 
 Its slow twin is `reference.sparse_attn_reference`: `sparse_attn_compiled` equals it bit for bit (NaN
 payloads aside) wherever it runs. The products' order is fixed in the C file (a fused chain per output in
 index order, what MKL's strict CNR mode computes); whether this process's torch sums that way is not
-assumed but probed at first use per shape (`takes`), on wide-range inputs with subnormal and overflowing
-products and masked ids, and where it does not (the portable profile's MKL kernels here, a torch built
-without MKL), or the library does not build, `sparse_attn_compiled` returns None and callers keep the
-reference's ops.
+assumed but probed at first use per shape (`takes`): the two products bit for bit against the reference's
+expressions for them, then the whole loop on wide-range inputs with subnormal and overflowing products and
+masked ids, from a fixed seed (every process of a machine decides alike). Where it does not (the portable
+profile's MKL kernels on an Intel Xeon, MKL under both profiles on the AMD EPYC VMs, a torch built without
+MKL), or the library does not build, `sparse_attn_compiled` returns None and callers keep the reference's
+ops.
 """
 
 from __future__ import annotations
 
 import ctypes
-import random
 from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
@@ -59,27 +60,78 @@ def _wide(g: torch.Generator, *shape: int, low: int, high: int) -> torch.Tensor:
     return (sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))).bfloat16()
 
 
-# The probe's cases, (rows, (q's exponents, kv's exponents)). Rows: MKL may pick its kernel by the batch's
-# size (under the portable profile on an Intel Xeon with AVX-512 these products match the C order up to 100
-# rows and not from 128 on), so one size cannot vouch for the others; under the strict profile no row count
-# changed a bit (session 42). Values: ordinary ones; score products below fp32's normal range; huge queries
-# on tiny values, so that probabilities spread over 2^-14..1 multiply values near bf16's least and the
-# products underflow (they tell a fused accumulation from rounded products); overflowing scores.
+# The probe's seed: fixed, so that every process on one machine and profile decides alike. A decision that
+# changed between processes would give a session other bits after a restart than before it.
+_PROBE_SEED = 20261207
+
+# Rows of the products' check: MKL may pick its kernel by the batch's size (under the portable profile on an
+# Intel Xeon with AVX-512 these products match the C order up to 100 rows and not from 128 on), so one size
+# cannot vouch for the others; under the strict profile there no row count changed a bit (session 42).
+_PRODUCT_ROWS = (1, 64, 300)
+
+# The end-to-end cases, (rows, (q's exponents, kv's exponents)): ordinary values; score products below fp32's
+# normal range; huge queries on tiny values, so that probabilities spread over 2^-14..1 multiply values near
+# bf16's least and the products underflow (they tell a fused accumulation from rounded products);
+# overflowing scores.
 _ORDINARY = ((-4, 4), (-4, 4))
 _PROBE_CASES = (
-    (1, _ORDINARY),
     (64, _ORDINARY),
-    (300, _ORDINARY),
     (64, ((-70, -55), (-70, -55))),
     (64, ((120, 126), (-133, -120))),
     (64, ((-20, 60), (-20, 60))),
 )
 
 
+def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int) -> bool:
+    """Whether the C file's two products give every fp32 bit of the reference's expressions for them (the
+    same torch ops on the same shapes), on ordinary values at `_PRODUCT_ROWS` rows over 96 KV rows.
+
+    The products are where the order lives, and compared before the exponentials and the bf16 rounding an
+    order that differs shows in most of their outputs: on an AMD EPYC VM (session 43), where MKL sums these
+    products in another order under both profiles, about 70% of the scores and 15-50% of the accumulations
+    differed, while the attention's bf16 outputs differed in none of 64 rows in 4 of 5 draws. A probe of the
+    outputs alone let that order through in about one process in five.
+    """
+    lib = _library()
+    assert lib is not None
+    n_kv = 96
+    scale = head_dim**-0.5
+    for rows in _PRODUCT_ROWS:
+        q = _wide(g, 1, rows, heads, head_dim, low=-4, high=4)
+        kv = _wide(g, 1, n_kv, head_dim, low=-4, high=4)
+        ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
+        valid = ids.long() != -1
+        # as the reference: a masked slot gathers row 0 and is zeroed by the multiply
+        kv_blk = kv[0, ids.long().clamp_min(0)].float() * valid.unsqueeze(-1)  # [1, rows, width, D]
+        scores = torch.einsum("bmhd,bmkd->bmhk", q.float(), kv_blk)
+        want = torch.where(valid.unsqueeze(2), scores, -torch.inf) * torch.tensor(scale)
+        got = torch.empty(1, rows, heads, width)
+        shape = (width, rows, rows, n_kv, heads, head_dim, width)
+        if lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, scale, got.data_ptr()):
+            return False
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            return False
+        # probabilities as the loop rounds them (a masked slot's is +0), rescales in (0, 1]
+        p = (torch.rand(1, rows, heads, width, generator=g) * valid.unsqueeze(2)).bfloat16()
+        rescale = torch.rand(1, rows, heads, generator=g)
+        acc = torch.randn(1, rows, heads, head_dim, generator=g)
+        want = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.float(), kv_blk)
+        got = acc.clone()
+        if lib.sparse_accumulate(p.data_ptr(), rescale.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape,
+                                 got.data_ptr()):  # fmt: skip
+            return False
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            return False
+    return True
+
+
 def _probe(heads: int, head_dim: int, width: int) -> bool:
-    """Whether the compiled loop equals the reference on this shape here: `_PROBE_CASES` over 96 KV rows,
-    `width` ids a row (one block) with masked ones."""
-    g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    """Whether the compiled loop equals the reference on this shape here: its two products bit for bit
+    (`_products_agree`), then the whole attention on `_PROBE_CASES` over 96 KV rows, `width` ids a row (one
+    block) with masked ones."""
+    g = torch.Generator().manual_seed(_PROBE_SEED)
+    if not _products_agree(g, heads, head_dim, width):
+        return False
     n_kv = 96
     for rows, ((q_low, q_high), (kv_low, kv_high)) in _PROBE_CASES:
         q = _wide(g, 1, rows, heads, head_dim, low=q_low, high=q_high)
