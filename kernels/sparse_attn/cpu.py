@@ -4,8 +4,9 @@ as tensors first; every other op of the loop (the running max, the exponentials,
 rounding of the probabilities, the final division) is the reference's own torch op on the same shapes.
 
 Its slow twin is `reference.sparse_attn_reference`: `sparse_attn_compiled` equals it bit for bit (NaN
-payloads aside) wherever it runs. The products' order is fixed in the C file (a fused chain per output in
-index order, what MKL's strict CNR mode computes); whether this process's torch sums that way is not
+payloads aside) wherever it runs. The products' orders are fixed in the C file (a fused chain per output in
+index order, what MKL's strict CNR mode computes on an Intel Xeon, or for the scores the lanes of MKL's AVX2
+kernels on an AMD EPYC VM); whether this process's torch sums one of those ways is not
 assumed but probed at first use per shape (`takes`): the two products bit for bit against the reference's
 expressions for them, then the whole loop on wide-range inputs with subnormal and overflowing products and
 masked ids, from a fixed seed (every process of a machine decides alike). Where it does not (the portable
@@ -42,10 +43,16 @@ def _library() -> ctypes.CDLL | None:
     return load_functions(
         _SOURCE,
         {
-            "sparse_scores": ([_P, _P, *_COMMON, ctypes.c_float, _P], _I64),
+            "sparse_scores": ([_P, _P, *_COMMON, ctypes.c_float, _INT, _P], _I64),
             "sparse_accumulate": ([_P, _P, _P, *_COMMON, _P], _I64),
         },
     )
+
+
+# The scores' orders the C file knows (its ORDER_*), in the order the probe tries them: a fused chain over the
+# head dim (MKL's strict mode on an Intel Xeon), and MKL's AVX2 kernels' lanes (an AMD EPYC VM, session 43).
+ORDER_CHAIN, ORDER_LANES = 0, 1
+_ORDERS = (ORDER_CHAIN, ORDER_LANES)
 
 
 def _shape_covered(heads: int, head_dim: int) -> bool:
@@ -82,15 +89,16 @@ _PROBE_CASES = (
 )
 
 
-def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int) -> bool:
-    """Whether the C file's two products give every fp32 bit of the reference's expressions for them (the
-    same torch ops on the same shapes), on ordinary values at `_PRODUCT_ROWS` rows over 96 KV rows.
+def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int, order: int) -> bool:
+    """Whether the C file's two products, its scores in `order`, give every fp32 bit of the reference's
+    expressions for them (the same torch ops on the same shapes), on ordinary values at `_PRODUCT_ROWS` rows
+    over 96 KV rows.
 
     The products are where the order lives, and compared before the exponentials and the bf16 rounding an
-    order that differs shows in most of their outputs: on an AMD EPYC VM (session 43), where MKL sums these
-    products in another order under both profiles, about 70% of the scores and 15-50% of the accumulations
-    differed, while the attention's bf16 outputs differed in none of 64 rows in 4 of 5 draws. A probe of the
-    outputs alone let that order through in about one process in five.
+    order that differs shows in most of their outputs: on an AMD EPYC VM (session 43), where MKL sums the
+    scores in another order than ORDER_CHAIN under both profiles, about 70% of the scores differed from it,
+    while the attention's bf16 outputs differed in none of 64 rows in 4 draws of 5. A probe of the outputs
+    alone let that order through in about one process in five.
     """
     lib = _library()
     assert lib is not None
@@ -107,7 +115,8 @@ def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int) -
         want = torch.where(valid.unsqueeze(2), scores, -torch.inf) * torch.tensor(scale)
         got = torch.empty(1, rows, heads, width)
         shape = (width, rows, rows, n_kv, heads, head_dim, width)
-        if lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, scale, got.data_ptr()):
+        if lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, scale, order,
+                             got.data_ptr()):  # fmt: skip
             return False
         if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
             return False
@@ -125,12 +134,12 @@ def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int) -
     return True
 
 
-def _probe(heads: int, head_dim: int, width: int) -> bool:
-    """Whether the compiled loop equals the reference on this shape here: its two products bit for bit
-    (`_products_agree`), then the whole attention on `_PROBE_CASES` over 96 KV rows, `width` ids a row (one
-    block) with masked ones."""
+def _probe(heads: int, head_dim: int, width: int, order: int) -> bool:
+    """Whether the compiled loop, its scores in `order`, equals the reference on this shape here: its two
+    products bit for bit (`_products_agree`), then the whole attention on `_PROBE_CASES` over 96 KV rows,
+    `width` ids a row (one block) with masked ones."""
     g = torch.Generator().manual_seed(_PROBE_SEED)
-    if not _products_agree(g, heads, head_dim, width):
+    if not _products_agree(g, heads, head_dim, width, order):
         return False
     n_kv = 96
     for rows, ((q_low, q_high), (kv_low, kv_high)) in _PROBE_CASES:
@@ -139,7 +148,7 @@ def _probe(heads: int, head_dim: int, width: int) -> bool:
         ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
         sink = torch.randn(heads, generator=g)
         want = sparse_attn_reference(q, kv, sink, ids, head_dim**-0.5)
-        got = _compiled(q, kv, sink, ids, head_dim**-0.5, torch.exp)
+        got = _compiled(q, kv, sink, ids, head_dim**-0.5, torch.exp, lambda blk: order)
         if got is None or not torch.equal(got.isnan(), want.isnan()):
             return False
         finite = ~want.isnan()
@@ -149,9 +158,10 @@ def _probe(heads: int, head_dim: int, width: int) -> bool:
 
 
 @cache
-def _takes_block(heads: int, head_dim: int, block: int) -> bool:
+def _takes_block(heads: int, head_dim: int, block: int) -> int | None:
+    """The scores' order that gives the reference's bits for blocks of `block` ids, or None (neither)."""
     with torch.inference_mode():
-        return _probe(heads, head_dim, block)
+        return next((order for order in _ORDERS if _probe(heads, head_dim, block, order)), None)
 
 
 def takes(heads: int, head_dim: int, width: int) -> bool:
@@ -162,7 +172,7 @@ def takes(heads: int, head_dim: int, width: int) -> bool:
     if not _shape_covered(heads, head_dim) or width <= 0 or _library() is None:
         return False
     widths = {min(SPARSE_ATTN_BLOCK, width - s) for s in range(0, width, SPARSE_ATTN_BLOCK)}
-    return all(_takes_block(heads, head_dim, w) for w in sorted(widths))
+    return all(_takes_block(heads, head_dim, w) is not None for w in sorted(widths))
 
 
 def prepare(heads: int, head_dim: int, widths: Iterable[int]) -> bool:
@@ -187,7 +197,9 @@ def _compiled(
     topk_idxs: torch.Tensor,
     softmax_scale: float,
     exp: Callable[[torch.Tensor], torch.Tensor],
+    order_of: Callable[[int], int | None],
 ) -> torch.Tensor | None:
+    """The loop, each block's scores in the order `order_of(block width)` gives (never None here)."""
     lib = _library()
     if lib is None:
         return None
@@ -205,8 +217,8 @@ def _compiled(
         at = ids.data_ptr() + start * ids.element_size()
         shape = (k, rows, t, n_kv, h, d, blk)  # ids_stride, rows, rows_per_batch, n_kv, H, D, blk
         scores = torch.empty(b, t, h, blk, dtype=torch.float32, device=device)
-        _check(lib.sparse_scores(qc.data_ptr(), kvc.data_ptr(), at, *shape, softmax_scale, scores.data_ptr()),
-               ids, n_kv)  # fmt: skip
+        _check(lib.sparse_scores(qc.data_ptr(), kvc.data_ptr(), at, *shape, softmax_scale, order_of(blk),
+                                 scores.data_ptr()), ids, n_kv)  # fmt: skip
         # the reference's ops from here to the products, on the same shapes
         prev_max = running_max
         running_max = torch.maximum(prev_max, scores.amax(dim=-1))
@@ -244,6 +256,8 @@ def sparse_attn_compiled(
         return None
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad):
         return None
-    if not takes(q.size(2), q.size(3), topk_idxs.size(-1)):
+    heads, head_dim = q.size(2), q.size(3)
+    if not takes(heads, head_dim, topk_idxs.size(-1)):
         return None
-    return _compiled(q, kv, attn_sink, topk_idxs, softmax_scale, exp)
+    return _compiled(q, kv, attn_sink, topk_idxs, softmax_scale, exp,
+                     lambda blk: _takes_block(heads, head_dim, blk))  # fmt: skip

@@ -12,13 +12,17 @@
  *         (a zero of x's sign when x is finite, NaN for an infinity or NaN), NaN * anything is NaN.
  * row_j = max(ids[r, j], 0), in the kv rows of row r's batch row (r / rows_per_batch).
  *
- * The order of the sums is the one parameter: each product an fp32 fused multiply-add chain from +0 in
- * index order (over the head dim for the scores, over the block's indices for the accumulation). Both
- * operands are bf16 values, so every product is exact unless it leaves fp32's normal range; then only a
- * fused chain matches. That is what MKL's strict CNR mode computes for these batched products (read off
- * at the model's shapes, orchestrator/README.md, session 42); under other modes the caller's first-use
- * probe (cpu.py) finds the bits differ and keeps the torch ops. Built without fast-math and with
- * -ffp-contract=off (kernels/native), so the only fused operations are the explicit _mm256_fmadd_ps.
+ * The order of the sums is the one parameter. Both operands are bf16 values, so every product is exact
+ * unless it leaves fp32's normal range; then only a fused chain matches. The accumulation is an fp32 fused
+ * multiply-add chain from +0 in index order over the block's ids. The scores take one of two orders
+ * (`order`), each what MKL computes for these batched products somewhere (read off at the model's shapes):
+ * ORDER_CHAIN, a fused chain from +0 over the head dim (MKL's strict CNR mode on an Intel Xeon, session 42);
+ * ORDER_LANES, MKL's AVX2 kernels on an AMD EPYC VM under both profiles at H = 2 (session 43): a block of
+ * fewer than 4 ids as ORDER_CHAIN; else the ids in whole groups of 4 with 4 fused chains a score (lane l
+ * over dims l, l + 4, ...; folded (0 + 2) + (1 + 3)) and the last blk % 4 with 8 (lane l over dims l, l + 8,
+ * ...; folded ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))). The caller's first-use probe (cpu.py) finds which
+ * order, if either, gives torch's bits and otherwise keeps the torch ops. Built without fast-math and with
+ * -ffp-contract=off (kernels/native), so the only fused operations are the explicit fmadd intrinsics.
  *
  * Vectorized across keys for the scores (a block of 8 keys converted and transposed with shuffles,
  * kernels/native/transpose.h: one AVX2 vector per dimension, each lane its key's chain) and across the
@@ -40,6 +44,8 @@
 
 #define KEYS 8 /* keys per transposed block: one fp32 AVX2 vector per dimension */
 
+enum { ORDER_CHAIN = 0, ORDER_LANES = 1 };
+
 static const uint16_t ZERO_ROW[1024]; /* a padding lane's key: read, never stored */
 
 /* The ids of one row's block checked against [-1, n_kv): 0, or 1 + the first bad position in the row. */
@@ -49,20 +55,66 @@ static inline int64_t check_ids(const int32_t *id, int64_t blk, int64_t n_kv) {
     return 0;
 }
 
+/* A score in ORDER_LANES with 4 lanes: lane l a fused chain over dims l, l + 4, ..., folded (0+2)+(1+3). */
+static inline float dot_4_lanes(const float *q, const uint16_t *k, int d) {
+    __m128 acc = _mm_setzero_ps();
+    for (int l = 0; l < d; l += 8) {
+        const __m256 v = bf16x8_to_f32(k + l);
+        acc = _mm_fmadd_ps(_mm_loadu_ps(q + l), _mm256_castps256_ps128(v), acc);
+        acc = _mm_fmadd_ps(_mm_loadu_ps(q + l + 4), _mm256_extractf128_ps(v, 1), acc);
+    }
+    const __m128 half = _mm_add_ps(acc, _mm_movehl_ps(acc, acc)); /* 0 + 2, 1 + 3 */
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+}
+
+/* A score in ORDER_LANES with 8 lanes: lane l a fused chain over dims l, l + 8, ..., folded
+ * ((0+4)+(2+6))+((1+5)+(3+7)). */
+static inline float dot_8_lanes(const float *q, const uint16_t *k, int d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int l = 0; l < d; l += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + l), bf16x8_to_f32(k + l), acc);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 half = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+}
+
+/* One row's scores in ORDER_LANES for blk >= 4 (qf: the row's query as fp32, H x D). */
+static void scores_in_lanes(const float *qf, const uint16_t *base, const int32_t *id, int heads, int d,
+                            int64_t blk, float scale, float masked, float *out) {
+    const int64_t grouped = blk / 4 * 4;
+    for (int h = 0; h < heads; h++) {
+        const float *qh = qf + h * d;
+        float *o = out + h * blk;
+        for (int64_t j = 0; j < blk; j++) {
+            if (id[j] == -1) {
+                o[j] = masked;
+                continue;
+            }
+            const uint16_t *k = base + (int64_t)id[j] * d;
+            o[j] = (j < grouped ? dot_4_lanes(qh, k, d) : dot_8_lanes(qh, k, d)) * scale;
+        }
+    }
+}
+
 /* q [R, H, D] bf16, kv [B, n_kv, D] bf16, ids: row r's block at ids + r * ids_stride (blk int32),
- * out [R, H, blk] fp32. D a multiple of 8, at most 1024 (the caller checks). */
+ * out [R, H, blk] fp32, order ORDER_CHAIN or ORDER_LANES. D a multiple of 8, at most 1024 (the caller
+ * checks). */
 int64_t sparse_scores(const uint16_t *q, const uint16_t *kv, const int32_t *ids, int64_t ids_stride,
                       int64_t rows, int64_t rows_per_batch, int64_t n_kv, int heads, int d, int64_t blk,
-                      float scale, float *out) {
+                      float scale, int order, float *out) {
     __m256 kt[1024];
     float qf[1024];
     const float masked = -INFINITY * scale;
+    const int lanes = order == ORDER_LANES && blk >= 4;
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *id = ids + r * ids_stride;
         const int64_t bad = check_ids(id, blk, n_kv);
         if (bad) return 1 + r * blk + (bad - 1);
         const uint16_t *base = kv + (r / rows_per_batch) * n_kv * d;
         for (int l = 0; l < heads * d; l++) qf[l] = bf16_to_f32(q[r * heads * d + l]);
+        if (lanes) {
+            scores_in_lanes(qf, base, id, heads, d, blk, scale, masked, out + r * heads * blk);
+            continue;
+        }
         for (int64_t j0 = 0; j0 < blk; j0 += KEYS) {
             const uint16_t *key[KEYS];
             for (int n = 0; n < KEYS; n++) {

@@ -64,8 +64,8 @@ class _ScoresInAnotherOrder:
         self.sparse_accumulate = lib.sparse_accumulate
         self._scores = lib.sparse_scores
 
-    def sparse_scores(self, q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, out):
-        code = self._scores(q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, out)
+    def sparse_scores(self, q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, order, out):
+        code = self._scores(q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, order, out)
         got = torch.from_dlpack(_view(out, rows * heads * blk))
         qs, kvs = _view(q, rows * heads * d, torch.int16), _view(kv, n_kv * d, torch.int16)
         qf = torch.from_dlpack(qs).view(torch.bfloat16).double().view(rows, heads, d)
@@ -92,10 +92,61 @@ def test_the_probe_refuses_products_summed_in_another_order_whatever_the_draw(mo
     if lib is None:
         pytest.skip("no C compiler: nothing to probe")
     monkeypatch.setattr(cpu, "_library", lambda: _ScoresInAnotherOrder(lib))
-    for width in (16, 17, 32, 64):
-        assert not cpu._probe(2, 64, width), f"the probe took another order of the scores at width {width}"
+    for width, order in itertools.product((16, 17, 32, 64), cpu._ORDERS):
+        assert not cpu._probe(2, 64, width, order), f"the probe took another order at width {width}"
     monkeypatch.undo()
-    assert [cpu._probe(2, 64, 32) for _ in range(3)] == [cpu._probe(2, 64, 32)] * 3
+    for order in cpu._ORDERS:
+        assert len({cpu._probe(2, 64, 32, order) for _ in range(3)}) == 1
+
+
+def _emulated_scores(q: torch.Tensor, keys: torch.Tensor, order: int) -> torch.Tensor:
+    """The C file's scores (unscaled) of q [H, D] over keys [K, D] (bf16 values), each fused multiply-add
+    emulated in fp64 and rounded to fp32: exact for ordinary values, whose products and sums fit fp64."""
+
+    def chains(lanes: int) -> torch.Tensor:  # [H, K]: the lanes' chains folded halves onto halves
+        qd, kd = q.double().unsqueeze(1), keys.double().unsqueeze(0)  # [H, 1, D], [1, K, D]
+        parts = []
+        for lane in range(lanes):
+            acc = torch.zeros(q.size(0), keys.size(0), dtype=torch.float64)
+            for dim in range(lane, q.size(1), lanes):
+                acc = (acc + qd[..., dim] * kd[..., dim]).float().double()
+            parts.append(acc)
+        while len(parts) > 1:
+            half = len(parts) // 2
+            parts = [(parts[i] + parts[i + half]).float().double() for i in range(half)]
+        return parts[0].float()
+
+    k = keys.size(0)
+    if order == cpu.ORDER_CHAIN or k < 4:
+        return chains(1)
+    grouped = k // 4 * 4
+    return torch.cat([chains(4)[:, :grouped], chains(8)[:, grouped:]], dim=1)
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_each_order_of_the_scores_is_the_one_its_comment_describes(order: int) -> None:
+    """Whatever torch does on this machine: the C scores in each order against an emulation of that order,
+    on fresh ordinary values, at block widths below, at and past the groups of 4."""
+    lib = cpu._library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    g, seed = _seeded()
+    heads, d, n_kv = 2, 64, 40
+    for width in (1, 3, 4, 5, 16, 17, 19, 32, 33, 64):
+        q = cpu._wide(g, 1, 1, heads, d, low=-4, high=4)
+        kv = cpu._wide(g, 1, n_kv, d, low=-4, high=4)
+        ids = torch.randint(0, n_kv, (1, 1, width), generator=g, dtype=torch.int32)
+        ids[0, 0, width // 2] = -1
+        got = torch.empty(1, 1, heads, width)
+        code = lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), width, 1, 1, n_kv, heads, d,
+                                 width, 1.0, order, got.data_ptr())  # fmt: skip
+        assert code == 0
+        want = _emulated_scores(q[0, 0], kv[0, ids[0, 0].long().clamp_min(0)], order)
+        want[:, width // 2] = -torch.inf
+        assert torch.equal(got[0, 0].view(torch.int32), want.view(torch.int32)), (
+            f"seed {seed}, order {order}, width {width}: "
+            f"{int((got[0, 0] != want).sum())} of {want.numel()} scores differ"
+        )
 
 
 @pytest.mark.parametrize(
