@@ -1,8 +1,9 @@
 """The compiled CPU bf16 linear (kernels/bf16_gemm) against its slow twin, torch's own F.linear: every
 output's bits, on fresh random inputs of the model's widths and the edges of the C code's order (one tail
 step, whole 64-wide chunks, chunks plus a tail, N not a multiple of the block's 8 or 16 outputs,
-wide-range values where the sums' order shows, subnormal products that tell a fused multiply-add from a
-plain one, NaN and infinities)."""
+wide-range values, sums that cancel so that their order shows in nearly every output, subnormal products
+that tell a fused multiply-add from a plain one, NaN and infinities); and that the first-use probe refuses
+another order."""
 
 from __future__ import annotations
 
@@ -39,11 +40,40 @@ def test_compiled_linear_equals_torch_bit_for_bit(k: int) -> None:
         for x, w in [
             (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()),
             (_wide(g, m, k), _wide(g, n, k)),
+            cpu.cancelling(g, m, n, k),
         ]:
             assert bf16_linear_takes_compiled_path(x, w)
             got = cpu.linear_packed(x, pack_bf16_weight(w), n)
             assert got is not None
             assert torch.equal(_bits(got), _bits(F.linear(x, w))), (seed, k, m, n)
+
+
+def test_the_probe_refuses_another_order_of_the_sums(monkeypatch) -> None:
+    """Sums in another order (exact in fp64, rounded once; or each output a plain fp32 chain) must fail the
+    probe: on wide-range values alone they matched torch in all but 0-1 of 2211 outputs a shape."""
+    w_of: dict[int, torch.Tensor] = {}
+    pack_weight = cpu.pack_weight
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        packed = pack_weight(w)
+        w_of[id(packed)] = w
+        return packed
+
+    def exact(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return (x.double() @ w_of[id(packed)].double().T).bfloat16()
+
+    def chain(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        w, acc = w_of[id(packed)].float(), torch.zeros(x.size(0), n)
+        for i in range(x.size(1)):
+            acc = acc + x[:, i : i + 1].float() * w[:, i]
+        return acc.bfloat16()
+
+    monkeypatch.setattr(cpu, "pack_weight", pack)
+    for other in (exact, chain):
+        monkeypatch.setattr(cpu, "linear_packed", other)
+        assert not cpu._probe.__wrapped__()
+    monkeypatch.undo()
+    assert cpu._probe.__wrapped__()
 
 
 def test_the_packed_weight_has_one_vector_register_of_outputs_per_block() -> None:

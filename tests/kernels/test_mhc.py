@@ -81,6 +81,28 @@ def _wide(g: torch.Generator, lo: int, hi: int, *shape: int) -> torch.Tensor:
     return sign * torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))
 
 
+def test_the_lanes_probe_refuses_lane_sums_in_another_order(monkeypatch) -> None:
+    """A collapse or expand whose lane sums run pairwise must fail the first-use probe (on normal-valued
+    lanes alone such sums matched torch's in every output: its cancelling lanes show the order)."""
+
+    def pairwise(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        p = pre.unsqueeze(-1) * x.float()
+        return ((p[..., 0, :] + p[..., 2, :]) + (p[..., 1, :] + p[..., 3, :])).to(x.dtype)
+
+    def expand_pairwise(y, residual, post, comb):
+        mixed = comb.unsqueeze(-1) * residual.float().unsqueeze(-2)  # [..., i, j, d]
+        lanes = (mixed[..., 0, :, :] + mixed[..., 2, :, :]) + (mixed[..., 1, :, :] + mixed[..., 3, :, :])
+        return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + lanes).to(y.dtype)
+
+    monkeypatch.setattr(cpu, "collapse_cpu", pairwise)
+    assert not cpu._lanes_probe.__wrapped__()
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "expand_cpu", expand_pairwise)
+    assert not cpu._lanes_probe.__wrapped__()
+    monkeypatch.undo()
+    assert cpu._lanes_probe.__wrapped__()
+
+
 @pytest.mark.parametrize("hc", [1, 2, 4])
 def test_compiled_collapse_and_expand_equal_the_reference_bit_for_bit(hc: int) -> None:
     """Wide-range lanes (the sums' order shows: a pairwise or reversed sum differs) and ordinary ones, one
