@@ -35,14 +35,16 @@ def _state(served, rng: random.Random):
 
 def _same_state(a, b) -> None:
     assert torch.equal(a.tokens, b.tokens)
-    for x, y in zip(a.windows + a.window_codes + a.window_scales, b.windows + b.window_codes + b.window_scales,
-                    strict=True):  # fmt: skip
+    rings_a = a.windows + a.window_codes + a.window_scales
+    rings_b = b.windows + b.window_codes + b.window_scales
+    for x, y in zip(rings_a, rings_b, strict=True):
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     assert a.window_from == b.window_from
     for layer, src in a.sources.items():
         other = b.sources[layer]
         for name in ("kv", "index_k", "kv_packed", "kv_scales", "index_packed", "index_scales"):
-            assert torch.equal(getattr(src, name).view(torch.uint8), getattr(other, name).view(torch.uint8)), name
+            mine, theirs = getattr(src, name), getattr(other, name)
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
 
 
 def test_one_sequence_takes_the_lone_decode_with_decode_many_bits(served, monkeypatch) -> None:
