@@ -176,6 +176,16 @@ def _thread_kind(py_name: str | None, comm: str) -> str:
     return "other_python"
 
 
+def _cpu_seconds(task: Path, hz: int) -> float:
+    """A thread's CPU time: from `schedstat` in nanoseconds where the kernel keeps it, else `stat`'s
+    user and system ticks (1/hz s: a few turns' CPU spread over a pool's threads may read 0 ticks)."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (FileNotFoundError, PermissionError, IndexError, ValueError):
+        fields = (task / "stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / hz
+
+
 def _tasks() -> dict[str, tuple[str, float, int]]:
     """Each live thread of this process: (comm, CPU seconds, context switches); {} off Linux."""
     out: dict[str, tuple[str, float, int]] = {}
@@ -185,13 +195,13 @@ def _tasks() -> dict[str, tuple[str, float, int]]:
     hz = os.sysconf("SC_CLK_TCK")
     for task in root.iterdir():
         try:
-            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            cpu = _cpu_seconds(task, hz)
             status = (task / "status").read_text()
             comm = (task / "comm").read_text().strip()
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited meanwhile
         switches = sum(int(m) for m in re.findall(r"ctxt_switches:\s+(\d+)", status))
-        out[task.name] = (comm, (int(fields[11]) + int(fields[12])) / hz, switches)
+        out[task.name] = (comm, cpu, switches)
     return out
 
 
