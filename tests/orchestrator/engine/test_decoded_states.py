@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model import ModelState, decode, export_global, import_global_chunks, prefill
-from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.engine import TorchCompute
 from orchestrator.engine.decoded_states import (
     SOURCE_FIELDS,
     DecodedSources,
@@ -33,15 +33,6 @@ from storage import PoolConfig, WindowPool
 
 CHUNK = 32
 _TORCH = TorchCompute()
-
-
-@pytest.fixture(scope="module")
-def served():
-    torch.set_num_threads(1)
-    reg = ModelRegistry({"a": ServedModelSpec(name="a", config="v41-tiny", seed=3)})
-    s = reg.get("a")
-    assert s is not None
-    return s
 
 
 def _sealed(served, state: ModelState, tokens: list[int]) -> ModelState:

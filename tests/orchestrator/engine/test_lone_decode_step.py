@@ -11,18 +11,9 @@ import torch
 
 import orchestrator.engine.model_compute as model_compute
 from model import decode_many, prefill
-from orchestrator.engine import ModelRegistry, ServedModelSpec, TorchCompute
+from orchestrator.engine import TorchCompute
 
 _TORCH = TorchCompute()
-
-
-@pytest.fixture(scope="module")
-def served():
-    torch.set_num_threads(1)
-    reg = ModelRegistry({"a": ServedModelSpec(name="a", config="v41-tiny", seed=3)})
-    s = reg.get("a")
-    assert s is not None
-    return s
 
 
 def _state(served, rng: random.Random):
