@@ -209,11 +209,14 @@ def token_row(tokens: Sequence[int], device: torch.device | str) -> torch.Tensor
 
 
 def _lone_decodable(model: Any, token: int, state: Any) -> bool:
-    """Whether a one-sequence decode step may run as the lone `decode`: a batch-1 state and a token id
-    `decode_many` accepts (anything else goes to it, for its errors)."""
+    """Whether a one-sequence decode step may run as the lone `decode`: a batch-1 CPU state and a token id
+    `decode_many` accepts (anything else goes to it, for its errors). CPU only: there `decode_many` equals
+    `decode` bit for bit (tests/model/test_batched.py); on a GPU that is not tested, so a session alone
+    keeps the pass that steps shared with others run."""
     return (
         isinstance(state, ModelState)
         and state.batch == 1
+        and state.device.type == "cpu"
         and isinstance(token, int)
         and 0 <= token < model.cfg.vocab_size
     )
