@@ -280,16 +280,15 @@ class TorchCompute:
     def decode_many(
         self, served: ServedModel, tokens: Sequence[int], states: Sequence[Any]
     ) -> list[PassOutput]:
-        model = served.model
-        if len(states) == 1 and _lone_decodable(model, tokens[0], states[0]):
+        if len(states) == 1 and _lone_decodable(served.model, tokens[0], states[0]):
             # One sequence (a session decoding alone): its lone pass, the same bits as `decode_many`'s
             # (that is decode_many's contract) without the batched stage's fixed cost: on v41-sib-s a 1-row
-            # decode_many took 7.3 ms against 6.3 for the lone decode (AMD EPYC VM, session 43).
-            with served.lock, torch.inference_mode():
-                token = torch.tensor([tokens[0]], dtype=torch.int64, device=states[0].device)
-                return [decode(model, token, states[0])]
+            # decode_many took 7.3 ms against 6.3 for the lone decode (AMD EPYC VM, session 43). Here, not
+            # in the scheduler (which sends a lone prompt chunk to `prefill`): a model process's decode pass
+            # brings back only the logits its chain reads.
+            return [self.decode(served, tokens[0], states[0])]
         with served.lock, torch.inference_mode():
-            return decode_many(model, tokens, states)
+            return decode_many(served.model, tokens, states)
 
     def keep_decoded(self, served: ServedModel, state: Any) -> TensorSources | None:
         """The state's global-KV tensors, shared (a batch-1 `ModelState`; None for any other)."""
