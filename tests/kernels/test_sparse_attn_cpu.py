@@ -5,6 +5,7 @@ profile where its order is known to be torch's (MKL's strict mode), where it mus
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import random
@@ -57,8 +58,8 @@ def test_under_the_strict_profile_on_intel_the_compiled_loop_runs() -> None:
 
 
 class _ScoresInAnotherOrder:
-    """The C library with its scores summed in another order (in fp64, rounded once): what MKL's order
-    looks like to the probe on a CPU where it is not the C file's. (One batch row of KV, as the probe's.)"""
+    """The C library with a third of its scores one ulp off: what another order of the sums does to them
+    (on the AMD EPYC VM MKL's order left about 70% of the scores a last bit apart from the C chain's)."""
 
     def __init__(self, lib) -> None:
         self.sparse_accumulate = lib.sparse_accumulate
@@ -66,22 +67,12 @@ class _ScoresInAnotherOrder:
 
     def sparse_scores(self, q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, order, out):
         code = self._scores(q, kv, ids, ids_stride, rows, per_batch, n_kv, heads, d, blk, scale, order, out)
-        got = torch.from_dlpack(_view(out, rows * heads * blk))
-        qs, kvs = _view(q, rows * heads * d, torch.int16), _view(kv, n_kv * d, torch.int16)
-        qf = torch.from_dlpack(qs).view(torch.bfloat16).double().view(rows, heads, d)
-        kvf = torch.from_dlpack(kvs).view(torch.bfloat16).double().view(n_kv, d)
-        at = torch.from_dlpack(_view(ids, rows * ids_stride, torch.int32)).view(rows, ids_stride)[:, :blk]
-        exact = torch.einsum("rhd,rkd->rhk", qf, kvf[at.long().clamp_min(0)]).float() * scale
-        got.copy_(torch.where(at.unsqueeze(1) >= 0, exact, got.view(rows, heads, blk)).reshape(-1))
+        count = rows * heads * blk
+        scores = torch.frombuffer((ctypes.c_float * count).from_address(out), dtype=torch.float32)
+        every_third = scores[::3]
+        every_third.copy_(torch.where(every_third.isfinite(), torch.nextafter(every_third, torch.tensor(0.0)),
+                                      every_third))  # fmt: skip
         return code
-
-
-def _view(address: int, count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The `count` elements of `dtype` at `address` (memory the caller keeps alive), as a tensor."""
-    import ctypes
-
-    kinds = {torch.float32: ctypes.c_float, torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32}
-    return torch.frombuffer((kinds[dtype] * count).from_address(address), dtype=dtype)
 
 
 def test_the_probe_refuses_products_summed_in_another_order_whatever_the_draw(monkeypatch) -> None:
