@@ -18,6 +18,7 @@ ops.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
@@ -44,13 +45,14 @@ def _library() -> ctypes.CDLL | None:
         _SOURCE,
         {
             "sparse_scores": ([_P, _P, *_COMMON, ctypes.c_float, _INT, _P], _I64),
-            "sparse_accumulate": ([_P, _P, _P, *_COMMON, _P], _I64),
+            "sparse_accumulate": ([_P, _P, _P, *_COMMON, _INT, _P], _I64),
         },
     )
 
 
-# The scores' orders the C file knows (its ORDER_*), in the order the probe tries them: a fused chain over the
-# head dim (MKL's strict mode on an Intel Xeon), and MKL's AVX2 kernels' lanes (an AMD EPYC VM, session 43).
+# The products' orders the C file knows (its ORDER_*), in the order the probe tries them: fused chains (MKL's
+# strict mode on an Intel Xeon), and MKL's AVX2 kernels at two heads on an AMD EPYC VM (products rounded
+# before they are added, the scores in lanes; session 43).
 ORDER_CHAIN, ORDER_LANES = 0, 1
 _ORDERS = (ORDER_CHAIN, ORDER_LANES)
 
@@ -76,6 +78,17 @@ _PROBE_SEED = 20261207
 # cannot vouch for the others; under the strict profile there no row count changed a bit (session 42).
 _PRODUCT_ROWS = (1, 64, 300)
 
+# The products' check's values, (q's exponents, kv's exponents, p's exponents): ordinary ones, where the
+# order of the adds shows; and ones whose products fall below fp32's normal range (scores of tiny queries on
+# tiny keys, probabilities over 2^-14..1 times values near bf16's least), where a fused multiply-add and a
+# rounded product then an add differ. Session 43 found MKL rounding the products first on the AMD EPYC VM,
+# which the ordinary values and the end-to-end cases alone had let through.
+_PRODUCT_VALUES = (
+    ((-4, 4), (-4, 4), (-4, 0)),
+    ((-76, -62), (-76, -62), None),
+    (None, (-133, -120), (-14, 0)),
+)
+
 # The end-to-end cases, (rows, (q's exponents, kv's exponents)): ordinary values; score products below fp32's
 # normal range; huge queries on tiny values, so that probabilities spread over 2^-14..1 multiply values near
 # bf16's least and the products underflow (they tell a fused accumulation from rounded products);
@@ -90,9 +103,9 @@ _PROBE_CASES = (
 
 
 def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int, order: int) -> bool:
-    """Whether the C file's two products, its scores in `order`, give every fp32 bit of the reference's
-    expressions for them (the same torch ops on the same shapes), on ordinary values at `_PRODUCT_ROWS` rows
-    over 96 KV rows.
+    """Whether the C file's two products in `order` give every fp32 bit of the reference's expressions for
+    them (the same torch ops on the same shapes), on `_PRODUCT_VALUES` at `_PRODUCT_ROWS` rows over 96 KV
+    rows.
 
     The products are where the order lives, and compared before the exponentials and the bf16 rounding an
     order that differs shows in most of their outputs: on an AMD EPYC VM (session 43), where MKL sums the
@@ -104,38 +117,41 @@ def _products_agree(g: torch.Generator, heads: int, head_dim: int, width: int, o
     assert lib is not None
     n_kv = 96
     scale = head_dim**-0.5
-    for rows in _PRODUCT_ROWS:
-        q = _wide(g, 1, rows, heads, head_dim, low=-4, high=4)
-        kv = _wide(g, 1, n_kv, head_dim, low=-4, high=4)
+    for rows, (q_exp, kv_exp, p_exp) in itertools.product(_PRODUCT_ROWS, _PRODUCT_VALUES):
+        q = _wide(g, 1, rows, heads, head_dim, low=q_exp[0], high=q_exp[1]) if q_exp else None
+        kv = _wide(g, 1, n_kv, head_dim, low=kv_exp[0], high=kv_exp[1])
         ids = torch.randint(-1, n_kv, (1, rows, width), generator=g, dtype=torch.int32)
         valid = ids.long() != -1
         # as the reference: a masked slot gathers row 0 and is zeroed by the multiply
         kv_blk = kv[0, ids.long().clamp_min(0)].float() * valid.unsqueeze(-1)  # [1, rows, width, D]
-        scores = torch.einsum("bmhd,bmkd->bmhk", q.float(), kv_blk)
-        want = torch.where(valid.unsqueeze(2), scores, -torch.inf) * torch.tensor(scale)
-        got = torch.empty(1, rows, heads, width)
         shape = (width, rows, rows, n_kv, heads, head_dim, width)
-        if lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, scale, order,
-                             got.data_ptr()):  # fmt: skip
-            return False
-        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
-            return False
-        # probabilities as the loop rounds them (a masked slot's is +0), rescales in (0, 1]
-        p = (torch.rand(1, rows, heads, width, generator=g) * valid.unsqueeze(2)).bfloat16()
-        rescale = torch.rand(1, rows, heads, generator=g)
-        acc = torch.randn(1, rows, heads, head_dim, generator=g)
-        want = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.float(), kv_blk)
-        got = acc.clone()
-        if lib.sparse_accumulate(p.data_ptr(), rescale.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape,
+        if q is not None:
+            scores = torch.einsum("bmhd,bmkd->bmhk", q.float(), kv_blk)
+            want = torch.where(valid.unsqueeze(2), scores, -torch.inf) * torch.tensor(scale)
+            got = torch.empty(1, rows, heads, width)
+            if lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, scale, order,
                                  got.data_ptr()):  # fmt: skip
-            return False
-        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
-            return False
+                return False
+            if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                return False
+        if p_exp is not None:
+            # probabilities as the loop rounds them (a masked slot's is +0), rescales in (0, 1]
+            p = _wide(g, 1, rows, heads, width, low=p_exp[0], high=p_exp[1]).abs() * valid.unsqueeze(2)
+            rescale = torch.rand(1, rows, heads, generator=g)
+            # of the values' magnitude, so that tiny products are not lost beside it
+            acc = torch.randn(1, rows, heads, head_dim, generator=g) * 2.0 ** kv_exp[1]
+            want = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", p.float(), kv_blk)
+            got = acc.clone()
+            if lib.sparse_accumulate(p.data_ptr(), rescale.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape,
+                                     order, got.data_ptr()):  # fmt: skip
+                return False
+            if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                return False
     return True
 
 
 def _probe(heads: int, head_dim: int, width: int, order: int) -> bool:
-    """Whether the compiled loop, its scores in `order`, equals the reference on this shape here: its two
+    """Whether the compiled loop, its products in `order`, equals the reference on this shape here: its two
     products bit for bit (`_products_agree`), then the whole attention on `_PROBE_CASES` over 96 KV rows,
     `width` ids a row (one block) with masked ones."""
     g = torch.Generator().manual_seed(_PROBE_SEED)
@@ -159,7 +175,7 @@ def _probe(heads: int, head_dim: int, width: int, order: int) -> bool:
 
 @cache
 def _takes_block(heads: int, head_dim: int, block: int) -> int | None:
-    """The scores' order that gives the reference's bits for blocks of `block` ids, or None (neither)."""
+    """The products' order that gives the reference's bits for blocks of `block` ids, or None (neither)."""
     with torch.inference_mode():
         return next((order for order in _ORDERS if _probe(heads, head_dim, block, order)), None)
 
@@ -199,7 +215,7 @@ def _compiled(
     exp: Callable[[torch.Tensor], torch.Tensor],
     order_of: Callable[[int], int | None],
 ) -> torch.Tensor | None:
-    """The loop, each block's scores in the order `order_of(block width)` gives (never None here)."""
+    """The loop, each block's products in the order `order_of(block width)` gives (never None here)."""
     lib = _library()
     if lib is None:
         return None
@@ -216,8 +232,9 @@ def _compiled(
         blk = min(SPARSE_ATTN_BLOCK, k - start)
         at = ids.data_ptr() + start * ids.element_size()
         shape = (k, rows, t, n_kv, h, d, blk)  # ids_stride, rows, rows_per_batch, n_kv, H, D, blk
+        order = order_of(blk)
         scores = torch.empty(b, t, h, blk, dtype=torch.float32, device=device)
-        _check(lib.sparse_scores(qc.data_ptr(), kvc.data_ptr(), at, *shape, softmax_scale, order_of(blk),
+        _check(lib.sparse_scores(qc.data_ptr(), kvc.data_ptr(), at, *shape, softmax_scale, order,
                                  scores.data_ptr()), ids, n_kv)  # fmt: skip
         # the reference's ops from here to the products, on the same shapes
         prev_max = running_max
@@ -228,7 +245,7 @@ def _compiled(
         p_bf16 = p.to(torch.bfloat16).contiguous()
         rescale = rescale.contiguous()
         _check(lib.sparse_accumulate(p_bf16.data_ptr(), rescale.data_ptr(), kvc.data_ptr(), at, *shape,
-                                     acc_o.data_ptr()), ids, n_kv)  # fmt: skip
+                                     order, acc_o.data_ptr()), ids, n_kv)  # fmt: skip
     sum_exp = sum_exp + exp(attn_sink.float() - running_max)
     return (acc_o / sum_exp.unsqueeze(-1)).to(torch.bfloat16)
 

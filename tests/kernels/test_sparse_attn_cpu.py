@@ -90,9 +90,16 @@ def test_the_probe_refuses_products_summed_in_another_order_whatever_the_draw(mo
         assert len({cpu._probe(2, 64, 32, order) for _ in range(3)}) == 1
 
 
+def _add(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, order: int) -> torch.Tensor:
+    """acc + a * b in fp32 as the C file's `order` adds (all fp64 tensors holding fp32 values): fused (one
+    rounding) for ORDER_CHAIN, the product rounded first for ORDER_LANES. Emulated in fp64, which holds
+    these products and sums exactly, then rounded to fp32."""
+    product = a * b if order == cpu.ORDER_CHAIN else (a * b).float().double()
+    return (acc + product).float().double()
+
+
 def _emulated_scores(q: torch.Tensor, keys: torch.Tensor, order: int) -> torch.Tensor:
-    """The C file's scores (unscaled) of q [H, D] over keys [K, D] (bf16 values), each fused multiply-add
-    emulated in fp64 and rounded to fp32: exact for ordinary values, whose products and sums fit fp64."""
+    """The C file's scores (unscaled) of q [H, D] over keys [K, D] (bf16 values) in `order`."""
 
     def chains(lanes: int) -> torch.Tensor:  # [H, K]: the lanes' chains folded halves onto halves
         qd, kd = q.double().unsqueeze(1), keys.double().unsqueeze(0)  # [H, 1, D], [1, K, D]
@@ -100,7 +107,7 @@ def _emulated_scores(q: torch.Tensor, keys: torch.Tensor, order: int) -> torch.T
         for lane in range(lanes):
             acc = torch.zeros(q.size(0), keys.size(0), dtype=torch.float64)
             for dim in range(lane, q.size(1), lanes):
-                acc = (acc + qd[..., dim] * kd[..., dim]).float().double()
+                acc = _add(acc, qd[..., dim], kd[..., dim], order)
             parts.append(acc)
         while len(parts) > 1:
             half = len(parts) // 2
@@ -114,29 +121,52 @@ def _emulated_scores(q: torch.Tensor, keys: torch.Tensor, order: int) -> torch.T
     return torch.cat([chains(4)[:, :grouped], chains(8)[:, grouped:]], dim=1)
 
 
+def _emulated_accumulation(p: torch.Tensor, values: torch.Tensor, order: int) -> torch.Tensor:
+    """The C file's sum of p [H, K] x values [K, D] (bf16 values) in `order`: a chain in index order."""
+    acc = torch.zeros(p.size(0), values.size(1), dtype=torch.float64)
+    for j in range(p.size(1)):
+        acc = _add(acc, p[:, j : j + 1].double(), values[j].double(), order)
+    return acc.float()
+
+
 @pytest.mark.parametrize("order", [0, 1])
-def test_each_order_of_the_scores_is_the_one_its_comment_describes(order: int) -> None:
-    """Whatever torch does on this machine: the C scores in each order against an emulation of that order,
-    on fresh ordinary values, at block widths below, at and past the groups of 4."""
+def test_each_order_of_the_products_is_the_one_its_comment_describes(order: int) -> None:
+    """Whatever torch does on this machine: the C products in each order against an emulation of that
+    order, on fresh ordinary values (the order of the adds shows) and on values whose products fall below
+    fp32's normal range (fused and rounded products differ), at block widths below, at and past the groups
+    of 4."""
     lib = cpu._library()
     if lib is None:
         pytest.skip("no C compiler")
     g, seed = _seeded()
     heads, d, n_kv = 2, 64, 40
-    for width in (1, 3, 4, 5, 16, 17, 19, 32, 33, 64):
-        q = cpu._wide(g, 1, 1, heads, d, low=-4, high=4)
-        kv = cpu._wide(g, 1, n_kv, d, low=-4, high=4)
+    # (q's, kv's and p's exponents): ordinary values; tiny scores' products; probabilities on tiny values
+    ordinary, tiny_products = ((-4, 4), (-4, 4), (-4, 0)), ((-76, -62), (-76, -62), (-4, 0))
+    cases = (ordinary, tiny_products, ((-4, 4), (-133, -120), (-14, 0)))
+    for width, (q_exp, kv_exp, p_exp) in itertools.product((1, 3, 4, 5, 16, 17, 19, 32, 33, 64), cases):
+        what = f"seed {seed}, order {order}, width {width}, exponents q {q_exp} kv {kv_exp} p {p_exp}"
+        q = cpu._wide(g, 1, 1, heads, d, low=q_exp[0], high=q_exp[1])
+        kv = cpu._wide(g, 1, n_kv, d, low=kv_exp[0], high=kv_exp[1])
         ids = torch.randint(0, n_kv, (1, 1, width), generator=g, dtype=torch.int32)
         ids[0, 0, width // 2] = -1
+        keys = kv[0, ids[0, 0].long().clamp_min(0)]
+        shape = (width, 1, 1, n_kv, heads, d, width)
         got = torch.empty(1, 1, heads, width)
-        code = lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), width, 1, 1, n_kv, heads, d,
-                                 width, 1.0, order, got.data_ptr())  # fmt: skip
-        assert code == 0
-        want = _emulated_scores(q[0, 0], kv[0, ids[0, 0].long().clamp_min(0)], order)
+        assert lib.sparse_scores(q.data_ptr(), kv.data_ptr(), ids.data_ptr(), *shape, 1.0, order,
+                                 got.data_ptr()) == 0  # fmt: skip
+        want = _emulated_scores(q[0, 0], keys, order)
         want[:, width // 2] = -torch.inf
         assert torch.equal(got[0, 0].view(torch.int32), want.view(torch.int32)), (
-            f"seed {seed}, order {order}, width {width}: "
-            f"{int((got[0, 0] != want).sum())} of {want.numel()} scores differ"
+            f"{what}: {int((got[0, 0] != want).sum())} of {want.numel()} scores differ"
+        )
+        p = cpu._wide(g, 1, 1, heads, width, low=p_exp[0], high=p_exp[1]).abs()
+        p[..., width // 2] = 0  # a masked slot's probability
+        got = torch.zeros(1, 1, heads, d)
+        assert lib.sparse_accumulate(p.data_ptr(), torch.ones(1, 1, heads).data_ptr(), kv.data_ptr(),
+                                     ids.data_ptr(), *shape, order, got.data_ptr()) == 0  # fmt: skip
+        want = _emulated_accumulation(p[0, 0], keys, order)
+        assert torch.equal(got[0, 0].view(torch.int32), want.view(torch.int32)), (
+            f"{what}: {int((got[0, 0] != want).sum())} of {want.numel()} accumulations differ"
         )
 
 
