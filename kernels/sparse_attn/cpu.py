@@ -9,10 +9,10 @@ index order, what MKL's strict CNR mode computes on an Intel Xeon, or for the sc
 kernels on an AMD EPYC VM); whether this process's torch sums one of those ways is not
 assumed but probed at first use per shape (`takes`): the two products bit for bit against the reference's
 expressions for them, then the whole loop on wide-range inputs with subnormal and overflowing products and
-masked ids, from a fixed seed (every process of a machine decides alike). Where it does not (the portable
-profile's MKL kernels on an Intel Xeon, MKL under both profiles on the AMD EPYC VMs, a torch built without
-MKL), or the library does not build, `sparse_attn_compiled` returns None and callers keep the reference's
-ops.
+masked ids, from a fixed seed (every process of a machine decides alike). Where neither order is torch's
+(the portable profile's MKL kernels on an Intel Xeon; on the AMD EPYC VMs one head, and four heads at
+most blocks of fewer than 16 ids; a torch built without MKL), or the library does not build,
+`sparse_attn_compiled` returns None and callers keep the reference's ops.
 """
 
 from __future__ import annotations
