@@ -7,6 +7,9 @@ at once (`lifeline`), so no orphan keeps running. The child answers with one std
 path>`, and then accepts connections on that socket, one thread per connection (`serve_connections`).
 The parent keeps up to `connections` of them and gives each to one call at a time (`ChildProcess`).
 Messages are pickles (protocol 5) sent with `send_bytes` / `recv_bytes`.
+
+The child is `python -m <module>`: by default forked from a launcher that has already imported it
+(child_launcher.py; the start then skips the imports, torch's among them), else executed afresh.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from orchestrator.child_launcher import LaunchedChild, LauncherError, launch
+
 __all__ = [
+    "CHILD_STARTS",
     "ChildProcess",
     "Reply",
     "dumps",
@@ -35,7 +43,11 @@ __all__ = [
     "serve_connections",
 ]
 
+log = structlog.get_logger(__name__)
+
 _REPO_ROOT = Path(__file__).resolve().parents[1]
+# How a child starts: forked from a launcher that has its imports done, or `python -m` (child_launcher.py)
+CHILD_STARTS = ("preloaded", "exec")
 PROTOCOL = 5
 
 
@@ -74,6 +86,8 @@ class ChildProcess:
         connections: most connections at once (each serves one call at a time).
         error: the exception class raised when the child cannot start, cannot be reached or ended.
         what: the child's name in those errors ("the model process").
+        start: "preloaded" (forked from this process's launcher of `module`, child_launcher.py, which
+            has its imports done; `python -m` where no launcher can be had) or "exec" (`python -m`).
 
     Raises:
         error: the child did not print its ready line within `start_timeout_s`.
@@ -89,7 +103,10 @@ class ChildProcess:
         start_timeout_s: float,
         error: type[Exception],
         what: str,
+        start: str = "preloaded",
     ) -> None:
+        if start not in CHILD_STARTS:
+            raise ValueError(f"start={start!r} must be one of {', '.join(CHILD_STARTS)}")
         self.dead = False
         self._authkey: bytes = config.authkey
         self._max = connections
@@ -99,10 +116,7 @@ class ChildProcess:
         # None: the process is dead (put by `kill`, so that waiting callers wake)
         self._idle: queue.LifoQueue[Connection | None] = queue.LifoQueue()
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen(
-            [python, "-m", module],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_REPO_ROOT, env=os.environ.copy(),
-        )  # fmt: skip
+        self.proc = _start(module, python, start, start_timeout_s)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(dumps(config).hex().encode() + b"\n")
         self.proc.stdin.flush()
@@ -171,6 +185,20 @@ class ChildProcess:
             if conn is not None:
                 conn.close()
         self._idle.put(None)
+
+
+def _start(module: str, python: str, start: str, timeout_s: float) -> subprocess.Popen[bytes] | LaunchedChild:
+    """`python -m <module>` with pipes for stdin and stdout, forked from a launcher when `start` is
+    "preloaded" and one can be had, else executed."""
+    env = os.environ.copy()
+    if start == "preloaded":
+        try:
+            return launch(python, module, cwd=_REPO_ROOT, env=env, start_timeout_s=timeout_s)
+        except LauncherError as exc:
+            log.warning("child_launcher_unavailable", module=module, error=str(exc))
+    return subprocess.Popen(
+        [python, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_REPO_ROOT, env=env
+    )
 
 
 # -- the child's side -------------------------------------------------------------------------------------

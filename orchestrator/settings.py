@@ -141,6 +141,12 @@ class Settings:
     # orchestrator/README.md, "The registry writer process"). PostgreSQL and in-memory SQLite registries
     # always run it inline. Same rows either way (tests/orchestrator/engine/test_finish_on_connection.py).
     registry_writer: str = "process"
+    # How the model process and the registry writer process start: "preloaded" (forked from a launcher
+    # process that has already imported them, orchestrator/child_launcher.py: a model process then skips
+    # torch's import, about 1.5 s of its 2.1 s to ready on the 2-vCPU VMs, at the price of the idle
+    # launcher's memory, about 250 MB) or "exec" (`python -m`, every import afresh). Same processes
+    # either way; "preloaded" falls back to "exec" where no launcher can start.
+    child_start: str = "preloaded"
     # Most sequences decoded in one step, and prompt tokens (prefill/replay chunks) run per step (also
     # the prefill chunk size; 512 measured against 256 in orchestrator/README.md, "Many sessions at once").
     max_batch_sequences: int = 64
@@ -232,6 +238,8 @@ class Settings:
         check_cpu_spec(self.model_process_cpus)
         if self.registry_writer not in ("inline", "process"):
             raise ValueError(f"registry_writer={self.registry_writer!r} must be 'inline' or 'process'")
+        if self.child_start not in ("preloaded", "exec"):
+            raise ValueError(f"child_start={self.child_start!r} must be 'preloaded' or 'exec'")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

@@ -238,7 +238,7 @@ def _registry_writer(settings: Settings, ctx: ServiceContext) -> RegistryWriter 
     in_file = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
     if settings.registry_writer != "process" or not in_file or "mode=memory" in str(url):
         return None
-    return RegistryWriter(settings.resolved_database_url)
+    return RegistryWriter(settings.resolved_database_url, child_start=settings.child_start)
 
 
 def build_node(
@@ -351,7 +351,7 @@ def build_node(
             # one thread per CPU of its own at most: more would take turns on the same cores
             ProcessCompute.from_registry(
                 registry, threads=min(threads, len(model_cpus)) if model_cpus else threads, cpus=model_cpus,
-                tune_gc=settings.tune_gc,
+                tune_gc=settings.tune_gc, child_start=settings.child_start,
             )
             if settings.model_process == "separate"
             else TorchCompute()

@@ -125,7 +125,7 @@ class _Process(ChildProcess):
     models whose fingerprint it was checked for."""
 
     def __init__(self, config: WorkerConfig, generation: int, connections: int, python: str,
-                 start_timeout_s: float) -> None:  # fmt: skip
+                 start_timeout_s: float, child_start: str) -> None:  # fmt: skip
         self.generation = generation
         self.checked: set[str] = set()
         super().__init__(
@@ -136,6 +136,7 @@ class _Process(ChildProcess):
             start_timeout_s=start_timeout_s,
             error=ModelProcessError,
             what="the model process",
+            start=child_start,
         )
 
     def ended(self) -> Exception:
@@ -154,6 +155,8 @@ class ProcessCompute:
         start_timeout_s: how long a start may take (importing torch, loading the models).
         tune_gc: the model process tunes its garbage collector for serving once ready
             (orchestrator/heap.py).
+        child_start: "preloaded" (forked from a launcher with its imports done) or "exec" (`python -m`):
+            orchestrator/child_launcher.py.
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class ProcessCompute:
         python: str | None = None,
         start_timeout_s: float = 120.0,
         tune_gc: bool = True,
+        child_start: str = "preloaded",
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections={connections} must be >= 1")
@@ -180,6 +184,7 @@ class ProcessCompute:
         self._connections = connections
         self._python = python or sys.executable
         self._start_timeout_s = start_timeout_s
+        self._child_start = child_start
         self._proc: _Process | None = None
         self._generation = 0
         self._lock = threading.Lock()
@@ -192,7 +197,7 @@ class ProcessCompute:
     @classmethod
     def from_registry(
         cls, registry: Any, *, threads: int = 1, cpus: Collection[int] = (), connections: int = 8,
-        tune_gc: bool = True,
+        tune_gc: bool = True, child_start: str = "preloaded",
     ) -> ProcessCompute:
         return cls(
             specs={name: registry.spec(name) for name in registry.names},
@@ -204,6 +209,7 @@ class ProcessCompute:
             cpus=cpus,
             connections=connections,
             tune_gc=tune_gc,
+            child_start=child_start,
         )
 
     # -- process and calls ----------------------------------------------------------------------------
@@ -217,7 +223,8 @@ class ProcessCompute:
                 self._freed.clear()
                 config = WorkerConfig(authkey=os.urandom(32), **self._config_args)  # type: ignore[arg-type]
                 self._proc = _Process(
-                    config, self._generation, self._connections, self._python, self._start_timeout_s
+                    config, self._generation, self._connections, self._python, self._start_timeout_s,
+                    self._child_start,
                 )
                 log.info("model_process_started", pid=self._proc.proc.pid, generation=self._generation)
             return self._proc

@@ -45,6 +45,7 @@ class RegistryWriter:
         connections: most finishes in flight at once (the rest wait for a connection; SQLite runs one
             write transaction at a time anyway).
         start_timeout_s: how long a start may take.
+        child_start: "preloaded" or "exec" (orchestrator/child_launcher.py).
     """
 
     def __init__(
@@ -54,10 +55,12 @@ class RegistryWriter:
         connections: int = 8,
         python: str | None = None,
         start_timeout_s: float = 60.0,
+        child_start: str = "preloaded",
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections={connections} must be >= 1")
         self._url = database_url
+        self._child_start = child_start
         self._connections = connections
         self._python = python or sys.executable
         self._start_timeout_s = start_timeout_s
@@ -117,6 +120,7 @@ class RegistryWriter:
                     start_timeout_s=self._start_timeout_s,
                     error=RegistryWriterError,
                     what="the registry writer process",
+                    start=self._child_start,
                 )
                 self.starts += 1
                 log.info("registry_writer_started", pid=self._proc.proc.pid, starts=self.starts)

@@ -179,14 +179,13 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.1)
         json.loads((tmp_path / "ready.json").read_text())  # written whole
-        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-        # serve may run itself again under the pinned numerics environment: the server is then its child
-        server = proc.pid
-        while children and not any(_is_model_process(c) for c in children):
-            server = children[0]
-            children = [int(p) for p in open(f"/proc/{server}/task/{server}/children").read().split()]
-        model = [c for c in children if _is_model_process(c)]
-        assert len(model) == 1, children
+        # serve may run itself again under the pinned numerics environment (the server is then its
+        # child), and its model process may be forked by a launcher (orchestrator/child_launcher.py)
+        tree = _descendants(proc.pid)
+        model = [c for c in tree if _is_model_process(c)]
+        assert len(model) == 1, {pid: _cmdline(pid) for pid in tree}
+        servers = [pid for pid in [proc.pid, *tree] if "orchestrator.cli" in _cmdline(pid)]
+        server = next(pid for pid in servers if not set(_children(pid)) & set(servers))
         # one model thread: the last CPU for the model process, the others for the service
         assert set(map(frozenset, _masks(model[0]).values())) == {frozenset({cpus[-1]})}
         assert set(map(frozenset, _masks(server).values())) == {frozenset(cpus[:-1])}
@@ -202,11 +201,36 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
         proc.wait(30)
 
 
-def _is_model_process(pid: int) -> bool:
+def _cmdline(pid: int) -> str:
     try:
-        return "orchestrator.model_process" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
     except OSError:
-        return False
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], _children(pid)
+    while todo:
+        found.append(todo.pop())
+        todo.extend(_children(found[-1]))
+    return found
+
+
+def _is_model_process(pid: int) -> bool:
+    """Runs orchestrator.model_process: started with `python -m`, or forked by its launcher (whose command
+    line the fork keeps; the launcher itself is not the model process)."""
+    cmdline = _cmdline(pid)
+    if "orchestrator.child_launcher" in cmdline:
+        parent = int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
+        return "orchestrator.model_process" in cmdline and "orchestrator.child_launcher" in _cmdline(parent)
+    return "orchestrator.model_process" in cmdline
 
 
 def test_serve_refuses_cpus_it_cannot_use_naming_them(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from model import CacheFormatError, state_from_global
 from orchestrator.api import GenerationSpec
+from orchestrator.child_launcher import LaunchedChild
 from orchestrator.engine import ModelRegistry, Sampler, ServedModelSpec, TorchCompute
 from orchestrator.engine.decoded_states import held_bytes, state_tensors
 from orchestrator.engine.global_kv import chunk_ranges
@@ -442,6 +443,32 @@ def test_kept_decoded_state_of_an_ended_model_process_is_unusable(models: ModelR
             compute.fill_decoded(served, fresh, kept)
     finally:
         compute.close()
+
+
+def test_a_model_process_started_with_python_m_computes_as_a_preloaded_one(
+    models: ModelRegistry, remote: ProcessCompute
+) -> None:
+    """`child_start = "exec"` against the default (forked from a launcher, orchestrator/child_launcher.py):
+    the same passes and exports on fresh random prompts."""
+    served = models.get("a")
+    executed = ProcessCompute.from_registry(models, threads=1, child_start="exec")
+    try:
+        seed, rng = _seeded()
+        for _ in range(2):
+            prompt = _prompt(rng, rng.randrange(5, 70))
+            a = executed.prefill(served, prompt, None, prompt_end=len(prompt))
+            b = remote.prefill(served, prompt, None, prompt_end=len(prompt))
+            assert torch.equal(a.logits, b.logits) and a.stats == b.stats, f"seed {seed}"
+            token = rng.randrange(16, 512)
+            a, b = executed.decode(served, token, a.state), remote.decode(served, token, b.state)
+            assert torch.equal(a.logits, b.logits), f"seed {seed}"
+            n = a.state.n_tokens
+            theirs = remote.export_global(served, b.state, 0, n)
+            assert executed.export_global(served, a.state, 0, n) == theirs, f"seed {seed}"
+        assert isinstance(executed._proc.proc, subprocess.Popen)  # noqa: SLF001 - how each one started
+        assert isinstance(remote._proc.proc, LaunchedChild)  # noqa: SLF001
+    finally:
+        executed.close()
 
 
 def test_a_model_process_under_another_fingerprint_is_refused(models: ModelRegistry) -> None:

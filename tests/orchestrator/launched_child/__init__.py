@@ -1,0 +1,1 @@
+"""A helper child process for tests/orchestrator/test_child_launcher.py (run as `python -m`)."""
