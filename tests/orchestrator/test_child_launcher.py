@@ -240,3 +240,45 @@ def test_the_launcher_ends_with_its_parent(tmp_path: Path) -> None:
         assert not process_alive(child) and not process_alive(launcher)
     finally:
         parent.kill()
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except OSError:
+            continue
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def test_serve_stopped_leaves_no_launcher_or_helper_running(tmp_path: Path) -> None:
+    """`kvresume serve` with its model process forked from a launcher: after SIGTERM, the server, the
+    launcher and the model process have all ended."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "serve", "--insecure-dev", "--data-dir", str(tmp_path),
+         "--port", "0", "--metrics-port", "0", "--models", "a=random:v41-tiny@1",
+         "--json", str(tmp_path / "ready.json")],  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the child owns it
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        helpers = _descendants(proc.pid)
+        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in helpers]
+        assert any(b"orchestrator.child_launcher" in c for c in cmdlines), cmdlines  # the model process's
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(process_alive(pid) for pid in helpers):
+            time.sleep(0.1)
+        assert not [pid for pid in helpers if process_alive(pid)], "a helper outlived the server"
+    finally:
+        proc.kill()
