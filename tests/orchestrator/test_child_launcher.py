@@ -67,6 +67,37 @@ def test_a_launched_child_runs_the_module_as_python_m_runs_it() -> None:
         assert seen_forked["cwd"] == str(REPO) and seen_forked["vars"]["CHILD_A"] == "x y"
 
 
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="needs 2 CPUs")
+def test_a_launched_child_takes_the_cpus_nice_and_umask_of_the_thread_that_starts_it() -> None:
+    """What `python -m` from that thread would inherit, though the launcher started with other values (the
+    first start below starts it, before the starting thread changes them)."""
+    first, seen_first = _launched("exit 0", CHILD_A="inherit test")
+    assert first.wait(timeout=30) == 0
+    cpus = sorted(os.sched_getaffinity(0))
+    results: dict[str, Any] = {}
+
+    def start_from_a_changed_thread() -> None:
+        me = threading.get_native_id()
+        os.sched_setaffinity(0, cpus[-1:])  # this thread only
+        os.setpriority(os.PRIO_PROCESS, me, os.getpriority(os.PRIO_PROCESS, me) + 3)
+        old_umask = os.umask(0o027)
+        try:
+            for name, start in (("forked", _launched), ("executed", _executed)):
+                child, seen = start("exit 0", CHILD_A="inherit test")
+                assert child.wait(timeout=30) == 0
+                results[name] = seen
+        finally:
+            os.umask(old_umask)
+
+    worker = threading.Thread(target=start_from_a_changed_thread)
+    worker.start()
+    worker.join(timeout=120)
+    forked, executed = results["forked"], results["executed"]
+    assert forked["cpus"] == executed["cpus"] == cpus[-1:] != seen_first["cpus"]
+    assert forked["nice"] == executed["nice"] == seen_first["nice"] + 3
+    assert forked["umask"] == executed["umask"] == 0o027
+
+
 def test_poll_wait_and_kill_as_popen_has_them() -> None:
     child, _ = _launched("wait")
     assert child.poll() is None

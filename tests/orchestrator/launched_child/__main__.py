@@ -1,6 +1,6 @@
 """`python -m tests.orchestrator.launched_child`: reads one command line from stdin, prints one JSON line
 of what a start could get wrong (its `__name__`, argv, working directory, the variables named by
-LAUNCHED_CHILD_VARS, stdin's line), then obeys the command:
+LAUNCHED_CHILD_VARS, stdin's line, its CPU affinity, nice value and umask), then obeys the command:
 
 - `exit N`: exit with code N;
 - `stderr TEXT`: write TEXT to stderr, then exit 0;
@@ -15,6 +15,12 @@ import os
 import sys
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def main() -> int:
     line = sys.stdin.readline().strip()
     names = os.environ.get("LAUNCHED_CHILD_VARS", "").split(",")
@@ -27,6 +33,9 @@ def main() -> int:
                 "vars": {n: os.environ.get(n) for n in names if n},
                 "line": line,
                 "pid": os.getpid(),
+                "cpus": sorted(os.sched_getaffinity(0)),
+                "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                "umask": _umask(),
             }
         ),
         flush=True,
