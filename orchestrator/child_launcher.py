@@ -373,28 +373,45 @@ def _serve(module: str, key: bytes) -> int:
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(0, selectors.EVENT_READ, "lifeline")
     children: dict[int, socket.socket] = {}
+    # a pidfd per child, readable once it has ended (Linux 5.3+), so the loop sleeps until something
+    # happens; without them it looks for ended children every 50 ms
+    watched: dict[int, int] = {}
     accepting = True
     print(f"ready {directory / _SOCKET_NAME}", flush=True)
     try:
         while accepting or children:
-            for event, _ in selector.select(timeout=0.05 if children else None):
+            polling = len(watched) < len(children)
+            for event, _ in selector.select(timeout=0.05 if polling else None):
                 if event.data == "lifeline":
                     if not os.read(0, 1 << 16):  # the parent closed it, or ended
                         accepting = False
                         selector.unregister(0)
                         selector.unregister(listener)
                         listener.close()
-                elif accepting:
+                elif event.data == "accept":
+                    if not accepting:
+                        continue
                     conn, _ = listener.accept()
-                    pid = _fork_child(conn, module, key, listener, selector, children)
+                    pid = _fork_child(conn, module, key, listener, selector, children, watched)
                     if pid is not None:
                         children[pid] = conn
-            _reap(children)
+                        _watch(pid, selector, watched)
+            _reap(children, selector, watched)
     except KeyboardInterrupt:
         pass  # an interrupt of the whole process group: the children get it too
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0
+
+
+def _watch(pid: int, selector: selectors.BaseSelector, watched: dict[int, int]) -> None:
+    """Wake the loop when child `pid` ends (a pidfd in the selector), where this kernel has pidfds."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return
+    selector.register(pidfd, selectors.EVENT_READ, "ended")
+    watched[pid] = pidfd
 
 
 def _fork_child(
@@ -404,6 +421,7 @@ def _fork_child(
     listener: socket.socket,
     selector: selectors.BaseSelector,
     children: Mapping[int, socket.socket],
+    watched: Mapping[int, int],
 ) -> int | None:
     """Read one request from `conn` and fork its child; its pid, or None for a request refused."""
     fds: list[int] = []
@@ -438,6 +456,8 @@ def _fork_child(
         conn.close()
         return None
     if pid == 0:
+        for pidfd in watched.values():
+            os.close(pidfd)
         _become_child(module, env, inherit, fds, [conn, listener, *children.values()], selector)
     for fd in fds:
         os.close(fd)
@@ -507,7 +527,9 @@ def _take_inherited(inherit: Mapping[str, Any]) -> None:
         os.umask(int(inherit["umask"]))
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(
+    children: dict[int, socket.socket], selector: selectors.BaseSelector, watched: dict[int, int]
+) -> None:
     """Collect the children that ended and tell each one's parent its exit code."""
     while children:
         try:
@@ -516,6 +538,10 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         if pid == 0:
             return
+        pidfd = watched.pop(pid, None)
+        if pidfd is not None:
+            selector.unregister(pidfd)
+            os.close(pidfd)
         conn = children.pop(pid, None)
         if conn is None:
             continue
