@@ -10,6 +10,13 @@ import pytest
 import benchmarks.bench_child_start as bench
 
 
+@pytest.fixture(autouse=True)
+def _logs_stay_where_they_are(monkeypatch) -> None:
+    # the entry point sends structlog to the sys.stderr of the moment (pytest's capture, closed after the
+    # test: every later test's log line would then fail)
+    monkeypatch.setattr(bench, "logs_to_stderr", lambda: None)
+
+
 def test_main_starts_each_helper_both_ways(tmp_path, capsys) -> None:
     path = tmp_path / "starts.json"
     assert bench.main(["--starts", "1", "--json", str(path)]) == 0
