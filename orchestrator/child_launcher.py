@@ -44,16 +44,20 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-__all__ = ["VOLATILE_ENV", "LaunchedChild", "LauncherError", "launch"]
+__all__ = ["CHILD_STARTS", "VOLATILE_ENV", "LaunchedChild", "LauncherError", "launch"]
 
 log = structlog.get_logger(__name__)
 
+# How a helper starts (`Settings.child_start`): forked from a launcher that has its imports done, or
+# `python -m`
+CHILD_STARTS = ("preloaded", "exec")
 # Variables that change while a process runs and that no import reads: not part of a launcher's key (the
 # child still gets their values at its request). pytest sets PYTEST_CURRENT_TEST at every test phase.
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
@@ -78,13 +82,14 @@ class LaunchedChild:
     the launcher (which reaped it); a negative code is the signal that ended it. If the launcher is gone
     before the child, the status reads 255 once the child has gone."""
 
-    def __init__(self, sock: socket.socket, pid: int, stdin: Any, stdout: Any) -> None:
+    def __init__(self, sock: socket.socket, pid: int, stdin: Any, stdout: Any, status: bytes = b"") -> None:
+        """`status`: what the launcher sent after the pid line (its exit line, when it ended at once)."""
         self.pid = pid
         self.stdin = stdin
         self.stdout = stdout
         self.returncode: int | None = None
         self._sock = sock
-        self._buffer = b""
+        self._buffer = status
         self._lock = threading.Lock()
         # a handle on this very process (not on whatever later reuses its pid), where Linux has them
         try:
@@ -95,12 +100,6 @@ class LaunchedChild:
     def poll(self) -> int | None:
         """The exit code, or None while it runs (or while another thread waits for it: never blocks)."""
         return self._await(0.0, blocking=False)
-
-    def __del__(self) -> None:
-        if self.returncode is None:
-            self._sock.close()
-            if self._pidfd is not None:
-                os.close(self._pidfd)
 
     def wait(self, timeout: float | None = None) -> int:
         code = self._await(timeout)
@@ -172,14 +171,20 @@ class LaunchedChild:
             os.close(self._pidfd)
             self._pidfd = None
 
+    def __del__(self) -> None:
+        if self.returncode is None:
+            self._sock.close()
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+
 
 def _pid_exists(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: it exists, as another user's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -225,8 +230,11 @@ class _Launcher:
             while b"\n" not in reply:
                 data = sock.recv(256)
                 if not data:
-                    raise LauncherError("the launcher closed the request without forking")
+                    raise LauncherError("it closed the request without forking")
                 reply += data
+            line, _, status = reply.partition(b"\n")
+            if not line.startswith(b"pid "):
+                raise LauncherError(f"it said {line[:100]!r}")
         except (OSError, LauncherError) as exc:
             sock.close()
             os.close(parent_in)
@@ -235,15 +243,8 @@ class _Launcher:
         finally:
             os.close(child_in)
             os.close(child_out)
-        line, _, rest = reply.partition(b"\n")
-        if not line.startswith(b"pid "):
-            sock.close()
-            os.close(parent_in)
-            os.close(parent_out)
-            raise LauncherError(f"launcher at {self.address} said {line[:100]!r}")
-        child = LaunchedChild(sock, int(line[4:]), os.fdopen(parent_in, "wb"), os.fdopen(parent_out, "rb"))
-        child._buffer = rest  # noqa: SLF001 - an exit line that came with the pid
-        return child
+        pid = int(line.removeprefix(b"pid "))
+        return LaunchedChild(sock, pid, os.fdopen(parent_in, "wb"), os.fdopen(parent_out, "rb"), status)
 
     def close(self) -> None:
         """Close its stdin: it ends once its children have."""
@@ -358,6 +359,120 @@ def _thread_count() -> int:
         return threading.active_count()
 
 
+@dataclass(slots=True)
+class _Child:
+    """A forked child as its launcher keeps it: the request's socket (its exit line goes there) and, where
+    the kernel has them, a pidfd that becomes readable when it ends."""
+
+    conn: socket.socket
+    pidfd: int | None
+
+
+class _LauncherLoop:
+    """The launcher's one thread: accept requests, fork their children, reap them and report how each
+    ended, until the parent closes stdin and the last child has ended."""
+
+    def __init__(self, module: str, key: bytes, directory: Path) -> None:
+        self.module = module
+        self.key = key
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(directory / _SOCKET_NAME))
+        self.listener.listen(16)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(0, selectors.EVENT_READ, "lifeline")
+        self.children: dict[int, _Child] = {}
+        self.accepting = True
+
+    def run(self) -> None:
+        while self.accepting or self.children:
+            # without a pidfd for every child, look for ended ones every 50 ms
+            polling = any(child.pidfd is None for child in self.children.values())
+            for event, _ in self.selector.select(timeout=0.05 if polling else None):
+                if event.data == "lifeline":
+                    if not os.read(0, 1 << 16):  # the parent closed it, or ended
+                        self.accepting = False
+                        self.selector.unregister(0)
+                        self.selector.unregister(self.listener)
+                        self.listener.close()
+                elif event.data == "accept" and self.accepting:
+                    self._fork(self.listener.accept()[0])
+            self._reap()
+
+    def _fork(self, conn: socket.socket) -> None:
+        """Read one request from `conn` and fork its child, or refuse it (closing `conn`)."""
+        fds: list[int] = []
+        try:
+            conn.settimeout(10.0)
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while len(data) >= 4 and len(data) < 4 + int.from_bytes(data[:4], "big") <= _REQUEST_LIMIT:
+                more = conn.recv(1 << 16)
+                if not more:
+                    break
+                data += more
+            request = json.loads(data[4:].decode())
+            if len(fds) != 3 or not isinstance(request, dict) or request.get("key") != self.key.hex():
+                raise ValueError("a request without the launcher's key and three descriptors")
+            env, inherit = request["env"], request.get("inherit", {})
+            if not isinstance(env, dict) or not all(isinstance(x, str) for item in env.items() for x in item):
+                raise ValueError("a request whose environment is not text")
+            if not isinstance(inherit, dict):
+                raise ValueError("a request whose inherited attributes are not a mapping")
+            pid = os.fork()  # OSError, out of processes or memory: the parent starts it with `python -m`
+        except (OSError, ValueError) as exc:
+            print(f"launcher: refused a request: {exc}", file=sys.stderr)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        if pid == 0:
+            _become_child(self.module, env, inherit, fds, lambda: self._drop_in_child(conn))
+        for fd in fds:
+            os.close(fd)
+        try:
+            conn.sendall(f"pid {pid}\n".encode())
+        except OSError:
+            pass  # the parent went away; the child's lifeline ends it
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+            self.selector.register(pidfd, selectors.EVENT_READ, "ended")
+        except (AttributeError, OSError):
+            pidfd = None
+        self.children[pid] = _Child(conn, pidfd)
+
+    def _drop_in_child(self, conn: socket.socket) -> None:
+        """What a forked child must not keep of its launcher: the selector, the sockets (its own request's
+        `conn` among them), the pidfds."""
+        self.selector.close()
+        self.listener.close()
+        conn.close()
+        for child in self.children.values():
+            child.conn.close()
+            if child.pidfd is not None:
+                os.close(child.pidfd)
+
+    def _reap(self) -> None:
+        """Collect the children that ended and tell each one's parent its exit code."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self.children.pop(pid, None)
+            if child is None:
+                continue
+            if child.pidfd is not None:
+                self.selector.unregister(child.pidfd)
+                os.close(child.pidfd)
+            try:
+                child.conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # its parent no longer asks
+            child.conn.close()
+
+
 def _serve(module: str, key: bytes) -> int:
     __import__(f"{module}.__main__")  # the imports every child would otherwise pay
     # not the module itself: each child runs it afresh as __main__ (runpy warns about a cached copy)
@@ -366,37 +481,10 @@ def _serve(module: str, key: bytes) -> int:
         print(f"launcher: importing {module} started threads, which a fork cannot copy", file=sys.stderr)
         return 2
     directory = Path(tempfile.mkdtemp(prefix="kvresume-launcher-"))  # mode 0700: only this user enters
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(directory / _SOCKET_NAME))
-    listener.listen(16)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(0, selectors.EVENT_READ, "lifeline")
-    children: dict[int, socket.socket] = {}
-    # a pidfd per child, readable once it has ended (Linux 5.3+), so the loop sleeps until something
-    # happens; without them it looks for ended children every 50 ms
-    watched: dict[int, int] = {}
-    accepting = True
-    print(f"ready {directory / _SOCKET_NAME}", flush=True)
     try:
-        while accepting or children:
-            polling = len(watched) < len(children)
-            for event, _ in selector.select(timeout=0.05 if polling else None):
-                if event.data == "lifeline":
-                    if not os.read(0, 1 << 16):  # the parent closed it, or ended
-                        accepting = False
-                        selector.unregister(0)
-                        selector.unregister(listener)
-                        listener.close()
-                elif event.data == "accept":
-                    if not accepting:
-                        continue
-                    conn, _ = listener.accept()
-                    pid = _fork_child(conn, module, key, listener, selector, children, watched)
-                    if pid is not None:
-                        children[pid] = conn
-                        _watch(pid, selector, watched)
-            _reap(children, selector, watched)
+        loop = _LauncherLoop(module, key, directory)
+        print(f"ready {directory / _SOCKET_NAME}", flush=True)
+        loop.run()
     except KeyboardInterrupt:
         pass  # an interrupt of the whole process group: the children get it too
     finally:
@@ -404,86 +492,19 @@ def _serve(module: str, key: bytes) -> int:
     return 0
 
 
-def _watch(pid: int, selector: selectors.BaseSelector, watched: dict[int, int]) -> None:
-    """Wake the loop when child `pid` ends (a pidfd in the selector), where this kernel has pidfds."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return
-    selector.register(pidfd, selectors.EVENT_READ, "ended")
-    watched[pid] = pidfd
-
-
-def _fork_child(
-    conn: socket.socket,
-    module: str,
-    key: bytes,
-    listener: socket.socket,
-    selector: selectors.BaseSelector,
-    children: Mapping[int, socket.socket],
-    watched: Mapping[int, int],
-) -> int | None:
-    """Read one request from `conn` and fork its child; its pid, or None for a request refused."""
-    fds: list[int] = []
-    try:
-        conn.settimeout(10.0)
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-        while len(data) >= 4 and len(data) < 4 + int.from_bytes(data[:4], "big") <= _REQUEST_LIMIT:
-            more = conn.recv(1 << 16)
-            if not more:
-                break
-            data += more
-        request = json.loads(data[4:].decode())
-        if len(fds) != 3 or not isinstance(request, dict) or request.get("key") != key.hex():
-            raise ValueError("a request without the launcher's key and three descriptors")
-        env, inherit = request["env"], request.get("inherit", {})
-        if not isinstance(env, dict) or not all(isinstance(x, str) for item in env.items() for x in item):
-            raise ValueError("a request whose environment is not text")
-        if not isinstance(inherit, dict):
-            raise ValueError("a request whose inherited attributes are not a mapping")
-    except (OSError, ValueError) as exc:
-        print(f"launcher: refused a request: {exc}", file=sys.stderr)
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        return None
-    try:
-        pid = os.fork()
-    except OSError as exc:  # out of processes or memory: the parent starts this child with `python -m`
-        print(f"launcher: cannot fork: {exc}", file=sys.stderr)
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        return None
-    if pid == 0:
-        for pidfd in watched.values():
-            os.close(pidfd)
-        _become_child(module, env, inherit, fds, [conn, listener, *children.values()], selector)
-    for fd in fds:
-        os.close(fd)
-    try:
-        conn.sendall(f"pid {pid}\n".encode())
-    except OSError:
-        pass  # the parent went away; the child's lifeline ends it
-    return pid
-
-
 def _become_child(
     module: str,
     env: Mapping[str, str],
     inherit: Mapping[str, Any],
     fds: list[int],
-    sockets: list[socket.socket],
-    selector: Any,
+    drop_launcher: Callable[[], None],
 ) -> None:
-    """In the forked child: drop the launcher's sockets, take what the parent's thread would have passed on
-    (`_inherited_here`), put the request's descriptors at 0, 1 and 2, take its environment, and run
-    `module` as `python -m` runs it. Never returns."""
+    """In the forked child: drop what it holds of the launcher, take what the parent's thread would have
+    passed on (`_inherited_here`), put the request's descriptors at 0, 1 and 2, take its environment, and
+    run `module` as `python -m` runs it. Never returns."""
     code = 1
     try:
-        selector.close()
-        for s in sockets:
-            s.close()
+        drop_launcher()
         _take_inherited(inherit)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
@@ -525,31 +546,6 @@ def _take_inherited(inherit: Mapping[str, Any]) -> None:
             pass
     if "umask" in inherit:
         os.umask(int(inherit["umask"]))
-
-
-def _reap(
-    children: dict[int, socket.socket], selector: selectors.BaseSelector, watched: dict[int, int]
-) -> None:
-    """Collect the children that ended and tell each one's parent its exit code."""
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        pidfd = watched.pop(pid, None)
-        if pidfd is not None:
-            selector.unregister(pidfd)
-            os.close(pidfd)
-        conn = children.pop(pid, None)
-        if conn is None:
-            continue
-        try:
-            conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
-        except OSError:
-            pass  # its parent no longer asks
-        conn.close()
 
 
 def main() -> int:

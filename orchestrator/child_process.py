@@ -28,10 +28,9 @@ from typing import Any
 
 import structlog
 
-from orchestrator.child_launcher import LaunchedChild, LauncherError, launch
+from orchestrator.child_launcher import CHILD_STARTS, LaunchedChild, LauncherError, launch
 
 __all__ = [
-    "CHILD_STARTS",
     "ChildProcess",
     "Reply",
     "dumps",
@@ -46,8 +45,6 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-# How a child starts: forked from a launcher that has its imports done, or `python -m` (child_launcher.py)
-CHILD_STARTS = ("preloaded", "exec")
 PROTOCOL = 5
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.child_launcher import CHILD_STARTS
 from orchestrator.cpu_split import check_cpu_spec
 
 __all__ = ["Settings", "load_settings", "SETTINGS_VERSION"]
@@ -238,8 +239,8 @@ class Settings:
         check_cpu_spec(self.model_process_cpus)
         if self.registry_writer not in ("inline", "process"):
             raise ValueError(f"registry_writer={self.registry_writer!r} must be 'inline' or 'process'")
-        if self.child_start not in ("preloaded", "exec"):
-            raise ValueError(f"child_start={self.child_start!r} must be 'preloaded' or 'exec'")
+        if self.child_start not in CHILD_STARTS:
+            raise ValueError(f"child_start={self.child_start!r} must be one of {', '.join(CHILD_STARTS)}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"TLS needs both a certificate and a key (cert={self.tls_cert_file}, key={self.tls_key_file})"

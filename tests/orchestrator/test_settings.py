@@ -37,6 +37,7 @@ def test_load_settings_default_sqlite_in_data_dir(tmp_path) -> None:
         ('tls_cert_file = "/c.pem"\n', "TLS needs both"),
         ('admin_token = "same"\n[tenant_tokens]\na = "same"\n', "admin token must differ"),
         ("version = 2\n", "settings version 2"),
+        ('child_start = "fork"\n', "child_start='fork' must be one of preloaded, exec"),
     ],
 )
 def test_load_settings_rejects_bad_values(tmp_path, toml: str, match: str) -> None:
