@@ -24,7 +24,7 @@ import pytest
 from orchestrator import child_launcher
 from orchestrator.child_launcher import LaunchedChild, LauncherError, launch
 from orchestrator.child_process import ChildProcess
-from tests.processes import process_alive
+from tests.processes import children_of, cmdline_of, descendants_of, parent_of, process_alive
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.orchestrator.launched_child"
@@ -138,7 +138,7 @@ def test_a_launcher_serves_one_environment_and_volatile_variables_follow_each_st
     pids = set()
     for value in ("one", "two", "one"):
         child, seen = _launched("wait", CHILD_A=value, PYTEST_CURRENT_TEST=f"test {value} {time.time()}")
-        pids.add(_launcher_of(seen["pid"]))
+        pids.add(parent_of(seen["pid"]))
         child.stdin.close()
         assert child.wait(timeout=30) == 0
         assert seen["vars"]["CHILD_A"] == value
@@ -146,24 +146,15 @@ def test_a_launcher_serves_one_environment_and_volatile_variables_follow_each_st
     assert len(pids) == 2 and -1 not in pids, "a launcher per environment, whatever PYTEST_CURRENT_TEST says"
 
 
-def _launcher_of(pid: int) -> int:
-    """The parent of `pid` (its launcher) while it runs; after it has been reaped, -1."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
-    except FileNotFoundError:
-        return -1
-
-
 def test_a_request_without_the_launchers_key_forks_nothing() -> None:
     child, seen = _launched("wait", CHILD_A="key test")
-    launcher_pid = _launcher_of(seen["pid"])
+    launcher_pid = parent_of(seen["pid"])
     launcher = next(
         la
         for la in child_launcher._LAUNCHERS._by_key.values()
         if la.proc.pid == launcher_pid  # noqa: SLF001
     )
-    before = _children_of(launcher_pid)
+    before = set(children_of(launcher_pid))
     r, w = os.pipe()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -175,22 +166,14 @@ def test_a_request_without_the_launchers_key_forks_nothing() -> None:
     finally:
         os.close(r)
         os.close(w)
-    assert _children_of(launcher_pid) == before
+    assert set(children_of(launcher_pid)) == before
     child.stdin.close()
     assert child.wait(timeout=30) == 0
 
 
-def _children_of(pid: int) -> set[int]:
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        found.update(int(c) for c in children)
-    return found
-
-
 def test_a_child_outlives_its_launcher_and_then_reads_as_ended() -> None:
     child, seen = _launched("wait", CHILD_A="orphan test")
-    launcher_pid = _launcher_of(seen["pid"])
+    launcher_pid = parent_of(seen["pid"])
     os.kill(launcher_pid, signal.SIGKILL)
     time.sleep(0.2)
     assert process_alive(seen["pid"]) and child.poll() is None
@@ -200,7 +183,7 @@ def test_a_child_outlives_its_launcher_and_then_reads_as_ended() -> None:
 
 def test_the_next_start_after_a_launcher_died_gets_a_new_one() -> None:
     _, seen = _launched("exit 0", CHILD_A="restart test")
-    os.kill(_launcher_of(seen["pid"]), signal.SIGKILL)
+    os.kill(parent_of(seen["pid"]), signal.SIGKILL)
     time.sleep(0.2)
     child, seen_again = _launched("exit 0", CHILD_A="restart test")
     assert child.wait(timeout=30) == 0 and seen_again["vars"]["CHILD_A"] == "restart test"
@@ -261,7 +244,7 @@ def test_the_launcher_ends_with_its_parent(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        launcher = _launcher_of(child)
+        launcher = parent_of(child)
         assert launcher not in (-1, parent.pid)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=30)
@@ -273,26 +256,27 @@ def test_the_launcher_ends_with_its_parent(tmp_path: Path) -> None:
         parent.kill()
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            children = [int(c) for c in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
-        except OSError:
-            continue
-        found.extend(children)
-        todo.extend(children)
-    return found
-
-
 def test_serve_stopped_leaves_no_launcher_or_helper_running(tmp_path: Path) -> None:
     """`kvresume serve` with its model process forked from a launcher: after SIGTERM, the server, the
     launcher and the model process have all ended."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "serve", "--insecure-dev", "--data-dir", str(tmp_path),
-         "--port", "0", "--metrics-port", "0", "--models", "a=random:v41-tiny@1",
-         "--json", str(tmp_path / "ready.json")],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "serve",
+            "--insecure-dev",
+            "--data-dir",
+            str(tmp_path),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--models",
+            "a=random:v41-tiny@1",
+            "--json",
+            str(tmp_path / "ready.json"),
+        ],  # fmt: skip
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "serve.log", "wb"),  # noqa: SIM115 - the child owns it
@@ -302,9 +286,9 @@ def test_serve_stopped_leaves_no_launcher_or_helper_running(tmp_path: Path) -> N
         while not (tmp_path / "ready.json").is_file():
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.1)
-        helpers = _descendants(proc.pid)
-        cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in helpers]
-        assert any(b"orchestrator.child_launcher" in c for c in cmdlines), cmdlines  # the model process's
+        helpers = descendants_of(proc.pid)
+        cmdlines = [cmdline_of(pid) for pid in helpers]
+        assert any("orchestrator.child_launcher" in c for c in cmdlines), cmdlines  # the model process's
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
         deadline = time.monotonic() + 30

@@ -20,6 +20,7 @@ from orchestrator.cpu_split import CpuSplit, enter_cpu_split, parse_cpu_list, pi
 from orchestrator.engine import ModelRegistry, ServedModelSpec
 from orchestrator.settings import Settings, load_settings
 from tests.orchestrator.engine.node_harness import start_node
+from tests.processes import children_of, cmdline_of, descendants_of, parent_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -181,11 +182,11 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
         json.loads((tmp_path / "ready.json").read_text())  # written whole
         # serve may run itself again under the pinned numerics environment (the server is then its
         # child), and its model process may be forked by a launcher (orchestrator/child_launcher.py)
-        tree = _descendants(proc.pid)
+        tree = descendants_of(proc.pid)
         model = [c for c in tree if _is_model_process(c)]
-        assert len(model) == 1, {pid: _cmdline(pid) for pid in tree}
-        servers = [pid for pid in [proc.pid, *tree] if "orchestrator.cli" in _cmdline(pid)]
-        server = next(pid for pid in servers if not set(_children(pid)) & set(servers))
+        assert len(model) == 1, {pid: cmdline_of(pid) for pid in tree}
+        servers = [pid for pid in [proc.pid, *tree] if "orchestrator.cli" in cmdline_of(pid)]
+        server = next(pid for pid in servers if not set(children_of(pid)) & set(servers))
         # one model thread: the last CPU for the model process, the others for the service
         assert set(map(frozenset, _masks(model[0]).values())) == {frozenset({cpus[-1]})}
         assert set(map(frozenset, _masks(server).values())) == {frozenset(cpus[:-1])}
@@ -201,35 +202,13 @@ def test_serve_splits_the_cpus_between_its_model_process_and_itself(tmp_path: Pa
         proc.wait(30)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], _children(pid)
-    while todo:
-        found.append(todo.pop())
-        todo.extend(_children(found[-1]))
-    return found
-
-
 def _is_model_process(pid: int) -> bool:
     """Runs orchestrator.model_process: started with `python -m`, or forked by its launcher (whose command
     line the fork keeps; the launcher itself is not the model process)."""
-    cmdline = _cmdline(pid)
+    cmdline = cmdline_of(pid)
     if "orchestrator.child_launcher" in cmdline:
-        parent = int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
-        return "orchestrator.model_process" in cmdline and "orchestrator.child_launcher" in _cmdline(parent)
+        launcher = cmdline_of(parent_of(pid))
+        return "orchestrator.model_process" in cmdline and "orchestrator.child_launcher" in launcher
     return "orchestrator.model_process" in cmdline
 
 
