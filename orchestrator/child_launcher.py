@@ -49,11 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 __all__ = ["CHILD_STARTS", "VOLATILE_ENV", "LaunchedChild", "LauncherError", "launch"]
-
-log = structlog.get_logger(__name__)
 
 # How a helper starts (`Settings.child_start`): forked from a launcher that has its imports done, or
 # `python -m`
